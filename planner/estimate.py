@@ -1,0 +1,172 @@
+"""Time and memory of one plan: the estimator of PAPER.md, as one pure function.
+
+``estimate(job, plan)`` times the plan's step graph (``planner.program`` builds the same
+per-worker sequences the runtime executes) and sizes every worker's memory from it: the
+in-flight count is read off that same sequence. A plan over any worker's memory is
+infeasible, and the estimate says which worker and by how many bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from planner.cost import CostModel
+from planner.plan import Plan, Route
+from planner.program import buckets_of, max_in_flight, ops_for, position_in_home
+from planner.timing import finish_step, simulate_compute, simulate_pipeline
+from planner.workload import Job
+
+
+@dataclass(frozen=True)
+class Overflow:
+    worker: int
+    need_bytes: int
+    limit_bytes: int
+
+    @property
+    def over_bytes(self) -> int:
+        return self.need_bytes - self.limit_bytes
+
+
+@dataclass(frozen=True)
+class Estimate:
+    plan: Plan
+    step_s: float
+    memory_bytes: dict[int, int]  # peak per worker
+    in_flight: dict[int, int]  # most micro-batches stashed at once, per worker
+    limit_bytes: int
+
+    @property
+    def peak_memory_bytes(self) -> int:
+        return max(self.memory_bytes.values(), default=0)
+
+    @property
+    def overflow(self) -> Overflow | None:
+        """The worker furthest over its memory, if any."""
+        worst = max(self.memory_bytes.items(), key=lambda kv: (kv[1], -kv[0]), default=None)
+        if worst is None or worst[1] <= self.limit_bytes:
+            return None
+        return Overflow(worker=worst[0], need_bytes=worst[1], limit_bytes=self.limit_bytes)
+
+    @property
+    def feasible(self) -> bool:
+        return self.overflow is None
+
+
+Memo = dict[tuple, tuple[list[float], list[int]]]
+
+
+def estimate(job: Job, plan: Plan, *, memo: Memo | None = None) -> Estimate:
+    """Time and memory of ``plan``. ``memo`` may be shared by estimates of one job: it
+    holds the timing of each distinct pipeline, which plans of one search share."""
+    costs = CostModel(job)
+    ranges = {s.worker: (s.first_layer, s.end_layer) for s in plan.stages}
+    compute_end, in_flight = _compute_phase(job, plan, costs, ranges, {} if memo is None else memo)
+    timing = finish_step(compute_end, buckets_of(plan, job.model), ranges, costs)
+    memory = {w: costs.memory_bytes(*ranges[w], in_flight.get(w, 0)) for w in ranges}
+    return Estimate(
+        plan=plan,
+        step_s=timing.step_s,
+        memory_bytes=memory,
+        in_flight=in_flight,
+        limit_bytes=job.worker_memory_bytes,
+    )
+
+
+def _compute_phase(
+    job: Job, plan: Plan, costs: CostModel, ranges: dict[int, tuple[int, int]], cache: Memo
+) -> tuple[dict[int, float], dict[int, int]]:
+    """Forward/backward phase of the step graph, timed once per distinct pipeline.
+
+    Workers only wait on workers they share a route with, so the graph falls apart into
+    components. A component that is one whole pipeline (one route, nobody else's workers)
+    times the same as any other with the same layer ranges, micro-batch positions and
+    node boundaries, so at 16k workers the 2,047 pipelines cost a handful of simulations.
+    Rerouted pipelines and their peers form one component and are timed together.
+    """
+    position = position_in_home(plan)
+    components = _components(plan)
+    compute_end: dict[int, float] = {}
+    in_flight: dict[int, int] = {}
+    for routes in components:
+        if len(routes) == 1:
+            hops = routes[0].hops
+            key = (
+                tuple(ranges[w] for w in hops),
+                tuple(position[mb] for mb in routes[0].micro_batches),
+                tuple(
+                    job.node_of(a) == job.node_of(b) for a, b in zip(hops, hops[1:], strict=False)
+                ),
+            )
+            if key not in cache:
+                cache[key] = _time_pipeline(routes[0], position, ranges, costs)
+            ends, peaks = cache[key]
+            compute_end.update(zip(hops, ends, strict=True))
+            in_flight.update(zip(hops, peaks, strict=True))
+        else:
+            workers = sorted({w for r in routes for w in r.hops})
+            ends, peaks = _time_routes(routes, position, ranges, costs, order=workers)
+            compute_end.update(zip(workers, ends, strict=True))
+            in_flight.update(zip(workers, peaks, strict=True))
+    return compute_end, in_flight
+
+
+def _time_pipeline(
+    route: Route, position: dict[int, int], ranges: dict[int, tuple[int, int]], costs: CostModel
+) -> tuple[list[float], list[int]]:
+    """A pipeline alone, on the phi-grid fast path when it runs its micro-batches in
+    order from position 0 (always, unless rerouting left it a non-prefix share)."""
+    hops, m = route.hops, len(route.micro_batches)
+    if [position[mb] for mb in route.micro_batches] != list(range(m)):
+        return _time_routes([route], position, ranges, costs, order=hops)
+    p = len(hops)
+    fwd = [costs.forward_s(*ranges[w]) for w in hops]
+    bwd = [costs.backward_s(*ranges[w]) for w in hops]
+    fwd_comm = [0.0] + [
+        costs.transfer_s(hops[k - 1], hops[k], costs.boundary_bytes(ranges[hops[k]][0]))
+        for k in range(1, p)
+    ]
+    bwd_comm = [
+        costs.transfer_s(hops[k + 1], hops[k], costs.boundary_bytes(ranges[hops[k]][1]))
+        for k in range(p - 1)
+    ] + [0.0]
+    ends = simulate_pipeline(fwd, bwd, fwd_comm, bwd_comm, m) if m else [0.0] * p
+    return ends, [min(p - k, m) for k in range(p)]
+
+
+def _time_routes(
+    routes: list[Route],
+    position: dict[int, int],
+    ranges: dict[int, tuple[int, int]],
+    costs: CostModel,
+    *,
+    order: tuple[int, ...] | list[int],
+) -> tuple[list[float], list[int]]:
+    ops = ops_for(routes, position)
+    for w in order:
+        ops.setdefault(w, [])
+    ends = simulate_compute(ops, {w: ranges[w] for w in order}, costs)
+    return [ends[w] for w in order], [max_in_flight(ops[w]) for w in order]
+
+
+def _components(plan: Plan) -> list[list[Route]]:
+    """Routes grouped by the workers they share (union-find over workers)."""
+    parent: dict[int, int] = {}
+
+    def find(x: int) -> int:
+        parent.setdefault(x, x)
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    for route in plan.routes:
+        first = find(route.hops[0])
+        for w in route.hops[1:]:
+            root = find(w)
+            if root != first:
+                parent[root] = first
+    groups: dict[int, list[Route]] = {}
+    for route in plan.routes:
+        groups.setdefault(find(route.hops[0]), []).append(route)
+    return list(groups.values())

@@ -1,0 +1,62 @@
+"""The migration schedule of a plan change and its estimated time, ours and naive.
+
+Ours: survivors placed by matching, sources balanced, transfers run in rounds from
+colouring the conflict graph (a worker takes part in one transfer per round).
+Naive (Oobleck's restorer): every missing piece from its first surviving holder, one
+transfer at a time. Both are estimated on the same transfers' link costs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from planner.colouring import Task, colour_rounds, rounds_time_s
+from planner.cost import CostModel
+from planner.matching import Range, Transfer, choose_sources
+from planner.plan import Plan
+
+
+@dataclass(frozen=True)
+class Migration:
+    transfers: tuple[Transfer, ...]
+    rounds: tuple[int, ...]  # round of each transfer
+    est_time_s: float
+    naive_est_time_s: float
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(t.num_bytes for t in self.transfers)
+
+    @property
+    def num_rounds(self) -> int:
+        return max(self.rounds, default=-1) + 1
+
+
+NO_MIGRATION = Migration(transfers=(), rounds=(), est_time_s=0.0, naive_est_time_s=0.0)
+
+
+def holdings_of(plan: Plan, alive: set[int] | frozenset[int] | None = None) -> dict[int, Range]:
+    return {
+        s.worker: (s.first_layer, s.end_layer)
+        for s in plan.stages
+        if alive is None or s.worker in alive
+    }
+
+
+def plan_migration(costs: CostModel, *, holdings: Mapping[int, Range], target: Plan) -> Migration:
+    """Transfers that give every worker of ``target`` the layers it lacks, scheduled."""
+    targets = {s.worker: (s.first_layer, s.end_layer) for s in target.stages}
+    transfers = choose_sources(costs, holdings=holdings, targets=targets)
+    if not transfers:
+        return NO_MIGRATION
+    tasks = [Task((t.src, t.dst), costs.transfer_s(t.src, t.dst, t.num_bytes)) for t in transfers]
+    rounds = colour_rounds(tasks)
+    naive = choose_sources(costs, holdings=holdings, targets=targets, balanced=False)
+    naive_s = sum(costs.transfer_s(t.src, t.dst, t.num_bytes) for t in naive)
+    return Migration(
+        transfers=tuple(transfers),
+        rounds=tuple(rounds),
+        est_time_s=rounds_time_s(tasks, rounds),
+        naive_est_time_s=naive_s,
+    )

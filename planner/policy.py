@@ -1,0 +1,177 @@
+"""The three recovery policies as candidates with a time, a memory and a transition cost.
+
+- ``reroute``: keep the layout; same-stage peers take the failed workers' micro-batches.
+  Transition: rebuilding the communicator without the failed workers.
+- ``reparallelize``: a new plan over the survivors from the search. Transition: plan
+  search + weight and optimizer-state migration (matching + colouring schedule) + rebuild.
+- ``restart``: the torchrun answer. Relaunch from the last checkpoint, on spares at the
+  old size when there are enough, else on the survivors with the fastest plan the search
+  finds. Transition: restart time + the work done since the checkpoint, which is redone.
+
+Every candidate says why when it is infeasible: a stage with no surviving replica, or the
+worker over its memory and by how much.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from planner.cost import CostModel
+from planner.estimate import Estimate
+from planner.matching import LostLayers
+from planner.migration import NO_MIGRATION, Migration, holdings_of, plan_migration
+from planner.plan import Plan, Route, Stage
+from planner.reroute import RerouteInfeasible, reroute_plan
+from planner.search import Proposal, Search
+from planner.workload import Job
+
+
+class Policy(StrEnum):
+    REROUTE = "reroute"
+    REPARALLELIZE = "reparallelize"
+    RESTART = "restart"
+
+
+@dataclass(frozen=True)
+class Transition:
+    search_s: float = 0.0
+    migration_s: float = 0.0
+    rebuild_s: float = 0.0
+    restart_s: float = 0.0
+    lost_work_s: float = 0.0
+
+    @property
+    def total_s(self) -> float:
+        return self.search_s + self.migration_s + self.rebuild_s + self.restart_s + self.lost_work_s
+
+
+@dataclass(frozen=True)
+class Candidate:
+    policy: Policy
+    reason: str | None = None  # None when feasible
+    plan: Plan | None = None
+    estimate: Estimate | None = None
+    transition: Transition = field(default_factory=Transition)
+    migration: Migration = NO_MIGRATION
+    label: str = ""
+
+    @property
+    def feasible(self) -> bool:
+        return self.reason is None and self.estimate is not None
+
+
+def overflow_reason(est: Estimate, job: Job) -> str:
+    over = est.overflow
+    assert over is not None
+    ranks = job.ranks_of(over.worker)
+    where = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks[0]}-{ranks[-1]}"
+    return (
+        f"out of memory on worker {over.worker} ({where}): needs {over.need_bytes / 2**30:.2f} GiB, "
+        f"{over.over_bytes / 2**30:.2f} GiB over its {over.limit_bytes / 2**30:.2f} GiB"
+    )
+
+
+def rebuild_s(job: Job, num_workers: int) -> float:
+    return job.cluster.pg_init_base_s + job.cluster.pg_init_per_worker_s * num_workers
+
+
+def reroute_candidate(search: Search, current: Plan, failed: Sequence[int]) -> Candidate:
+    job = search.job
+    try:
+        plan = reroute_plan(current, failed)
+    except RerouteInfeasible as exc:
+        return Candidate(Policy.REROUTE, reason=str(exc))
+    est = search.estimate(plan)
+    transition = Transition(rebuild_s=rebuild_s(job, len(plan.stages)))
+    if not est.feasible:
+        return Candidate(Policy.REROUTE, reason=overflow_reason(est, job), plan=plan, estimate=est)
+    return Candidate(
+        Policy.REROUTE, plan=plan, estimate=est, transition=transition, label="peers take over"
+    )
+
+
+def reparallelize_candidates(
+    search: Search,
+    proposals: Sequence[Proposal],
+    current: Plan,
+    survivors: Sequence[int],
+    *,
+    search_s: float,
+) -> list[Candidate]:
+    """One candidate per proposal; the caller keeps the best by score."""
+    job = search.job
+    costs = CostModel(job)
+    holdings = holdings_of(current, set(survivors))
+    out = []
+    for proposal in proposals:
+        try:
+            migration = plan_migration(costs, holdings=holdings, target=proposal.plan)
+        except LostLayers as exc:
+            return [Candidate(Policy.REPARALLELIZE, reason=str(exc))]
+        transition = Transition(
+            search_s=search_s,
+            migration_s=migration.est_time_s,
+            rebuild_s=rebuild_s(job, len(proposal.plan.stages)),
+        )
+        out.append(
+            Candidate(
+                Policy.REPARALLELIZE,
+                plan=proposal.plan,
+                estimate=proposal.estimate,
+                transition=transition,
+                migration=migration,
+                label=proposal.label,
+            )
+        )
+    if not out:
+        return [Candidate(Policy.REPARALLELIZE, reason="no plan over the survivors fits in memory")]
+    return out
+
+
+def replace_workers(plan: Plan, mapping: dict[int, int]) -> Plan:
+    """The same plan with some workers swapped for others (spares taking over)."""
+
+    def swap(w: int) -> int:
+        return mapping.get(w, w)
+
+    stages = sorted(
+        (Stage(swap(s.worker), s.first_layer, s.end_layer) for s in plan.stages),
+        key=lambda s: s.worker,
+    )
+    routes = tuple(
+        Route(r.home, tuple(swap(w) for w in r.hops), r.micro_batches) for r in plan.routes
+    )
+    return Plan(plan.num_layers, plan.num_micro_batches, tuple(stages), routes)
+
+
+def restart_candidate(
+    search: Search,
+    current: Plan,
+    failed: Sequence[int],
+    survivors: Sequence[int],
+    *,
+    best_over_survivors: Proposal | None,
+    since_checkpoint_s: float,
+    spares: Sequence[int],
+) -> Candidate:
+    job = search.job
+    transition = Transition(restart_s=job.cluster.restart_s, lost_work_s=since_checkpoint_s)
+    lost_in_plan = [w for w in failed if w in current.stage_of]
+    if len(spares) >= len(lost_in_plan):
+        plan = replace_workers(current, dict(zip(lost_in_plan, spares, strict=False)))
+        est = search.estimate(plan)
+        label = (
+            f"{len(lost_in_plan)} spare worker(s) replace the failed ones"
+            if lost_in_plan
+            else "same workers"
+        )
+    elif best_over_survivors is not None:
+        plan, est = best_over_survivors.plan, best_over_survivors.estimate
+        label = f"{len(survivors)} survivors: {best_over_survivors.label}"
+    else:
+        return Candidate(Policy.RESTART, reason="no plan over the survivors fits in memory")
+    if not est.feasible:
+        return Candidate(Policy.RESTART, reason=overflow_reason(est, job), plan=plan, estimate=est)
+    return Candidate(Policy.RESTART, plan=plan, estimate=est, transition=transition, label=label)

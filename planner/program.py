@@ -1,0 +1,165 @@
+"""The per-step operation graph: what every worker executes, in order, for one step.
+
+The planner times this graph (``planner.timing``) and the runtime executes it
+(``chameleon_runtime``), so an estimate is the estimate of what will actually run.
+
+For each worker, ``ops`` is its compute sequence: forward and backward passes of single
+micro-batches through its layers. The peers are implied: a forward receives its input
+from ``prev`` (None on the first stage) and sends its output to ``next``; a backward
+receives the output gradient from ``next`` and sends the input gradient to ``prev``.
+Sends are asynchronous; a pass waits only for its own input.
+
+After its last backward a worker all-reduces its gradients bucket by bucket (a bucket is
+a run of layers with the same set of holders), in the rounds given by colouring the
+buckets' conflict graph. Then every worker joins the commit barrier (the step is applied
+by all or by none, so a failure never leaves replicas disagreeing) and steps its optimizer.
+
+Order within a worker: every pass gets a potential from its micro-batch's position q in
+its home pipeline and its hop k on a route of n hops,
+
+    phi(forward)  = 2q + k
+    phi(backward) = 2q + 2n - 1 - k
+
+and each worker runs its passes in increasing phi (ties: home pipeline, micro-batch). On a
+plain pipeline this is exactly 1F1B: stage k runs n - k - 1 warm-up forwards, then
+alternates. Because phi rises by one along every dependency between workers (a forward
+feeds the next hop's forward, a backward the previous hop's backward, and the last hop's
+backward follows its forward), no set of routes can make workers wait on each other in a
+cycle, whatever rerouting produced. A peer serving rerouted micro-batches runs each
+pipeline's 1F1B interleaved, so it keeps each pipeline's usual window in flight: that is
+the extra activation memory rerouting costs it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import NamedTuple
+
+from planner.colouring import Task, colour_rounds
+from planner.plan import Plan, Route
+from planner.workload import Model
+
+
+class OpKind(StrEnum):
+    FORWARD = "F"
+    BACKWARD = "B"
+
+
+class ComputeOp(NamedTuple):
+    kind: OpKind
+    micro_batch: int
+    prev: int | None  # worker holding the layers before ours on this micro-batch's route
+    next: int | None  # worker holding the layers after ours
+
+
+@dataclass(frozen=True)
+class Bucket:
+    index: int
+    first_layer: int
+    end_layer: int
+    holders: tuple[int, ...]
+    round: int
+
+
+@dataclass(frozen=True)
+class WorkerProgram:
+    worker: int
+    first_layer: int
+    end_layer: int
+    ops: tuple[ComputeOp, ...]
+    buckets: tuple[int, ...]  # indices into StepProgram.buckets, in issue order
+    max_in_flight: int  # micro-batches whose activations are stashed at once
+
+
+@dataclass(frozen=True)
+class StepProgram:
+    plan: Plan
+    workers: tuple[WorkerProgram, ...]  # sorted by worker
+    buckets: tuple[Bucket, ...]
+
+    def of(self, worker: int) -> WorkerProgram:
+        for program in self.workers:
+            if program.worker == worker:
+                return program
+        raise KeyError(worker)
+
+
+def build_program(plan: Plan, model: Model) -> StepProgram:
+    buckets = buckets_of(plan, model)
+    per_worker_buckets: dict[int, list[Bucket]] = {w: [] for w in plan.workers}
+    for bucket in buckets:
+        for worker in bucket.holders:
+            per_worker_buckets[worker].append(bucket)
+    work = ops_for(plan.routes, position_in_home(plan))
+    programs = []
+    for stage in plan.stages:
+        ops = work.get(stage.worker, [])
+        mine = sorted(per_worker_buckets[stage.worker], key=lambda b: (b.round, b.index))
+        programs.append(
+            WorkerProgram(
+                worker=stage.worker,
+                first_layer=stage.first_layer,
+                end_layer=stage.end_layer,
+                ops=tuple(ops),
+                buckets=tuple(b.index for b in mine),
+                max_in_flight=max_in_flight(ops),
+            )
+        )
+    return StepProgram(plan=plan, workers=tuple(programs), buckets=buckets)
+
+
+def position_in_home(plan: Plan) -> dict[int, int]:
+    """Each micro-batch's position q within its home pipeline's share."""
+    return {mb: q for mbs in plan.micro_batches_of_home.values() for q, mb in enumerate(mbs)}
+
+
+def ops_for(routes: Iterable[Route], position: Mapping[int, int]) -> dict[int, list[ComputeOp]]:
+    """The compute sequence of every worker on ``routes``, ordered by phi (module doc)."""
+    make = tuple.__new__  # ComputeOp(...) without NamedTuple's argument parsing: hot path
+    forward, backward = OpKind.FORWARD, OpKind.BACKWARD
+    keyed: dict[int, list[tuple[int, int, int, ComputeOp]]] = {}
+    for route in routes:
+        hops = route.hops
+        n = len(hops)
+        home = route.home
+        for k, worker in enumerate(hops):
+            prev = hops[k - 1] if k > 0 else None
+            nxt = hops[k + 1] if k < n - 1 else None
+            mine = keyed.setdefault(worker, [])
+            f_shift, b_shift = k, 2 * n - 1 - k
+            for mb in route.micro_batches:
+                q2 = 2 * position[mb]
+                mine.append((q2 + f_shift, home, mb, make(ComputeOp, (forward, mb, prev, nxt))))
+                mine.append((q2 + b_shift, home, mb, make(ComputeOp, (backward, mb, prev, nxt))))
+    return {w: [item[3] for item in sorted(items)] for w, items in keyed.items()}
+
+
+def max_in_flight(ops: Iterable[ComputeOp]) -> int:
+    in_flight = peak = 0
+    for op in ops:
+        in_flight += 1 if op.kind is OpKind.FORWARD else -1
+        peak = max(peak, in_flight)
+    return peak
+
+
+def buckets_of(plan: Plan, model: Model) -> tuple[Bucket, ...]:
+    """Runs of layers with the same holders; single-holder runs need no all-reduce."""
+    boundaries = sorted({s.first_layer for s in plan.stages} | {s.end_layer for s in plan.stages})
+    runs: list[tuple[int, int, tuple[int, ...]]] = []
+    for first, end in zip(boundaries, boundaries[1:], strict=False):
+        holders = tuple(
+            s.worker for s in plan.stages if s.first_layer <= first and end <= s.end_layer
+        )
+        if runs and runs[-1][2] == holders and runs[-1][1] == first:
+            runs[-1] = (runs[-1][0], end, holders)
+        else:
+            runs.append((first, end, holders))
+    shared = [r for r in runs if len(r[2]) > 1]
+    tasks = [Task(h, model.total("num_params", f, e)) for f, e, h in shared]
+    rounds = colour_rounds(tasks)
+    return tuple(
+        Bucket(index=i, first_layer=f, end_layer=e, holders=h, round=r)
+        for i, ((f, e, h), r) in enumerate(zip(shared, rounds, strict=True))
+    )

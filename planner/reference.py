@@ -1,0 +1,61 @@
+"""The exhaustive plan search the fast one is checked against (small clusters only).
+
+The search space is: any multiset of pipeline lengths over at most the surviving workers,
+each pipeline split with the fastest feasible partition, micro-batches allocated by
+water-filling (``planner.template.allocate_kinds``), workers placed by matching. This
+visits every point of it and times each on the full step graph; the fast search prunes
+with bounds, at most two distinct lengths and a top-k, and must not do worse. Exponential
+in the number of workers: meant for tests on up to a dozen or so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+from planner.estimate import Estimate
+from planner.plan import Plan
+from planner.search import Proposal, Search
+from planner.template import allocate_kinds
+
+
+def length_multisets(
+    total: int, lengths: Sequence[int], *, largest: int | None = None
+) -> Iterator[tuple[int, ...]]:
+    """Non-increasing tuples of ``lengths`` whose sum is at most ``total`` (non-empty)."""
+    for n in sorted(lengths, reverse=True):
+        if (largest is not None and n > largest) or n > total:
+            continue
+        yield (n,)
+        for rest in length_multisets(total - n, lengths, largest=n):
+            yield (n, *rest)
+
+
+def exhaustive(search: Search, current: Plan, survivors: Sequence[int]) -> list[Proposal]:
+    """Every feasible plan of the search space above, fastest first."""
+    job = search.job
+    m_total = job.training.num_micro_batches
+    lengths = [
+        n for n in range(1, min(len(survivors), job.model.num_layers) + 1) if search.template(n)
+    ]
+    out: list[Proposal] = []
+    for shape in length_multisets(len(survivors), lengths):
+        kinds = _as_shape(shape)
+        counts = allocate_kinds(search.kinds(kinds), m_total)
+        plan = search.realise(
+            current=current,
+            survivors=survivors,
+            shape=kinds,
+            counts=counts,
+        )
+        est: Estimate = search.estimate(plan)
+        if est.feasible:
+            out.append(Proposal(plan=plan, estimate=est, label=str(shape)))
+    out.sort(key=lambda p: p.estimate.step_s)
+    return out
+
+
+def _as_shape(shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    kinds: dict[int, int] = {}
+    for n in shape:
+        kinds[n] = kinds.get(n, 0) + 1
+    return tuple(sorted(kinds.items(), reverse=True))

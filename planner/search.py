@@ -1,0 +1,256 @@
+"""Dynamic re-parallelisation: the fast plan search (PAPER.md, planner).
+
+Given the surviving workers, find pipelines (possibly of different lengths), a layer split
+for each and a micro-batch count for each, that fit in memory and finish the step soonest.
+
+1. Templates. For every length n the model can be split into, the fastest split that fits
+   (``planner.partition``) and a closed-form 1F1B time T_n(m) = fill_n + m * c_n, with c_n
+   the slowest stage's forward+backward and fill_n the rest of the pipeline's latency.
+2. Shapes. A shape is a multiset of lengths. We enumerate shapes of at most two distinct
+   lengths a > b: for each a, the counts N//a - k (k < ``COUNT_SLACK``) of it, with the
+   remainder filled by copies of one b. Micro-batches go to pipelines by water-filling on
+   T_n(m) (the paper's "in proportion to pipeline size, remainder to balance", made
+   exact; ``planner.template``), and a shape's time is its slowest pipeline plus an
+   all-reduce tail. Shapes are visited in order of a fractional lower bound, so only the
+   few that can still make the top k are allocated exactly.
+3. The best ``TOP_K`` shapes, and the plan that just keeps every intact pipeline, are
+   placed on real workers by matching (``planner.matching``) and timed on the full step
+   graph; the caller picks among them by expected throughput.
+
+``reference.py`` holds the exhaustive version used to check this one on small clusters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from planner.cost import CostModel
+from planner.estimate import Estimate, Memo, estimate
+from planner.matching import assign_slots
+from planner.migration import holdings_of
+from planner.partition import Partition, Partitioner
+from planner.plan import Plan, pipelines_plan
+from planner.template import (
+    Kind,
+    Template,
+    allocate,
+    allocate_kinds,
+    fractional_time_s,
+    make_template,
+)
+from planner.workload import Job
+
+Shape = tuple[tuple[int, int], ...]  # (pipeline length, how many), longest first
+
+TOP_K = 3
+COUNT_SLACK = 3
+SMALL_CLUSTER = 32
+SMALL_MAX = 8
+SMALL_MARGIN = 0.015
+
+
+@dataclass(frozen=True)
+class Proposal:
+    plan: Plan
+    estimate: Estimate
+    label: str  # how the search found it, for display
+
+
+class Search:
+    """Templates and shape scoring for one job; ``propose`` runs the search.
+
+    Everything memoised here depends on the job alone, not on which workers failed, so
+    one Search serves every failure of a run: ``warm_up`` at job start computes the
+    templates (as Oobleck precomputes its pipeline templates) and a failure then pays only
+    for the search itself.
+    """
+
+    def __init__(self, job: Job) -> None:
+        self.job = job
+        self.costs = CostModel(job)
+        self.partitioner = Partitioner(self.costs)
+        self._templates: dict[int, Template | None] = {}
+        self.memo: Memo = {}  # timings of distinct pipelines, shared by every estimate
+
+    def warm_up(self) -> Search:
+        """Compute every template the job can use, ahead of any failure."""
+        for length in range(1, min(self.job.num_workers, self.job.model.num_layers) + 1):
+            self.template(length)
+        return self
+
+    def estimate(self, plan: Plan) -> Estimate:
+        return estimate(self.job, plan, memo=self.memo)
+
+    def template(self, length: int) -> Template | None:
+        if length not in self._templates:
+            split = self.partitioner.fastest(length)
+            self._templates[length] = (
+                None
+                if split is None
+                else make_template(self.costs, split, spans_nodes=self._spans_nodes(length))
+            )
+        return self._templates[length]
+
+    def _spans_nodes(self, length: int) -> bool:
+        return length * self.job.tp > self.job.cluster.devices_per_node
+
+    def tail_s(self, kinds: Sequence[Kind]) -> float:
+        """What follows the last backward, for ranking only: the slowest stage's all-reduce
+        among all pipelines plus its optimizer step, and the commit barrier."""
+        n = sum(count for _t, count in kinds)
+        link = self.job.inter_link if self.job.cluster.num_nodes > 1 else self.job.intra_link
+        ring = 2 * (n - 1) / n / link.bandwidth_bytes_per_s if n > 1 else 0.0
+        latency = 2 * (n - 1) * link.latency_s
+        worst = max(
+            ring * t.max_stage_grad_bytes + latency + t.max_stage_optimizer_s for t, _n in kinds
+        )
+        return worst + self.costs.commit_s()
+
+    def shapes(self, num_workers: int) -> list[Shape]:
+        """Candidate shapes over at most ``num_workers``: copies of one length a, plus
+        copies of one shorter length b. On large clusters a's count is within
+        ``COUNT_SLACK`` of the most that fit and b fills the rest; on small ones
+        (``SMALL_CLUSTER``) every count of both is tried, since there leaving workers idle
+        (and the all-reduce inside one node) can win."""
+        lengths = [
+            n for n in range(1, min(num_workers, self.job.model.num_layers) + 1) if self.template(n)
+        ]
+        small = num_workers <= SMALL_CLUSTER
+        found: list[Shape] = []
+        for a in lengths:
+            most = num_workers // a
+            for count_a in range(most, 0 if small else max(0, most - COUNT_SLACK), -1):
+                rest = num_workers - count_a * a
+                found.append(((a, count_a),))
+                for b in lengths:
+                    if b >= a or b > rest:
+                        continue
+                    fill = rest // b
+                    for count_b in range(fill, 0 if small else fill - 1, -1):
+                        found.append(((a, count_a), (b, count_b)))
+        return found
+
+    def kinds(self, shape: Shape) -> list[Kind]:
+        return [(self.template(n), count) for n, count in shape]  # type: ignore[misc]
+
+    def rank_shapes(self, num_workers: int) -> list[tuple[float, Shape, list[list[int]]]]:
+        """The shapes worth timing on the real graph, best closed-form time first, with
+        their micro-batch counts: the ``TOP_K`` best, and on small clusters every shape
+        within ``SMALL_MARGIN`` of the best (up to ``SMALL_MAX``), since the closed form
+        cannot tell near-ties apart and there the exact timing is cheap.
+
+        Branch and bound: shapes are visited in order of a cheap lower bound (fractional
+        allocation) and the exact closed-form allocation runs only while a shape could
+        still make the list.
+        """
+        small = num_workers <= SMALL_CLUSTER
+        keep, margin = (SMALL_MAX, SMALL_MARGIN) if small else (TOP_K, 0.0)
+        m_total = self.job.training.num_micro_batches
+        bounded = []
+        for shape in self.shapes(num_workers):
+            kinds = self.kinds(shape)
+            bounded.append((fractional_time_s(kinds, m_total) + self.tail_s(kinds), shape))
+        bounded.sort()
+        best: list[tuple[float, Shape, list[list[int]]]] = []
+
+        def cutoff() -> float:
+            """Above this lower bound a shape can make the list no more: it is neither in
+            the top k nor within the margin of the best (both only ever shrink)."""
+            kth = best[TOP_K - 1][0] if len(best) >= TOP_K else float("inf")
+            near = best[0][0] * (1 + margin) if best else float("inf")
+            limit = max(kth, near)
+            return min(limit, best[-1][0]) if len(best) >= keep else limit
+
+        for bound, shape in bounded:
+            if bound > cutoff():
+                break
+            kinds = self.kinds(shape)
+            counts = allocate_kinds(kinds, m_total)
+            slowest = max(t.time_s(max(c)) for (t, _n), c in zip(kinds, counts, strict=True))
+            best.append((slowest + self.tail_s(kinds), shape, counts))
+            best.sort(key=lambda r: (r[0], sum(n for _l, n in r[1]), r[1]))
+            del best[keep:]
+        return [r for i, r in enumerate(best) if i < TOP_K or r[0] <= best[0][0] * (1 + margin)]
+
+    def realise(
+        self, *, current: Plan, survivors: Sequence[int], shape: Shape, counts: list[list[int]]
+    ) -> Plan:
+        """Place a shape on real workers: matching picks who holds what."""
+        holdings = holdings_of(current, set(survivors))
+        bounds = [self.template(n).partition.boundaries for n, count in shape for _ in range(count)]  # type: ignore[union-attr]
+        slots = [list(zip(b, b[1:], strict=False)) for b in bounds]
+        placed = assign_slots(
+            self.costs,
+            holdings=holdings,
+            old_pipelines=current.pipelines,
+            new_pipelines=slots,
+            workers=sorted(survivors),
+        )
+        return pipelines_plan(
+            num_layers=self.job.model.num_layers,
+            num_micro_batches=self.job.training.num_micro_batches,
+            pipelines=placed,
+            boundaries=bounds,
+            micro_batch_counts=[m for per_kind in counts for m in per_kind],
+        )
+
+    def intact_plan(self, current: Plan, survivors: Sequence[int]) -> Plan | None:
+        """Keep only the pipelines that lost no worker, layers unchanged (dp shrinks)."""
+        alive = set(survivors)
+        stage_of = current.stage_of
+        kept = [p for p in current.pipelines if all(w in alive for w in p)]
+        if not kept:
+            return None
+        by_bounds: dict[tuple[int, ...], Template] = {}
+        templates = []
+        bounds = []
+        for p in kept:
+            b = (*(stage_of[w].first_layer for w in p), current.num_layers)
+            if b not in by_bounds:
+                stage_s = tuple(
+                    self.costs.forward_s(x, y) + self.costs.backward_s(x, y)
+                    for x, y in zip(b, b[1:], strict=False)
+                )
+                by_bounds[b] = make_template(
+                    self.costs, Partition(b, stage_s), spans_nodes=self._spans_nodes(len(p))
+                )
+            templates.append(by_bounds[b])
+            bounds.append(b)
+        counts = allocate(templates, self.job.training.num_micro_batches)
+        return pipelines_plan(
+            num_layers=current.num_layers,
+            num_micro_batches=current.num_micro_batches,
+            pipelines=kept,
+            boundaries=bounds,
+            micro_batch_counts=counts,
+        )
+
+    def propose(self, current: Plan, survivors: Sequence[int]) -> list[Proposal]:
+        """Feasible plans over the survivors, timed on the step graph, fastest first."""
+        proposals: list[Proposal] = []
+        seen: set[tuple] = set()
+
+        def consider(plan: Plan | None, label: str) -> None:
+            if plan is None:
+                return
+            key = (plan.stages, plan.routes)
+            if key in seen:
+                return
+            seen.add(key)
+            est = self.estimate(plan)
+            if est.feasible:
+                proposals.append(Proposal(plan=plan, estimate=est, label=label))
+
+        consider(self.intact_plan(current, survivors), "keep intact pipelines")
+        for _time, shape, counts in self.rank_shapes(len(survivors)):
+            consider(
+                self.realise(current=current, survivors=survivors, shape=shape, counts=counts),
+                describe_shape(shape),
+            )
+        proposals.sort(key=lambda p: (p.estimate.step_s, p.label))
+        return proposals
+
+
+def describe_shape(shape: Shape) -> str:
+    return " + ".join(f"{count}x{n}" for n, count in shape) + " stages"

@@ -1,0 +1,134 @@
+"""Policy selection by expected throughput until the next failure (PAPER.md).
+
+    score(p) = (B / t_step(p)) * (D - t_transition(p)) / D
+
+B is the global batch (samples per step), D the expected time to the next failure. The
+highest score wins; ties go to the least disruptive policy (reroute, then reparallelize,
+then restart). ``decide`` is the planner's single entry point: pure but for the clock it
+is handed, which times the search because search time is part of the transition.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
+from planner.estimate import Estimate
+from planner.plan import Plan
+from planner.policy import (
+    Candidate,
+    Policy,
+    reparallelize_candidates,
+    reroute_candidate,
+    restart_candidate,
+)
+from planner.search import Search
+from planner.workload import Job
+
+_PREFERENCE = {Policy.REROUTE: 0, Policy.REPARALLELIZE: 1, Policy.RESTART: 2}
+
+
+def score(*, global_batch: float, step_s: float, transition_s: float, mtbf_s: float) -> float:
+    """Expected samples per second over the window until the next failure."""
+    return (global_batch / step_s) * (mtbf_s - transition_s) / mtbf_s
+
+
+def candidate_score(job: Job, candidate: Candidate, mtbf_s: float) -> float:
+    if not candidate.feasible:
+        return float("-inf")
+    assert candidate.estimate is not None
+    return score(
+        global_batch=job.training.global_batch_size,
+        step_s=candidate.estimate.step_s,
+        transition_s=candidate.transition.total_s,
+        mtbf_s=mtbf_s,
+    )
+
+
+def choose(job: Job, candidates: Sequence[Candidate], mtbf_s: float) -> Candidate | None:
+    feasible = [c for c in candidates if c.feasible]
+    if not feasible:
+        return None
+    return max(feasible, key=lambda c: (candidate_score(job, c, mtbf_s), -_PREFERENCE[c.policy]))
+
+
+@dataclass(frozen=True)
+class Decision:
+    failed: tuple[int, ...]  # workers
+    baseline: Estimate  # the current plan before the failure
+    candidates: tuple[Candidate, ...]  # best of each policy, in policy order
+    chosen: Candidate | None
+    mtbf_s: float
+    search_s: float  # wall time of the whole decision
+
+    def score(self, job: Job, candidate: Candidate) -> float:
+        return candidate_score(job, candidate, self.mtbf_s)
+
+
+def decide(
+    job: Job,
+    current: Plan,
+    failed: Sequence[int],
+    *,
+    policy: Policy | None = None,
+    mtbf_s: float | None = None,
+    since_checkpoint_s: float | None = None,
+    spares: Sequence[int] | None = None,
+    search: Search | None = None,
+    clock: Callable[[], float] = time.perf_counter,
+) -> Decision:
+    """Evaluate every policy for the loss of ``failed`` workers and pick one.
+
+    ``policy`` forces a policy (its candidate is chosen if feasible). ``spares`` are idle
+    workers a restart may use (default: the cluster's spare nodes). ``since_checkpoint_s``
+    is the work a restart would redo (default: half the checkpoint interval). ``search``
+    may be one kept from earlier decisions of the same job (its templates are reused).
+    """
+    started = clock()
+    mtbf = job.training.mtbf_s if mtbf_s is None else mtbf_s
+    lost = set(failed)
+    survivors = [w for w in current.workers if w not in lost]
+    if spares is None:
+        spares = range(job.num_workers, job.num_workers + job.num_spare_workers)
+    since = (
+        job.training.checkpoint_interval_s / 2 if since_checkpoint_s is None else since_checkpoint_s
+    )
+    search = search if search is not None else Search(job)
+    baseline = search.estimate(current)
+
+    t0 = clock()
+    reroute = reroute_candidate(search, current, failed)
+    if reroute.feasible:
+        reroute = replace(reroute, transition=replace(reroute.transition, search_s=clock() - t0))
+
+    t0 = clock()
+    proposals = search.propose(current, survivors) if survivors else []
+    search_s = clock() - t0
+    options = reparallelize_candidates(search, proposals, current, survivors, search_s=search_s)
+    reparallelize = max(options, key=lambda c: candidate_score(job, c, mtbf))
+
+    fastest = min(proposals, key=lambda p: p.estimate.step_s, default=None)
+    restart = restart_candidate(
+        search,
+        current,
+        failed,
+        survivors,
+        best_over_survivors=fastest,
+        since_checkpoint_s=since,
+        spares=[s for s in spares if s not in lost],
+    )
+    candidates = (reroute, reparallelize, restart)
+    if policy is None:
+        chosen = choose(job, candidates, mtbf)
+    else:
+        forced = next(c for c in candidates if c.policy is policy)
+        chosen = forced if forced.feasible else None
+    return Decision(
+        failed=tuple(sorted(lost)),
+        baseline=baseline,
+        candidates=candidates,
+        chosen=chosen,
+        mtbf_s=mtbf,
+        search_s=clock() - started,
+    )

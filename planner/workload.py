@@ -1,0 +1,186 @@
+"""The job the planner plans for: hardware, model and training, as frozen values.
+
+These are built once at the edge (``planner.config`` turns TOML into them; tests build
+them directly) and are the only inputs the cost model reads. Every cost here is already
+resolved to what one *worker* pays for one micro-batch: a worker is one tensor-parallel
+group of ``tp`` devices (one device when tp = 1), the unit the planner places, loses and
+moves. Failing any device of a worker loses the whole worker, as it does in practice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+from functools import cached_property
+from itertools import accumulate
+
+
+class RankOrder(StrEnum):
+    """How global ranks map onto the (tp, dp, pp) grid, innermost dimension first.
+
+    ``tp-dp-pp`` is Megatron-LM's default: the replicas of one stage are neighbours, so a
+    node tends to hold one stage of many pipelines. ``tp-pp-dp`` keeps each pipeline on
+    consecutive ranks, so a node tends to hold whole pipelines.
+    """
+
+    TP_DP_PP = "tp-dp-pp"
+    TP_PP_DP = "tp-pp-dp"
+
+
+@dataclass(frozen=True)
+class Link:
+    """One point-to-point path between two workers (all tp devices of a worker in parallel)."""
+
+    bandwidth_bytes_per_s: float
+    latency_s: float
+
+    def transfer_s(self, num_bytes: float) -> float:
+        if num_bytes <= 0:
+            return 0.0
+        return self.latency_s + num_bytes / self.bandwidth_bytes_per_s
+
+
+@dataclass(frozen=True)
+class Cluster:
+    name: str
+    num_nodes: int
+    devices_per_node: int
+    device_memory_bytes: int
+    intra_node: Link  # per device; Job.link() scales by tp
+    inter_node: Link
+    spare_nodes: int = 0
+    # Relaunching every worker and loading a checkpoint (the torchrun path), in seconds.
+    restart_s: float = 60.0
+    # Rebuilding a communicator over n workers costs base + n * per_worker: every member
+    # publishes its address in the store and connects to its peers.
+    pg_init_base_s: float = 0.5
+    pg_init_per_worker_s: float = 0.001
+    # One round trip to the job's TCPStore; the per-step commit barrier costs two.
+    store_round_trip_s: float = 0.0005
+
+    @property
+    def num_devices(self) -> int:
+        return self.num_nodes * self.devices_per_node
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One pipeline-partitionable layer, with costs for one micro-batch on one worker."""
+
+    name: str
+    num_params: int
+    forward_s: float
+    backward_s: float
+    optimizer_s: float  # optimizer update of this layer's parameters
+    activation_bytes: int  # output sent to the next stage (and its gradient sent back)
+    stash_bytes: int  # kept per in-flight micro-batch until its backward
+
+
+@dataclass(frozen=True)
+class Model:
+    name: str
+    layers: tuple[Layer, ...]
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @cached_property
+    def _prefix(self) -> dict[str, tuple[float, ...]]:
+        def prefix(values: list[float]) -> tuple[float, ...]:
+            return (0.0, *accumulate(values))
+
+        layers = self.layers
+        return {
+            "forward_s": prefix([x.forward_s for x in layers]),
+            "backward_s": prefix([x.backward_s for x in layers]),
+            "optimizer_s": prefix([x.optimizer_s for x in layers]),
+            "num_params": prefix([float(x.num_params) for x in layers]),
+            "stash_bytes": prefix([float(x.stash_bytes) for x in layers]),
+        }
+
+    def total(self, field: str, first: int, end: int) -> float:
+        """Sum of a per-layer field over layers [first, end), in O(1)."""
+        column = self._prefix[field]
+        return column[end] - column[first]
+
+
+@dataclass(frozen=True)
+class Training:
+    global_batch_size: int  # samples per optimizer step, whatever the layout
+    micro_batch_size: int
+    param_bytes: int  # per parameter: weights as stored for compute
+    grad_bytes: int
+    optimizer_bytes: int  # per parameter: master weights and moments
+    dp: int
+    pp: int
+    tp: int = 1
+    rank_order: RankOrder = RankOrder.TP_PP_DP
+    mtbf_s: float = 3 * 3600.0  # expected time to the next failure, D in PAPER.md
+    checkpoint_interval_s: float = 1800.0
+
+    @property
+    def num_micro_batches(self) -> int:
+        return self.global_batch_size // self.micro_batch_size
+
+    @property
+    def state_bytes_per_param(self) -> int:
+        """Resident bytes per parameter on its holder: weights, gradients, optimizer state."""
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes
+
+    @property
+    def moved_bytes_per_param(self) -> int:
+        """Bytes per parameter a worker must receive to take a layer over (gradients are
+        recomputed every step, so only weights and optimizer state travel)."""
+        return self.param_bytes + self.optimizer_bytes
+
+
+@dataclass(frozen=True)
+class Job:
+    cluster: Cluster
+    model: Model
+    training: Training
+
+    @property
+    def tp(self) -> int:
+        return self.training.tp
+
+    @property
+    def num_workers(self) -> int:
+        return self.cluster.num_devices // self.tp
+
+    @property
+    def num_spare_workers(self) -> int:
+        return self.cluster.spare_nodes * self.cluster.devices_per_node // self.tp
+
+    @property
+    def worker_memory_bytes(self) -> int:
+        return self.cluster.device_memory_bytes * self.tp
+
+    def ranks_of(self, worker: int) -> range:
+        """Global ranks (devices) of a worker; tp is always the innermost dimension."""
+        return range(worker * self.tp, (worker + 1) * self.tp)
+
+    def worker_of(self, rank: int) -> int:
+        return rank // self.tp
+
+    def node_of(self, worker: int) -> int:
+        return worker * self.tp // self.cluster.devices_per_node
+
+    def workers_on_node(self, node: int) -> range:
+        per_node = self.cluster.devices_per_node // self.tp
+        return range(node * per_node, (node + 1) * per_node)
+
+    @cached_property
+    def intra_link(self) -> Link:
+        """Between workers on one node: the tp devices of each talk pairwise in parallel."""
+        base = self.cluster.intra_node
+        return Link(base.bandwidth_bytes_per_s * self.tp, base.latency_s)
+
+    @cached_property
+    def inter_link(self) -> Link:
+        base = self.cluster.inter_node
+        return Link(base.bandwidth_bytes_per_s * self.tp, base.latency_s)
+
+    def link(self, a: int, b: int) -> Link:
+        return self.intra_link if self.node_of(a) == self.node_of(b) else self.inter_link
