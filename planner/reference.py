@@ -10,24 +10,12 @@ in the number of workers: meant for tests on up to a dozen or so.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 from planner.estimate import Estimate
 from planner.plan import Plan
-from planner.search import Proposal, Search
+from planner.search import Proposal, Search, _as_shape, length_multisets
 from planner.template import allocate_kinds
-
-
-def length_multisets(
-    total: int, lengths: Sequence[int], *, largest: int | None = None
-) -> Iterator[tuple[int, ...]]:
-    """Non-increasing tuples of ``lengths`` whose sum is at most ``total`` (non-empty)."""
-    for n in sorted(lengths, reverse=True):
-        if (largest is not None and n > largest) or n > total:
-            continue
-        yield (n,)
-        for rest in length_multisets(total - n, lengths, largest=n):
-            yield (n, *rest)
 
 
 def exhaustive(search: Search, current: Plan, survivors: Sequence[int]) -> list[Proposal]:
@@ -52,10 +40,3 @@ def exhaustive(search: Search, current: Plan, survivors: Sequence[int]) -> list[
             out.append(Proposal(plan=plan, estimate=est, label=str(shape)))
     out.sort(key=lambda p: p.estimate.step_s)
     return out
-
-
-def _as_shape(shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
-    kinds: dict[int, int] = {}
-    for n in shape:
-        kinds[n] = kinds.get(n, 0) + 1
-    return tuple(sorted(kinds.items(), reverse=True))

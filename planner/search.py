@@ -13,7 +13,7 @@ for each and a micro-batch count for each, that fit in memory and finish the ste
    exact; ``planner.template``), and a shape's time is its slowest pipeline plus an
    all-reduce tail. Shapes are visited in order of a fractional lower bound, so only the
    few that can still make the top k are allocated exactly.
-3. The best ``TOP_K`` shapes, and the plan that just keeps every intact pipeline, are
+3. The best shapes (``KEEP`` tiers), and the plan that just keeps every intact pipeline, are
    placed on real workers by matching (``planner.matching``) and timed on the full step
    graph; the caller picks among them by expected throughput.
 
@@ -22,7 +22,7 @@ for each and a micro-batch count for each, that fit in memory and finish the ste
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from planner.cost import CostModel
@@ -39,15 +39,18 @@ from planner.template import (
     fractional_time_s,
     make_template,
 )
+from planner.timing import simulate_pipeline
 from planner.workload import Job
 
 Shape = tuple[tuple[int, int], ...]  # (pipeline length, how many), longest first
 
-TOP_K = 3
-COUNT_SLACK = 3
+# Which closed-form-ranked shapes get timed on the step graph: (how many, within what
+# fraction of the best). Small clusters also time near-ties, since there it is cheap.
+KEEP = ((3, float("inf")),)
 SMALL_CLUSTER = 32
-SMALL_MAX = 8
-SMALL_MARGIN = 0.015
+ALL_SHAPES = 16
+KEEP_SMALL = ((3, float('inf')), (64, 0.003))
+COUNT_SLACK = 3
 
 
 @dataclass(frozen=True)
@@ -72,6 +75,7 @@ class Search:
         self.partitioner = Partitioner(self.costs)
         self._templates: dict[int, Template | None] = {}
         self.memo: Memo = {}  # timings of distinct pipelines, shared by every estimate
+        self._alone: dict[tuple[int, int], float] = {}
 
     def warm_up(self) -> Search:
         """Compute every template the job can use, ahead of any failure."""
@@ -108,14 +112,18 @@ class Search:
         return worst + self.costs.commit_s()
 
     def shapes(self, num_workers: int) -> list[Shape]:
-        """Candidate shapes over at most ``num_workers``: copies of one length a, plus
-        copies of one shorter length b. On large clusters a's count is within
-        ``COUNT_SLACK`` of the most that fit and b fills the rest; on small ones
-        (``SMALL_CLUSTER``) every count of both is tried, since there leaving workers idle
-        (and the all-reduce inside one node) can win."""
+        """Candidate shapes over at most ``num_workers``.
+
+        Up to ``ALL_SHAPES`` workers: every multiset of lengths. Up to ``SMALL_CLUSTER``:
+        copies of one length a plus copies of one shorter b, every count of both (leaving
+        workers idle, or the all-reduce inside one node, can win there). Beyond: a's count
+        within ``COUNT_SLACK`` of the most that fit, b filling the rest.
+        """
         lengths = [
             n for n in range(1, min(num_workers, self.job.model.num_layers) + 1) if self.template(n)
         ]
+        if num_workers <= ALL_SHAPES:
+            return [_as_shape(ms) for ms in length_multisets(num_workers, lengths)]
         small = num_workers <= SMALL_CLUSTER
         found: list[Shape] = []
         for a in lengths:
@@ -131,47 +139,92 @@ class Search:
                         found.append(((a, count_a), (b, count_b)))
         return found
 
+    def pipeline_alone_s(self, length: int, num_micro_batches: int) -> float:
+        """A template pipeline running ``num_micro_batches`` alone, timed on its step
+        graph (the phi-grid; memoised)."""
+        key = (length, num_micro_batches)
+        if key not in self._alone:
+            t = self.template(length)
+            assert t is not None
+            self._alone[key] = (
+                max(
+                    simulate_pipeline(
+                        t.forward_s,
+                        t.backward_s,
+                        t.forward_comm_s,
+                        t.backward_comm_s,
+                        num_micro_batches,
+                    )
+                )
+                if num_micro_batches
+                else 0.0
+            )
+        return self._alone[key]
+
     def kinds(self, shape: Shape) -> list[Kind]:
         return [(self.template(n), count) for n, count in shape]  # type: ignore[misc]
 
     def rank_shapes(self, num_workers: int) -> list[tuple[float, Shape, list[list[int]]]]:
-        """The shapes worth timing on the real graph, best closed-form time first, with
-        their micro-batch counts: the ``TOP_K`` best, and on small clusters every shape
-        within ``SMALL_MARGIN`` of the best (up to ``SMALL_MAX``), since the closed form
-        cannot tell near-ties apart and there the exact timing is cheap.
+        """The shapes worth timing on the real graph, best first, with their micro-batch
+        counts. A shape is kept if for some tier (count, margin) of ``KEEP`` (or
+        ``KEEP_SMALL``) it ranks within the first ``count`` and within ``margin`` of the
+        best: a ranking cannot tell near-ties apart, the full estimate can.
 
-        Branch and bound: shapes are visited in order of a cheap lower bound (fractional
-        allocation) and the exact closed-form allocation runs only while a shape could
-        still make the list.
+        Small clusters are ranked by lone-pipeline times on the step graph, visited in
+        order of a provable lower bound (``Template.lower_bound_s``) so that only shapes
+        that could still make a tier are simulated. Large clusters are ranked by the
+        linear closed form, visited in order of its fractional bound.
         """
-        small = num_workers <= SMALL_CLUSTER
-        keep, margin = (SMALL_MAX, SMALL_MARGIN) if small else (TOP_K, 0.0)
+        exact = num_workers <= SMALL_CLUSTER
+        tiers = KEEP_SMALL if exact else KEEP
+        most = max(count for count, _margin in tiers)
         m_total = self.job.training.num_micro_batches
-        bounded = []
+        visits = []
         for shape in self.shapes(num_workers):
             kinds = self.kinds(shape)
-            bounded.append((fractional_time_s(kinds, m_total) + self.tail_s(kinds), shape))
-        bounded.sort()
+            tail = self.tail_s(kinds)
+            if exact:
+                counts = allocate_kinds(kinds, m_total)
+                bound = max(
+                    t.lower_bound_s(max(c)) for (t, _n), c in zip(kinds, counts, strict=True)
+                )
+                visits.append((bound + tail, shape, kinds, counts, tail))
+            else:
+                visits.append((fractional_time_s(kinds, m_total) + tail, shape, kinds, None, tail))
+        visits.sort(key=lambda v: (v[0], v[1]))
         best: list[tuple[float, Shape, list[list[int]]]] = []
 
         def cutoff() -> float:
-            """Above this lower bound a shape can make the list no more: it is neither in
-            the top k nor within the margin of the best (both only ever shrink)."""
-            kth = best[TOP_K - 1][0] if len(best) >= TOP_K else float("inf")
-            near = best[0][0] * (1 + margin) if best else float("inf")
-            limit = max(kth, near)
-            return min(limit, best[-1][0]) if len(best) >= keep else limit
+            """Above this bound a shape can make no tier (thresholds only shrink)."""
+            if not best:
+                return float("inf")
+            return max(
+                min(
+                    best[0][0] * (1 + margin),
+                    best[count - 1][0] if len(best) >= count else float("inf"),
+                )
+                for count, margin in tiers
+            )
 
-        for bound, shape in bounded:
+        for bound, shape, kinds, counts, tail in visits:
             if bound > cutoff():
                 break
-            kinds = self.kinds(shape)
-            counts = allocate_kinds(kinds, m_total)
-            slowest = max(t.time_s(max(c)) for (t, _n), c in zip(kinds, counts, strict=True))
-            best.append((slowest + self.tail_s(kinds), shape, counts))
+            if exact:
+                slowest = max(
+                    self.pipeline_alone_s(t.length, max(c))
+                    for (t, _n), c in zip(kinds, counts, strict=True)
+                )
+            else:
+                counts = allocate_kinds(kinds, m_total)
+                slowest = max(t.time_s(max(c)) for (t, _n), c in zip(kinds, counts, strict=True))
+            best.append((slowest + tail, shape, counts))
             best.sort(key=lambda r: (r[0], sum(n for _l, n in r[1]), r[1]))
-            del best[keep:]
-        return [r for i, r in enumerate(best) if i < TOP_K or r[0] <= best[0][0] * (1 + margin)]
+            del best[most:]
+        return [
+            r
+            for rank, r in enumerate(best)
+            if any(rank < count and r[0] <= best[0][0] * (1 + margin) for count, margin in tiers)
+        ]
 
     def realise(
         self, *, current: Plan, survivors: Sequence[int], shape: Shape, counts: list[list[int]]
@@ -250,6 +303,25 @@ class Search:
             )
         proposals.sort(key=lambda p: (p.estimate.step_s, p.label))
         return proposals
+
+
+def length_multisets(
+    total: int, lengths: Sequence[int], *, largest: int | None = None
+) -> Iterator[tuple[int, ...]]:
+    """Non-increasing tuples of ``lengths`` whose sum is at most ``total`` (non-empty)."""
+    for n in sorted(lengths, reverse=True):
+        if (largest is not None and n > largest) or n > total:
+            continue
+        yield (n,)
+        for rest in length_multisets(total - n, lengths, largest=n):
+            yield (n, *rest)
+
+
+def _as_shape(lengths: Sequence[int]) -> Shape:
+    counts: dict[int, int] = {}
+    for n in lengths:
+        counts[n] = counts.get(n, 0) + 1
+    return tuple(sorted(counts.items(), reverse=True))
 
 
 def describe_shape(shape: Shape) -> str:

@@ -1,0 +1,101 @@
+"""The ``chameleon`` entry point: the typer app and the one place errors become exits."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Annotated
+
+import typer
+
+from chameleon_cli import __version__
+from chameleon_cli.errors import (
+    INTERRUPTED,
+    USAGE,
+    USER_ERROR,
+    ClickException,
+    UsageError,
+    classify,
+)
+from chameleon_cli.output import error
+from chameleon_cli.plan_cmd import plan
+
+app = typer.Typer(
+    name="chameleon",
+    help="Fault-tolerant replacement for torchrun: keeps training in place and picks the "
+    "recovery policy that finishes the job soonest.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+class _State:
+    debug = bool(os.environ.get("CHAMELEON_DEBUG"))
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"chameleon {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version", callback=_version, is_eager=True, help="Show the version and exit."
+        ),
+    ] = False,
+    debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks for errors.")] = False,
+) -> None:
+    if debug:
+        _State.debug = True
+
+
+app.command("plan")(plan)
+
+
+@app.command("run")
+def run() -> None:
+    """Launch and supervise a training job (torchrun-compatible). Not implemented yet."""
+    raise UsageError("chameleon run is not implemented yet")
+
+
+@app.command("profile")
+def profile() -> None:
+    """Measure per-layer costs and links into a cost table. Not implemented yet."""
+    raise UsageError("chameleon profile is not implemented yet")
+
+
+def main(argv: list[str] | None = None) -> int:
+    command = typer.main.get_command(app)
+    try:
+        code = command.main(args=argv, prog_name="chameleon", standalone_mode=False)
+        return code if isinstance(code, int) else 0
+    except UsageError as exc:
+        error(f"chameleon: usage error: {exc.format_message()}")  # type: ignore[attr-defined]
+        return USAGE
+    except ClickException as exc:
+        error(f"chameleon: error: {exc.format_message()}")  # type: ignore[attr-defined]
+        return exc.exit_code  # type: ignore[attr-defined]
+    except (typer.Abort, KeyboardInterrupt):
+        error("chameleon: interrupted")
+        return INTERRUPTED
+    except Exception as exc:
+        if _State.debug:
+            raise
+        known = classify(exc)
+        if known is None:
+            error(
+                f"chameleon: internal error: {type(exc).__name__}: {exc} (rerun with --debug for a traceback)"
+            )
+            return USER_ERROR
+        code, message = known
+        error(message)
+        return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,70 @@
+"""The one table from exceptions to messages and exit codes.
+
+Exit codes: 0 ok, 1 user or config error, 2 usage, 3 job failed after the recovery
+budget, 130 interrupted. Every error prints as one line on stderr; a traceback only
+with ``--debug`` (or CHAMELEON_DEBUG=1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import typer
+
+from planner.errors import ConfigError
+from planner.layout import LayoutError
+
+OK = 0
+USER_ERROR = 1
+USAGE = 2
+JOB_FAILED = 3
+INTERRUPTED = 130
+
+
+# Typer raises click's exceptions, from its own vendored copy of click in recent versions:
+# take the classes from typer so that either works.
+ClickException: type[Exception] = next(
+    c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException"
+)
+UsageError: type[Exception] = next(
+    c for c in typer.BadParameter.__mro__ if c.__name__ == "UsageError"
+)
+
+
+class UserError(Exception):
+    """Bad input found by a command itself (a missing file, an impossible request)."""
+
+
+class JobFailed(Exception):
+    """The job ran and failed for good; carries the exit code to leave with."""
+
+    def __init__(self, message: str, exit_code: int = JOB_FAILED) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+@dataclass(frozen=True)
+class Rule:
+    kinds: tuple[type[BaseException], ...]
+    exit_code: int
+    prefix: str
+
+
+RULES = (
+    Rule((ConfigError,), USER_ERROR, "config error"),
+    Rule((LayoutError,), USER_ERROR, "impossible layout"),
+    Rule((UserError, FileNotFoundError, IsADirectoryError, PermissionError), USER_ERROR, "error"),
+    Rule((JobFailed,), JOB_FAILED, "job failed"),
+    Rule((KeyboardInterrupt,), INTERRUPTED, "interrupted"),
+)
+
+
+def classify(exc: BaseException) -> tuple[int, str] | None:
+    """(exit code, message lines) for an expected error, None for a bug."""
+    for rule in RULES:
+        if isinstance(exc, rule.kinds):
+            code = exc.exit_code if isinstance(exc, JobFailed) else rule.exit_code
+            text = str(exc) or type(exc).__name__
+            lines = [f"chameleon: {rule.prefix}: {line}" for line in text.splitlines()]
+            return code, "\n".join(lines)
+    return None

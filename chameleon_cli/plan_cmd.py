@@ -1,0 +1,110 @@
+"""``chameleon plan --dry-run``: what the planner would do for a set of failures."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from chameleon_cli.errors import UserError
+from chameleon_cli.output import Output, choose_mode
+from chameleon_cli.plan_view import decision_blocks
+from chameleon_cli.units import parse_duration_s, parse_int_list
+from planner.config import load_job
+from planner.layout import failed_workers, initial_plan
+from planner.policy import Policy
+from planner.report import report
+from planner.search import Search
+from planner.selection import decide
+
+
+def _ranks(values: list[str]) -> list[int]:
+    try:
+        return sorted({r for v in values for r in parse_int_list(v)})
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--fail") from None
+
+
+def _duration(value: str | None, flag: str) -> float | None:
+    if value is None:
+        return None
+    try:
+        seconds = parse_duration_s(value)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint=flag) from None
+    if seconds <= 0:
+        raise typer.BadParameter("must be positive", param_hint=flag)
+    return seconds
+
+
+def plan(
+    config: Annotated[
+        Path,
+        typer.Option("--config", "-c", help="Job config (TOML), e.g. configs/cpu_testbed.toml."),
+    ],
+    fail: Annotated[
+        list[str] | None, typer.Option("--fail", help="Ranks that fail: 3, 3,5 or 0-3. Repeatable.")
+    ] = None,
+    fail_node: Annotated[
+        list[int] | None, typer.Option("--fail-node", help="A node that fails whole. Repeatable.")
+    ] = None,
+    policy: Annotated[
+        Policy | None, typer.Option("--policy", help="Force a policy instead of the best score.")
+    ] = None,
+    mtbf: Annotated[
+        str | None,
+        typer.Option(
+            "--mtbf",
+            help="Time to the next failure D: 900s, 30m, 3h. Default: the config's mtbf_hours.",
+        ),
+    ] = None,
+    since_checkpoint: Annotated[
+        str | None,
+        typer.Option(
+            "--since-checkpoint",
+            help="Work a restart would redo. Default: half the checkpoint interval.",
+        ),
+    ] = None,
+    dry_run: Annotated[
+        bool,
+        typer.Option(
+            "--dry-run",
+            help="Required: plan without touching any job (live plans are made inside chameleon run).",
+        ),
+    ] = False,
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    plain: Annotated[bool, typer.Option("--plain", help="Plain text even on a terminal.")] = False,
+) -> None:
+    """Show every recovery candidate for a failure and the one the planner picks."""
+    if not dry_run:
+        raise typer.BadParameter(
+            "chameleon plan only simulates; add --dry-run", param_hint="--dry-run"
+        )
+    mtbf_s = _duration(mtbf, "--mtbf")
+    since_s = _duration(since_checkpoint, "--since-checkpoint")
+    ranks = _ranks(fail or [])
+    job = load_job(config)
+    current = initial_plan(job)
+    lost = failed_workers(job, ranks=ranks, nodes=fail_node or [])
+    all_ranks = sorted({r for w in lost for r in job.ranks_of(w)})
+
+    # Templates depend on the job only: the launcher builds them at start, before any
+    # failure, so they are timed apart from the search a failure pays for.
+    t0 = time.perf_counter()
+    search = Search(job).warm_up()
+    templates_s = time.perf_counter() - t0
+    decision = decide(
+        job, current, lost, policy=policy, mtbf_s=mtbf_s, since_checkpoint_s=since_s, search=search
+    )
+    out = report(job, decision, failed_ranks=all_ranks, templates_s=templates_s)
+    Output(choose_mode(json=json_out, plain=plain)).show(
+        decision_blocks(out, cluster=job.cluster.name, model=job.model.name), out
+    )
+    if decision.chosen is None:
+        if policy is not None:
+            forced = next(c for c in decision.candidates if c.policy is policy)
+            raise UserError(f"--policy {policy.value} is infeasible: {forced.reason}")
+        reasons = "; ".join(f"{c.policy.value}: {c.reason}" for c in decision.candidates)
+        raise UserError(f"no feasible recovery: {reasons}")

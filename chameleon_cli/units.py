@@ -1,0 +1,72 @@
+"""Parsing and formatting of the quantities commands take and show."""
+
+from __future__ import annotations
+
+import re
+
+_DURATION = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(ms|s|m|min|h|d)?\s*$")
+_SCALE = {"ms": 1e-3, "s": 1.0, None: 1.0, "m": 60.0, "min": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def parse_duration_s(text: str) -> float:
+    """'90', '90s', '15m', '3h', '250ms' -> seconds."""
+    match = _DURATION.match(text)
+    if not match:
+        raise ValueError(f"not a duration: {text!r} (try 90s, 15m or 3h)")
+    return float(match.group(1)) * _SCALE[match.group(2)]
+
+
+def parse_int_list(text: str) -> list[int]:
+    """'3', '3,5', '0-3,8' -> sorted unique integers."""
+    values: set[int] = set()
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        if re.fullmatch(r"\d+-\d+", part):
+            first, last = (int(x) for x in part.split("-"))
+            if last < first:
+                raise ValueError(f"empty range {part!r}")
+            values.update(range(first, last + 1))
+        elif re.fullmatch(r"\d+", part):
+            values.add(int(part))
+        else:
+            raise ValueError(f"not a rank list: {text!r} (try 3 or 3,5 or 0-3)")
+    return sorted(values)
+
+
+def fmt_bytes(num: float | None) -> str:
+    if num is None:
+        return "-"
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(num) >= size:
+            return f"{num / size:.2f} {unit}"
+    return f"{num:.0f} B"
+
+
+def fmt_s(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    if seconds < 1e-3:
+        return f"{seconds * 1e6:.0f} us"
+    if seconds < 1:
+        return f"{seconds * 1e3:.1f} ms"
+    if seconds < 120:
+        return f"{seconds:.2f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.2f} h"
+
+
+def fmt_ranges(values: list[int]) -> str:
+    """[0,1,2,5] -> '0-2,5'."""
+    parts = []
+    values = sorted(values)
+    i = 0
+    while i < len(values):
+        j = i
+        while j + 1 < len(values) and values[j + 1] == values[j] + 1:
+            j += 1
+        parts.append(str(values[i]) if i == j else f"{values[i]}-{values[j]}")
+        i = j + 1
+    return ",".join(parts)

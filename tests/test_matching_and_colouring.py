@@ -1,0 +1,138 @@
+"""Weight migration: matching against brute force, balanced sources, colouring rounds."""
+
+import itertools
+import random
+
+import pytest
+
+from planner.colouring import Task, colour_rounds, rounds_time_s
+from planner.cost import CostModel
+from planner.matching import LostLayers, assign_slots, choose_sources, hungarian, missing_bytes
+from planner.migration import plan_migration
+from planner.plan import pipelines_plan
+from tests.synthetic import uniform_job
+
+
+def test_hungarian_matches_brute_force():
+    rng = random.Random(0)
+    for _ in range(2000):
+        rows, cols = rng.randint(1, 6), 0
+        cols = rng.randint(rows, 7)
+        cost = [
+            [rng.choice([0, 1, 2, 5, 10, rng.random()]) for _ in range(cols)] for _ in range(rows)
+        ]
+        got = hungarian(cost)
+        assert len(set(got)) == rows
+        best = min(
+            sum(cost[i][p[i]] for i in range(rows))
+            for p in itertools.permutations(range(cols), rows)
+        )
+        assert sum(cost[i][got[i]] for i in range(rows)) == pytest.approx(best)
+
+
+def test_assignment_minimises_bytes_received():
+    rng = random.Random(1)
+    job = uniform_job(dp=2, pp=4, num_layers=12)
+    costs = CostModel(job)
+    for _ in range(80):
+        workers = list(range(7))
+        holdings = {}
+        for w in rng.sample(workers, rng.randint(3, 7)):
+            a = rng.randint(0, 11)
+            holdings[w] = (a, rng.randint(a + 1, 12))
+        lengths = rng.choice([[3], [4], [2, 2], [3, 2], [2, 2, 2]])
+        new = []
+        for n in lengths:
+            cuts = sorted(rng.sample(range(1, 12), n - 1))
+            bounds = [0, *cuts, 12]
+            new.append(list(zip(bounds, bounds[1:])))
+        placed = assign_slots(
+            costs, holdings=holdings, old_pipelines=[], new_pipelines=new, workers=workers
+        )
+        flat_slots = [s for p in new for s in p]
+        flat_workers = [w for p in placed for w in p]
+        assert len(set(flat_workers)) == len(flat_workers) == len(flat_slots)
+        got = sum(
+            missing_bytes(costs, holdings.get(w), s) for w, s in zip(flat_workers, flat_slots)
+        )
+        best = min(
+            sum(missing_bytes(costs, holdings.get(w), s) for w, s in zip(perm, flat_slots))
+            for perm in itertools.permutations(workers, len(flat_slots))
+        )
+        assert got == best
+
+
+def test_whole_surviving_pipelines_stay_where_they_are():
+    job = uniform_job(dp=3, pp=2, num_layers=4)
+    costs = CostModel(job)
+    holdings = {0: (0, 2), 1: (2, 4), 2: (0, 2), 3: (2, 4), 4: (0, 2), 5: (2, 4)}
+    placed = assign_slots(
+        costs,
+        holdings=holdings,
+        old_pipelines=[(0, 1), (2, 3), (4, 5)],
+        new_pipelines=[[(0, 2), (2, 4)], [(0, 2), (2, 4)]],
+        workers=[0, 1, 2, 3, 4, 5],
+    )
+    assert placed == [[0, 1], [2, 3]]
+
+
+def test_sources_are_balanced_and_never_slower_than_first_holder():
+    # dp=4 pipelines of 4 stages re-split into 3 pipelines of 5: everyone needs layers.
+    job = uniform_job(dp=4, pp=4, num_layers=20, per_node=4)
+    costs = CostModel(job)
+    holdings = {w: ((w % 4) * 5, (w % 4) * 5 + 5) for w in range(16) if w not in (0, 1, 2, 3)}
+    targets = {w: ((i % 5) * 4, (i % 5) * 4 + 4) for i, w in enumerate(sorted(holdings)[:15])}
+    balanced = choose_sources(costs, holdings=holdings, targets=targets)
+    naive = choose_sources(costs, holdings=holdings, targets=targets, balanced=False)
+
+    def busiest(transfers):
+        load = {}
+        for t in transfers:
+            load[t.src] = load.get(t.src, 0) + t.num_bytes
+        return max(load.values())
+
+    assert sum(t.num_bytes for t in balanced) == sum(t.num_bytes for t in naive)
+    assert busiest(balanced) < busiest(naive)
+
+
+def test_layers_nobody_holds_cannot_migrate():
+    job = uniform_job(dp=1, pp=2, num_layers=4)
+    with pytest.raises(LostLayers, match="lost every replica"):
+        choose_sources(CostModel(job), holdings={1: (2, 4)}, targets={1: (0, 4)})
+
+
+def test_colouring_rounds_never_share_a_worker():
+    rng = random.Random(2)
+    for _ in range(200):
+        tasks = [
+            Task(tuple(rng.sample(range(10), 2)), rng.uniform(0.1, 3))
+            for _ in range(rng.randint(1, 25))
+        ]
+        rounds = colour_rounds(tasks)
+        for r in set(rounds):
+            members = [w for t, x in zip(tasks, rounds) if x == r for w in t.participants]
+            assert len(members) == len(set(members))
+        assert rounds_time_s(tasks, rounds) <= sum(t.duration_s for t in tasks) + 1e-12
+
+
+def test_migration_schedule_beats_naive_on_a_reshaped_plan():
+    job = uniform_job(
+        dp=4,
+        pp=4,
+        num_layers=20,
+        per_node=4,
+        inter=__import__("planner.workload", fromlist=["Link"]).Link(1e9, 1e-4),
+        intra=__import__("planner.workload", fromlist=["Link"]).Link(1e10, 1e-5),
+    )
+    costs = CostModel(job)
+    holdings = {w: ((w % 4) * 5, (w % 4) * 5 + 5) for w in range(4, 16)}
+    target = pipelines_plan(
+        num_layers=20,
+        num_micro_batches=12,
+        pipelines=[[4, 5, 6], [8, 9, 10], [12, 13, 14], [7, 11, 15]],
+        boundaries=[[0, 7, 14, 20]] * 4,
+        micro_batch_counts=[3, 3, 3, 3],
+    )
+    migration = plan_migration(costs, holdings=holdings, target=target)
+    assert migration.num_bytes > 0
+    assert migration.est_time_s < migration.naive_est_time_s

@@ -1,0 +1,52 @@
+"""The fast plan search against the exhaustive reference, on seeded random jobs."""
+
+import random
+
+import pytest
+
+from planner.layout import initial_plan
+from planner.reference import exhaustive
+from planner.search import Search
+from tests.synthetic import random_job, uniform_job
+
+
+@pytest.mark.parametrize("seed", range(120))
+def test_fast_search_is_as_good_as_exhaustive(seed):
+    # Flat landscapes hold dozens of plans within 0.3% of each other, which the ranking
+    # cannot order exactly; on 1,121 seeds the fast search matched or beat the reference
+    # in all but one, by 0.02% there. The bound below is 0.1%.
+    rng = random.Random(seed)
+    job = random_job(rng)
+    current = initial_plan(job)
+    if len(current.workers) < 2:
+        pytest.skip("nothing survives a failure")
+    failed = rng.sample(current.workers, rng.randint(1, min(2, len(current.workers) - 1)))
+    survivors = [w for w in current.workers if w not in failed]
+    fast = Search(job).propose(current, survivors)
+    reference = exhaustive(Search(job), current, survivors)
+    assert bool(fast) == bool(reference)
+    if reference:
+        assert fast[0].estimate.step_s <= reference[0].estimate.step_s * (1 + 1e-3)
+        assert fast[0].estimate.feasible
+
+
+def test_golden_plan_when_memory_forces_three_stages():
+    # 8 identical layers, 2 pipelines of 4; a worker can hold at most 3 layers, so every
+    # pipeline needs 3 or more stages. Worker 5 dies: the intact pipeline stays, the 3
+    # survivors of the other form a 3-stage pipeline, and micro-batches split 10 / 6 so
+    # both finish together ((10 + 3) * 6 = 78 and (6 + 2) * 9 = 72, vs 81 for 9 / 7).
+    job = uniform_job(dp=2, pp=4, num_layers=8, micro_batches=16, memory_bytes=50_000)
+    current = initial_plan(job)
+    best = Search(job).propose(current, [w for w in current.workers if w != 5])[0]
+    assert sorted(len(p) for p in best.plan.pipelines) == [3, 4]
+    assert (0, 1, 2, 3) in best.plan.pipelines
+    short = next(p for p in best.plan.pipelines if len(p) == 3)
+    assert sorted(short) == [4, 6, 7]
+    assert sorted(len(r.micro_batches) for r in best.plan.routes) == [6, 10]
+    assert best.estimate.step_s == pytest.approx(78.0)
+
+
+def test_templates_are_reused_across_decisions():
+    job = uniform_job(dp=2, pp=4, num_layers=8)
+    search = Search(job).warm_up()
+    assert set(search._templates) == set(range(1, 9))

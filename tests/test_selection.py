@@ -1,0 +1,95 @@
+"""Policy selection by expected throughput until the next failure."""
+
+import itertools
+
+import pytest
+
+from planner.estimate import Estimate
+from planner.layout import initial_plan
+from planner.policy import Candidate, Policy, Transition
+from planner.selection import choose, decide, score
+from tests.synthetic import uniform_job
+
+
+def _frozen_clock():
+    return itertools.repeat(0.0).__next__
+
+
+def test_paper_worked_example_flips_at_twenty_seconds():
+    # PAPER.md: B = 10, t_reroute = 2 s, t_dynamic = 1 s, transition 10 s.
+    def reroute(d):
+        return score(global_batch=10, step_s=2.0, transition_s=0.0, mtbf_s=d)
+
+    def dynamic(d):
+        return score(global_batch=10, step_s=1.0, transition_s=10.0, mtbf_s=d)
+
+    assert reroute(20) == pytest.approx(dynamic(20)) == pytest.approx(5.0)
+    assert reroute(19) > dynamic(19)
+    assert dynamic(21) > reroute(21)
+
+
+def test_choose_applies_the_worked_example_to_candidates():
+    job = uniform_job(dp=2, pp=1, num_layers=2, micro_batches=10)
+    plan = initial_plan(job)
+
+    def candidate(policy, step_s, transition_s):
+        est = Estimate(
+            plan=plan, step_s=step_s, memory_bytes={0: 1}, in_flight={0: 1}, limit_bytes=10
+        )
+        return Candidate(
+            policy, plan=plan, estimate=est, transition=Transition(migration_s=transition_s)
+        )
+
+    candidates = [candidate(Policy.REROUTE, 2.0, 0.0), candidate(Policy.REPARALLELIZE, 1.0, 10.0)]
+    assert choose(job, candidates, mtbf_s=15).policy is Policy.REROUTE
+    assert choose(job, candidates, mtbf_s=20).policy is Policy.REROUTE  # tie: least disruptive
+    assert choose(job, candidates, mtbf_s=25).policy is Policy.REPARALLELIZE
+
+
+def test_decision_flips_with_mtbf_on_a_real_plan():
+    # Stage 0 of one of 4 pipelines dies. Its peers absorb its micro-batches in their
+    # bubbles (about 1.15x), cheaper than dropping the pipeline; a 3x4 + 1x3 re-split is
+    # faster still (1.09x) but must move weights over slow links first. Short windows
+    # favour rerouting, long ones the new plan.
+    from planner.workload import Link
+
+    link = Link(1e5, 0.0)
+    job = uniform_job(dp=4, pp=4, num_layers=8, micro_batches=32, intra=link, inter=link)
+    current = initial_plan(job)
+    short = decide(job, current, [0], mtbf_s=2.0, clock=_frozen_clock())
+    long = decide(job, current, [0], mtbf_s=1e6, clock=_frozen_clock())
+    reroute, reparallelize, _restart = long.candidates
+    assert reparallelize.estimate.step_s < reroute.estimate.step_s
+    assert reparallelize.transition.total_s > reroute.transition.total_s
+    assert short.chosen.policy is Policy.REROUTE
+    assert long.chosen.policy is Policy.REPARALLELIZE
+
+
+def test_forced_policy_is_taken_when_feasible_and_refused_when_not():
+    job = uniform_job(dp=2, pp=2, num_layers=4)
+    current = initial_plan(job)
+    forced = decide(job, current, [1], policy=Policy.RESTART, clock=_frozen_clock())
+    assert forced.chosen.policy is Policy.RESTART
+    # Both replicas of stage 0 lost: rerouting has nowhere to send their micro-batches.
+    impossible = decide(job, current, [0, 2], policy=Policy.REROUTE, clock=_frozen_clock())
+    assert impossible.chosen is None
+    assert "lost every replica" in impossible.candidates[0].reason
+
+
+def test_losing_every_replica_of_a_stage_falls_back_to_restart():
+    job = uniform_job(dp=2, pp=2, num_layers=4)
+    decision = decide(job, initial_plan(job), [0, 2], clock=_frozen_clock())
+    reroute, reparallelize, restart = decision.candidates
+    assert not reroute.feasible and not reparallelize.feasible
+    assert "lost every replica" in reparallelize.reason
+    assert decision.chosen is restart
+
+
+def test_restart_uses_spares_at_the_old_size():
+    job = uniform_job(dp=2, pp=2, num_layers=4, per_node=2, spare_nodes=1)
+    decision = decide(job, initial_plan(job), [1], clock=_frozen_clock())
+    restart = decision.candidates[2]
+    assert restart.feasible
+    assert sorted(restart.plan.workers) == [0, 2, 3, 4]  # spare worker 4 replaces 1
+    assert restart.estimate.step_s == pytest.approx(decision.baseline.step_s)
+    assert restart.transition.restart_s == job.cluster.restart_s

@@ -1,0 +1,157 @@
+"""The step graph's timing: 1F1B closed forms, the fast paths equal the general walk,
+and no plan the planner can build deadlocks."""
+
+import random
+
+import pytest
+
+from planner.cost import CostModel
+from planner.estimate import estimate
+from planner.layout import initial_plan
+from planner.plan import Plan, Route, Stage
+from planner.program import build_program, ops_for
+from planner.reroute import reroute_plan
+from planner.timing import ScheduleDeadlock, simulate, simulate_compute, simulate_pipeline
+from tests.synthetic import random_job, uniform_job
+
+
+@pytest.mark.parametrize(
+    ("dp", "pp", "per_pipeline"),
+    [(1, 4, 8), (2, 4, 8), (4, 4, 8), (1, 8, 8), (1, 2, 1), (1, 4, 2), (3, 2, 5)],
+)
+def test_symmetric_1f1b_is_m_plus_p_minus_1_slots(dp, pp, per_pipeline):
+    # PAPER.md: T = (m + p - 1) * (t_f + t_b) for m micro-batches on p stages.
+    job = uniform_job(dp=dp, pp=pp, num_layers=8, micro_batches=dp * per_pipeline)
+    est = estimate(job, initial_plan(job))
+    slot = (1.0 + 2.0) * 8 / pp
+    assert est.step_s == pytest.approx((per_pipeline + pp - 1) * slot)
+
+
+def test_1f1b_keeps_p_minus_k_micro_batches_in_flight():
+    job = uniform_job(dp=1, pp=4, micro_batches=8)
+    est = estimate(job, initial_plan(job))
+    assert [est.in_flight[w] for w in range(4)] == [4, 3, 2, 1]
+    few = uniform_job(dp=1, pp=4, micro_batches=2)
+    assert [estimate(few, initial_plan(few)).in_flight[w] for w in range(4)] == [2, 2, 2, 1]
+
+
+def _random_plans(seeds):
+    for seed in seeds:
+        rng = random.Random(seed)
+        job = random_job(rng)
+        plan = initial_plan(job)
+        yield job, plan
+        if job.training.dp > 1:
+            # Every stage has a peer when dp > 1, so rerouting is always possible.
+            yield job, reroute_plan(plan, rng.sample(plan.workers, 1))
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_deduplicated_estimate_equals_the_full_graph(seed):
+    for job, plan in _random_plans([seed]):
+        full = simulate(build_program(plan, job.model), CostModel(job))
+        assert estimate(job, plan).step_s == pytest.approx(full.step_s, rel=1e-12)
+
+
+def test_phi_grid_equals_the_general_walk_on_random_pipelines():
+    rng = random.Random(7)
+
+    class Costs:
+        """Per-stage times keyed by stage index; transfer cost keyed by receiver."""
+
+        def __init__(self, f, b, cf, cb):
+            self.f, self.b, self.cf, self.cb = f, b, cf, cb
+
+        def forward_s(self, first, end):
+            return self.f[first]
+
+        def backward_s(self, first, end):
+            return self.b[first]
+
+        def boundary_bytes(self, layer):
+            return layer
+
+        def transfer_s(self, src, dst, num_bytes):
+            return self.cf[dst] if src < dst else self.cb[dst]
+
+    for _ in range(500):
+        p, m = rng.randint(1, 7), rng.randint(1, 12)
+        f = [rng.uniform(0.1, 3) for _ in range(p)]
+        b = [rng.uniform(0.1, 5) for _ in range(p)]
+        cf = [0.0] + [rng.uniform(0, 1) for _ in range(p - 1)]
+        cb = [rng.uniform(0, 1) for _ in range(p - 1)] + [0.0]
+        fast = simulate_pipeline(f, b, cf, cb, m)
+        ops = ops_for([Route(0, tuple(range(p)), tuple(range(m)))], {i: i for i in range(m)})
+        general = simulate_compute(ops, {k: (k, k + 1) for k in range(p)}, Costs(f, b, cf, cb))
+        assert fast == pytest.approx([general[k] for k in range(p)])
+
+
+def test_repeated_reroutes_never_deadlock():
+    # Any set of routes ordered by phi is deadlock-free; exercise many random ones.
+    rng = random.Random(3)
+    for _ in range(200):
+        dp, pp = rng.randint(2, 5), rng.randint(1, 5)
+        job = uniform_job(
+            dp=dp,
+            pp=pp,
+            num_layers=max(pp, rng.randint(pp, 10)),
+            micro_batches=dp * rng.randint(1, 6),
+        )
+        plan = initial_plan(job)
+        for _ in range(rng.randint(1, dp - 1)):
+            victim = rng.choice(plan.workers)
+            try:
+                plan = reroute_plan(plan, [victim])
+            except ValueError:
+                break
+            estimate(job, plan)  # raises ScheduleDeadlock if the program could deadlock
+
+
+def test_a_cyclic_program_is_reported_as_a_deadlock():
+    job = uniform_job(dp=1, pp=2, num_layers=2, micro_batches=2)
+    plan = initial_plan(job)
+    program = build_program(plan, job.model)
+    # Make stage 0 run both backwards before any forward: it waits for gradients of
+    # micro-batches it never sent.
+    first = program.workers[0]
+    swapped = tuple(op for op in first.ops if op.kind.value == "B") + tuple(
+        op for op in first.ops if op.kind.value == "F"
+    )
+    broken = type(program)(
+        plan,
+        (
+            type(first)(
+                first.worker,
+                first.first_layer,
+                first.end_layer,
+                swapped,
+                first.buckets,
+                first.max_in_flight,
+            ),
+            program.workers[1],
+        ),
+        program.buckets,
+    )
+    with pytest.raises(ScheduleDeadlock, match="wait on each other"):
+        simulate(broken, CostModel(job))
+
+
+def test_communication_and_commit_add_to_the_step():
+    from planner.workload import Link
+
+    free = uniform_job(dp=2, pp=2, num_layers=4, micro_batches=4)
+    slow = uniform_job(
+        dp=2, pp=2, num_layers=4, micro_batches=4, intra=Link(1e3, 0.01), commit_s=0.5
+    )
+    assert (
+        estimate(slow, initial_plan(slow)).step_s > estimate(free, initial_plan(free)).step_s + 0.5
+    )
+
+
+def test_plan_rejects_routes_that_skip_layers():
+    with pytest.raises(ValueError, match="skips or repeats"):
+        Plan(4, 1, (Stage(0, 0, 2), Stage(1, 3, 4)), (Route(0, (0, 1), (0,)),))
+    with pytest.raises(ValueError, match="routed twice"):
+        Plan(2, 1, (Stage(0, 0, 2), Stage(1, 0, 2)), (Route(0, (0,), (0,)), Route(1, (1,), (0,))))
+    with pytest.raises(ValueError, match="not routed"):
+        Plan(2, 2, (Stage(0, 0, 2),), (Route(0, (0,), (0,)),))
