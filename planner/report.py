@@ -88,8 +88,9 @@ class DecisionReport(BaseModel):
     chosen: ChosenOut | None
     candidates: list[CandidateOut]
     migration: MigrationOut  # of the chosen candidate (zero unless it moves weights)
-    search_ms: float
-    templates_ms: float  # computed once at job start, before any failure
+    search_ms: float  # the reparallelize plan search
+    decision_ms: float  # every policy evaluated and one chosen
+    templates_ms: float  # templates and shape ranking, prepared at job start
 
 
 def layout_of(job: Job, plan: Plan) -> LayoutOut:
@@ -186,5 +187,6 @@ def report(
         if chosen is not None
         else migration_out(Migration((), (), 0.0, 0.0)),
         search_ms=decision.search_s * 1000,
+        decision_ms=decision.decision_s * 1000,
         templates_ms=templates_s * 1000,
     )

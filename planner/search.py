@@ -49,7 +49,7 @@ Shape = tuple[tuple[int, int], ...]  # (pipeline length, how many), longest firs
 KEEP = ((3, float("inf")),)
 SMALL_CLUSTER = 32
 ALL_SHAPES = 16
-KEEP_SMALL = ((3, float('inf')), (64, 0.003))
+KEEP_SMALL = ((3, float("inf")), (64, 0.003))
 COUNT_SLACK = 3
 
 
@@ -76,11 +76,16 @@ class Search:
         self._templates: dict[int, Template | None] = {}
         self.memo: Memo = {}  # timings of distinct pipelines, shared by every estimate
         self._alone: dict[tuple[int, int], float] = {}
+        self._ranked: dict[int, list[tuple[float, Shape, list[list[int]]]]] = {}
 
-    def warm_up(self) -> Search:
-        """Compute every template the job can use, ahead of any failure."""
+    def warm_up(self, *, failures: int = 1) -> Search:
+        """Ahead of any failure: every template the job can use, and the shape ranking for
+        up to ``failures`` lost workers (it depends on how many survive, not on which)."""
         for length in range(1, min(self.job.num_workers, self.job.model.num_layers) + 1):
             self.template(length)
+        for lost in range(1, failures + 1):
+            if self.job.num_workers > lost:
+                self.rank_shapes(self.job.num_workers - lost)
         return self
 
     def estimate(self, plan: Plan) -> Estimate:
@@ -165,6 +170,12 @@ class Search:
         return [(self.template(n), count) for n, count in shape]  # type: ignore[misc]
 
     def rank_shapes(self, num_workers: int) -> list[tuple[float, Shape, list[list[int]]]]:
+        """``_rank_shapes``, memoised per number of workers."""
+        if num_workers not in self._ranked:
+            self._ranked[num_workers] = self._rank_shapes(num_workers)
+        return self._ranked[num_workers]
+
+    def _rank_shapes(self, num_workers: int) -> list[tuple[float, Shape, list[list[int]]]]:
         """The shapes worth timing on the real graph, best first, with their micro-batch
         counts. A shape is kept if for some tier (count, margin) of ``KEEP`` (or
         ``KEEP_SMALL``) it ranks within the first ``count`` and within ``margin`` of the

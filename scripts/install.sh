@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Install chameleon for development. A CPU build of torch 2.13.0 goes in first when no
+# torch is installed: an unpinned torch would pull several GB of CUDA wheels.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+if ! "$PYTHON" -c "import torch" >/dev/null 2>&1; then
+    "$PYTHON" -m pip install --quiet torch==2.13.0
+fi
+"$PYTHON" -m pip install --quiet -e '.[dev]'

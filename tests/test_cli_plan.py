@@ -1,0 +1,133 @@
+"""``chameleon plan --dry-run`` as a user runs it: a real process, real exit codes."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+TESTBED = str(ROOT / "configs" / "cpu_testbed.toml")
+ASCEND = str(ROOT / "configs" / "ascend910b_32_gpt13b.toml")
+
+
+def chameleon(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "chameleon_cli.app", *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+    )
+
+
+def test_json_has_the_documented_fields():
+    result = chameleon("plan", "--dry-run", "--config", TESTBED, "--fail", "3", "--json")
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    assert out["failed"] == [3]
+    assert {"policy", "step_time_s", "transition_s", "score", "layout"} <= out["chosen"].keys()
+    assert [c["policy"] for c in out["candidates"]] == ["reroute", "reparallelize", "restart"]
+    for c in out["candidates"]:
+        assert {
+            "policy",
+            "feasible",
+            "reason",
+            "step_time_s",
+            "peak_memory_bytes",
+            "transition_s",
+            "score",
+        } <= c.keys()
+    assert {"bytes", "rounds", "est_time_s", "naive_est_time_s"} <= out["migration"].keys()
+    assert out["search_ms"] > 0
+    chosen = next(c for c in out["candidates"] if c["policy"] == out["chosen"]["policy"])
+    assert chosen["score"] == max(c["score"] for c in out["candidates"] if c["feasible"])
+
+
+def test_forced_policy_and_node_failure():
+    result = chameleon(
+        "plan", "--dry-run", "-c", ASCEND, "--fail-node", "0", "--policy", "reroute", "--json"
+    )
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    assert out["failed"] == list(range(8))
+    assert out["chosen"]["policy"] == "reroute"
+    assert out["chosen"]["layout"]["num_workers"] == 12
+
+
+def test_losing_a_whole_stage_falls_back_to_restart_and_says_why():
+    # The test bed is 2 pipelines of 4 (workers 0-3 and 4-7): 0 and 4 are both stage 0.
+    result = chameleon("plan", "--dry-run", "-c", TESTBED, "--fail", "0,4", "--json")
+    out = json.loads(result.stdout)
+    assert out["chosen"]["policy"] == "restart"
+    reroute = out["candidates"][0]
+    assert not reroute["feasible"] and "lost every replica" in reroute["reason"]
+
+
+def test_forced_infeasible_policy_exits_1_with_the_reason():
+    result = chameleon(
+        "plan", "--dry-run", "-c", TESTBED, "--fail", "0,4", "--policy", "reroute", "--plain"
+    )
+    assert result.returncode == 1
+    assert (
+        result.stderr.strip()
+        .splitlines()[-1]
+        .startswith("chameleon: error: --policy reroute is infeasible")
+    )
+
+
+def test_plain_output_shows_candidates_and_migration():
+    result = chameleon("plan", "--dry-run", "-c", ASCEND, "--fail-node", "0", "--plain")
+    assert result.returncode == 0, result.stderr
+    for needle in (
+        "Candidates",
+        "reroute",
+        "reparallelize",
+        "restart",
+        "Layout",
+        "Migration schedule",
+        "naive",
+    ):
+        assert needle in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "message"),
+    [
+        (["plan", "--dry-run", "-c", "/nonexistent.toml"], 1, "config file not found"),
+        (["plan", "-c", TESTBED], 2, "add --dry-run"),
+        (["plan", "--dry-run", "-c", TESTBED, "--fail", "99"], 1, "rank 99 is not in the cluster"),
+        (["plan", "--dry-run", "-c", TESTBED, "--fail", "x"], 2, "not a rank list"),
+        (["plan", "--dry-run", "-c", TESTBED, "--mtbf", "soon"], 2, "not a duration"),
+        (["plan", "--bogus"], 2, "No such option: --bogus"),
+        (["frobnicate"], 2, "No such command"),
+    ],
+)
+def test_bad_input_is_one_line_without_traceback(args, code, message):
+    result = chameleon(*args)
+    assert result.returncode == code
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0]
+    assert "Traceback" not in result.stderr
+
+
+def test_malformed_config_lists_each_field(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[cluster]\nname = 'x'\nnum_nodes = 0\n")
+    result = chameleon("plan", "--dry-run", "-c", str(bad))
+    assert result.returncode == 1
+    assert "cluster.num_nodes" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_debug_shows_the_traceback():
+    result = chameleon("--debug", "plan", "--dry-run", "-c", "/nonexistent.toml")
+    assert result.returncode == 1
+    assert "Traceback" in result.stderr
+
+
+def test_version_and_help():
+    assert chameleon("--version").stdout.startswith("chameleon ")
+    help_text = chameleon("--help").stdout
+    for command in ("run", "plan", "profile"):
+        assert command in help_text
