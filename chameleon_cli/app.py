@@ -19,6 +19,7 @@ from chameleon_cli.errors import (
 )
 from chameleon_cli.output import error
 from chameleon_cli.plan_cmd import plan
+from chameleon_cli.run_cmd import CONTEXT, run
 
 app = typer.Typer(
     name="chameleon",
@@ -55,12 +56,7 @@ def _root(
 
 
 app.command("plan")(plan)
-
-
-@app.command("run")
-def run() -> None:
-    """Launch and supervise a training job (torchrun-compatible). Not implemented yet."""
-    raise UsageError("chameleon run is not implemented yet")
+app.command("run", context_settings=CONTEXT, add_help_option=False)(run)
 
 
 @app.command("profile")

@@ -1,0 +1,51 @@
+"""``chameleon run``: the launcher, as a torchrun replacement (arguments parsed by
+launcher.args so that torchrun's spellings and pass-through semantics hold exactly)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import typer
+
+from chameleon_cli.errors import UsageError, UserError
+from chameleon_cli.output import Output, choose_mode, error
+from chameleon_cli.run_view import outcome_blocks
+from launcher.agent import Agent, JobError
+from launcher.args import ArgsError, parse_run_args, run_help
+from launcher.workers import Console
+
+CONTEXT = {"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []}
+
+
+def run(ctx: typer.Context) -> None:
+    """Launch and supervise a training job (torchrun-compatible flags; see chameleon run --help)."""
+    argv = list(ctx.args)
+    if not argv or argv[0] in ("-h", "--help"):
+        sys.stdout.write(run_help())
+        return
+    try:
+        args = parse_run_args(argv)
+    except ArgsError as exc:
+        raise UsageError(str(exc)) from None
+    if not (args.module or args.no_python) and not os.path.isfile(args.script):
+        raise UserError(f"training script not found: {args.script}")
+    console = Console()
+    agent = Agent(args, console=console)
+    error(f"chameleon: run {agent.run_id}: logs in {agent.run_dir}, events in {agent.events.path}")
+    try:
+        outcome = agent.run()
+    except JobError as exc:
+        raise UserError(str(exc)) from None
+    mode = choose_mode(json=False, plain=args.plain, stream=sys.stderr)
+    Output(mode, stream=sys.stderr).show(
+        outcome_blocks(
+            exit_code=outcome.exit_code,
+            reason=outcome.reason,
+            failures=outcome.failures,
+            events=agent.events.records,
+            run_dir=str(outcome.run_dir),
+            events_path=str(agent.events.path),
+        )
+    )
+    raise typer.Exit(outcome.exit_code)

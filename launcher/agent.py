@@ -1,0 +1,438 @@
+"""The agent: one per node. Joins the job, runs this node's workers round after round, and
+carries out the leader's decisions (``launcher.supervisor.decide``).
+
+Every agent runs the same loop; the one hosting the control store is the leader and also
+gathers the job-wide view (failures from every node, finished nodes, heartbeats, waiting
+nodes), decides, and publishes the decision. If the leader's node is lost, the store goes
+with it: the other agents stop their workers and exit (as with torchrun's c10d store).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from launcher.args import RunArgs
+from launcher.events import EventLog
+from launcher.local import LocalGroup, RoundSettings, worker_command
+from launcher.rendezvous import ControlPlane, RendezvousError, World
+from launcher.store import StoreError, host_store
+from launcher.supervisor import Action, Failure, FailureKind, RoundView, decide, root_cause
+from launcher.workers import Console, Reaper
+
+HEARTBEAT_PERIOD_S = 1.0
+FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+# Workers of a failed round are useless (their collectives are broken): give them a short
+# grace to flush, not the full shutdown timeout.
+RESTART_GRACE_S = 2.0
+
+
+@dataclass
+class Outcome:
+    exit_code: int
+    reason: str
+    failures: list[Failure]
+    run_dir: Path
+
+
+class JobError(RuntimeError):
+    """The job could not be set up or lost its control plane; ``str()`` is one line."""
+
+
+class Agent:
+    def __init__(self, args: RunArgs, *, console: Console, events_listener=None) -> None:
+        self.args = args
+        self.console = console
+        self.run_id = (
+            args.rdzv_id if args.rdzv_id != "none" or not args.standalone else uuid.uuid4().hex[:12]
+        )
+        base = (
+            Path(args.log_dir)
+            if args.log_dir
+            else Path(os.environ.get("TMPDIR", "/tmp")) / "chameleon"
+        )
+        self.run_dir = base / f"{self.run_id}_{uuid.uuid4().hex[:6]}"
+        events_path = Path(args.events) if args.events else self.run_dir / "events.jsonl"
+        self.events = EventLog(events_path)
+        if events_listener is not None:
+            self.events.listen(events_listener)
+        self.command = worker_command(
+            args.script,
+            args.script_args,
+            module=args.module,
+            no_python=args.no_python,
+            run_path=args.run_path,
+        )
+        self._signal: int | None = None
+        self._stop_heartbeat = threading.Event()
+        self.failures: list[Failure] = []
+        self.restarts_used = 0
+        self.control: ControlPlane | None = None
+        self.reaper: Reaper | None = None
+        # Leader: the last round's world, and when each node's heartbeat last moved.
+        self._last_world: World | None = None
+        self._beat_seen: dict[str, float] = {}
+
+    # -- signals ---------------------------------------------------------------------
+
+    def _on_signal(self, signum: int, _frame: object) -> None:
+        if self._signal is None:
+            self._signal = signum
+
+    def _install_signals(self) -> None:
+        for signum in FORWARDED_SIGNALS:
+            signal.signal(signum, self._on_signal)
+
+    # -- setup -----------------------------------------------------------------------
+
+    def _endpoint(self) -> tuple[str, int, bool | None]:
+        a = self.args
+        if a.standalone:
+            return "127.0.0.1", 0, True
+        if a.rdzv_backend == "c10d":
+            if not a.rdzv_endpoint:
+                raise JobError("--rdzv-backend c10d needs --rdzv-endpoint HOST:PORT")
+            host, _, port = a.rdzv_endpoint.rpartition(":")
+            if not host:
+                host, port = a.rdzv_endpoint, "29400"
+            if not port.isdigit():
+                raise JobError(f"--rdzv-endpoint must be HOST:PORT, got {a.rdzv_endpoint!r}")
+            return host, int(port), None
+        if a.rdzv_endpoint:
+            host, _, port = a.rdzv_endpoint.rpartition(":")
+            return host or a.master_addr, int(port or a.master_port), a.node_rank == 0
+        return a.master_addr, a.master_port, a.node_rank == 0
+
+    def _heartbeat(self, control: ControlPlane) -> None:
+        # A separate client: the main thread's store connection is not shared across threads.
+        from launcher.store import connect_store
+
+        try:
+            store = connect_store(control.addr, control.port, timeout_s=10)
+        except StoreError:
+            return
+        beat = ControlPlane(
+            store,
+            control.run_id,
+            control.key,
+            is_leader=False,
+            addr=control.addr,
+            port=control.port,
+        )
+        while not self._stop_heartbeat.wait(HEARTBEAT_PERIOD_S):
+            try:
+                beat.beat()
+            except Exception:
+                return
+
+    # -- the loop --------------------------------------------------------------------
+
+    def run(self) -> Outcome:
+        a = self.args
+        self._install_signals()
+        addr, port, want_leader = self._endpoint()
+        join_timeout = float(a.rdzv_conf.get("join_timeout", 600))
+        try:
+            control = ControlPlane.open(
+                run_id=self.run_id,
+                addr=addr,
+                port=port,
+                want_leader=want_leader,
+                timeout_s=join_timeout,
+            )
+        except (StoreError, RendezvousError) as exc:
+            raise JobError(str(exc)) from None
+        self.control = control
+        control.beat()
+        threading.Thread(
+            target=self._heartbeat, args=(control,), name="heartbeat", daemon=True
+        ).start()
+        self.events.emit(
+            "start",
+            run_id=self.run_id,
+            leader=control.is_leader,
+            control=f"{control.addr}:{control.port}",
+            nnodes=f"{a.min_nodes}:{a.max_nodes}",
+            nproc_per_node=a.nproc_per_node,
+            command=self.command,
+            run_dir=str(self.run_dir),
+        )
+        self.reaper = Reaper()
+        attempt = 0
+        try:
+            while True:
+                result = self._round(control, attempt)
+                if isinstance(result, Outcome):
+                    return result
+                attempt = result
+        finally:
+            self._stop_heartbeat.set()
+            self.reaper.close()
+
+    def _round(self, control: ControlPlane, attempt: int) -> int | Outcome:
+        """Run one round; the next attempt's number, or the job's outcome."""
+        a = self.args
+        host = a.local_addr or socket.gethostname()
+        my_rank = 0 if control.is_leader and a.rdzv_backend != "static" else a.node_rank
+        control.join(attempt, node_rank=my_rank, nproc=a.nproc_per_node, host=host)
+        world = self._world(control, attempt)
+        if world is None:
+            return self._finish(
+                130 if self._signal == signal.SIGINT else 128 + (self._signal or 0),
+                "interrupted while joining",
+            )
+        me = world.node(control.key)
+        if me is None:  # formed without us: wait for the next round
+            self.events.emit("waiting", attempt=attempt)
+            return attempt + 1
+        if control.is_leader:
+            self.events.emit(
+                "round_started",
+                attempt=attempt,
+                world_size=world.world_size,
+                nodes=len(world.nodes),
+            )
+        group = LocalGroup(
+            RoundSettings(
+                attempt=attempt,
+                node_rank=me.node_rank,
+                num_nodes=len(world.nodes),
+                rank_offset=me.rank_offset,
+                world_size=world.world_size,
+                nproc=me.nproc,
+                role=a.role,
+                master_addr=world.worker_addr,
+                master_port=world.worker_port,
+                max_restarts=a.max_restarts,
+                run_id=self.run_id,
+                log_dir=self.run_dir,
+                redirects=a.redirects,
+                tee=a.tee,
+                local_ranks_filter=a.local_ranks_filter,
+                heartbeat_timeout_s=a.heartbeat_timeout_s,
+            ),
+            self.command,
+            console=self.console,
+            faults=a.faults,
+            emit=self.events.emit,
+            base_env=dict(os.environ),
+            reaper=self.reaper,
+        )
+        group.start()
+        if attempt > 0 and control.is_leader:
+            self.events.emit(
+                "recovered", attempt=attempt, policy="restart", world_size=world.world_size
+            )
+        return self._monitor(control, world, group)
+
+    def _world(self, control: ControlPlane, attempt: int) -> World | None:
+        a = self.args
+        timeout = float(a.rdzv_conf.get("join_timeout", 600))
+        if control.is_leader:
+            # A fresh store for this attempt's workers (see launcher/store.py for why).
+            self._worker_store = host_store(control.addr, 0, timeout_s=timeout)
+            try:
+                world = control.form_world(
+                    attempt,
+                    min_nodes=a.min_nodes,
+                    max_nodes=a.max_nodes,
+                    static_ranks=a.rdzv_backend == "static" and not a.standalone,
+                    worker_addr=control.addr,
+                    worker_port=self._worker_store.port,
+                    last_call_s=float(a.rdzv_conf.get("last_call_timeout", 1.0)),
+                    timeout_s=timeout,
+                )
+            except RendezvousError as exc:
+                raise JobError(str(exc)) from None
+            self._record_missing_nodes(world)
+            self._last_world = world
+            return world
+        deadline = time.monotonic() + timeout
+        while True:
+            if self._signal is not None:
+                return None
+            try:
+                world = control.world(attempt)
+            except Exception:
+                raise JobError("lost the control store (the leader's node is gone)") from None
+            if world is not None:
+                return world
+            if time.monotonic() > deadline:
+                raise JobError(f"round {attempt} did not form within {timeout:g} s")
+            time.sleep(0.05)
+
+    def _record_missing_nodes(self, world: World) -> None:
+        """Nodes of the last round that did not come back were lost; record them, dated by
+        their last heartbeat, so that a node loss noticed only now (its workers' peers
+        crashed first) still shows as the root cause."""
+        last = self._last_world
+        if last is None:
+            return
+        for node in last.nodes:
+            if world.node(node.key) is not None or any(
+                f.kind is FailureKind.NODE_LOST
+                and f.node == node.node_rank
+                and f.attempt == last.attempt
+                for f in self.failures
+            ):
+                continue
+            silent_since = self._beat_seen.get(node.key, time.time())
+            self.events.emit(
+                "node_lost",
+                node=node.node_rank,
+                host=node.host,
+                silent_s=time.time() - silent_since,
+            )
+            for local in range(node.nproc):
+                failure = Failure(
+                    rank=node.rank_offset + local,
+                    node=node.node_rank,
+                    kind=FailureKind.NODE_LOST,
+                    attempt=last.attempt,
+                    failed_at=silent_since,
+                    detected_at=time.time(),
+                    message=f"agent on {node.host} did not rejoin",
+                )
+                self.events.emit("failure", **failure.to_json())
+                self.failures.append(failure)
+
+    def _monitor(self, control: ControlPlane, world: World, group: LocalGroup) -> int | Outcome:
+        a = self.args
+        keys = [n.key for n in world.nodes]
+        beats = {k: (control.beats(k), time.monotonic()) for k in keys}
+        for k in keys:
+            self._beat_seen.setdefault(k, time.time())
+        lost: set[str] = set()
+        reported_done = False
+        while True:
+            time.sleep(a.monitor_interval_s)
+            try:
+                for failure in group.poll():
+                    self.events.emit("failure", **failure.to_json())
+                    control.report_failure(failure)
+                if group.all_finished and not reported_done:
+                    control.report_done(world.attempt)
+                    reported_done = True
+                if control.is_leader:
+                    self._lead(control, world, keys, beats, lost)
+                decision = control.decision(world.attempt)
+            except (StoreError, RuntimeError) as exc:
+                if control.is_leader:
+                    raise
+                group.stop(grace_s=RESTART_GRACE_S)
+                self.events.emit("leader_lost", detail=str(exc).splitlines()[0])
+                return self._finish(3, "lost the control store (the leader's node is gone)")
+            if self._signal is not None and not control.is_leader:
+                return self._interrupted(group)
+            if decision is None:
+                continue
+            if not control.is_leader:
+                control.acknowledge(world.attempt)
+            if decision["action"] == Action.RESTART:
+                group.stop(grace_s=RESTART_GRACE_S)
+                self.events.emit("restart", attempt=world.attempt + 1, reason=decision["reason"])
+                return world.attempt + 1
+            if self._signal is not None:
+                outcome = self._interrupted(group)
+            else:
+                group.stop(
+                    grace_s=RESTART_GRACE_S if decision["exit_code"] else a.shutdown_timeout_s
+                )
+                outcome = self._finish(decision["exit_code"], decision["reason"])
+            if control.is_leader:
+                control.wait_acknowledged(
+                    world.attempt, [k for k in keys if k not in lost], timeout_s=5.0
+                )
+            return outcome
+
+    def _lead(
+        self, control: ControlPlane, world: World, keys: list[str], beats: dict, lost: set[str]
+    ) -> None:
+        a = self.args
+        now = time.monotonic()
+        for node in world.nodes:
+            if node.key == control.key or node.key in lost:
+                continue
+            count = control.beats(node.key)
+            if count != beats[node.key][0]:
+                beats[node.key] = (count, now)
+                self._beat_seen[node.key] = time.time()
+            elif now - beats[node.key][1] >= a.heartbeat_timeout_s:
+                lost.add(node.key)
+                silent_since = time.time() - (now - beats[node.key][1])
+                self.events.emit(
+                    "node_lost",
+                    node=node.node_rank,
+                    host=node.host,
+                    silent_s=now - beats[node.key][1],
+                )
+                for local in range(node.nproc):
+                    failure = Failure(
+                        rank=node.rank_offset + local,
+                        node=node.node_rank,
+                        kind=FailureKind.NODE_LOST,
+                        attempt=world.attempt,
+                        failed_at=silent_since,
+                        detected_at=time.time(),
+                        message=f"agent on {node.host} stopped heartbeating",
+                    )
+                    self.events.emit("failure", **failure.to_json())
+                    control.report_failure(failure)
+        if control.decision(world.attempt) is not None:
+            return
+        failures = control.failures(world.attempt)
+        waiting = len(control.joined(world.attempt + 1))
+        view = RoundView(
+            attempt=world.attempt,
+            restarts_used=self.restarts_used,
+            max_restarts=a.max_restarts,
+            min_nodes=a.min_nodes,
+            max_nodes=a.max_nodes,
+            nodes=len(world.nodes),
+            nodes_lost=len(lost),
+            nodes_done=control.done(world.attempt, [k for k in keys if k not in lost]),
+            nodes_waiting=waiting,
+            failures=tuple(failures),
+            stop_signal=self._signal,
+        )
+        decision = decide(view)
+        if decision.action is Action.CONTINUE:
+            return
+        self.failures = self.failures + [f for f in failures if f not in self.failures]
+        if decision.counts_as_restart:
+            self.restarts_used += 1
+        cause = root_cause(failures)
+        self.events.emit(
+            "decision",
+            attempt=world.attempt,
+            action=decision.action.value,
+            reason=decision.reason,
+            exit_code=decision.exit_code,
+            policy="restart" if decision.action is Action.RESTART else None,
+            root_rank=cause.rank if cause else None,
+        )
+        control.decide(
+            world.attempt,
+            {
+                "action": decision.action.value,
+                "reason": decision.reason,
+                "exit_code": decision.exit_code,
+            },
+        )
+
+    def _interrupted(self, group: LocalGroup) -> Outcome:
+        signum = self._signal or signal.SIGTERM
+        self.events.emit("interrupted", signal=signum)
+        group.stop(signum=signum, grace_s=self.args.shutdown_timeout_s)
+        return self._finish(128 + signum, f"stopped by signal {signum}")
+
+    def _finish(self, code: int, reason: str) -> Outcome:
+        self.events.emit("exit", exit_code=code, reason=reason)
+        self.events.close()
+        return Outcome(exit_code=code, reason=reason, failures=self.failures, run_dir=self.run_dir)

@@ -1,0 +1,298 @@
+"""This node's workers for one round: start them, watch them, inject faults, stop them.
+
+Detection, per worker, every monitor interval:
+- crash: the process exited non-zero or by a signal (polled, so within one interval);
+- hang: psutil shows it stopped, zombie or in uninterruptible sleep for longer than the
+  heartbeat timeout, or (workers using chameleon_runtime) its heartbeat in the store went
+  stale for that long. A hung worker is SIGKILLed at once so that its peers' collectives
+  fail fast instead of waiting out the backend timeout.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+from launcher.environment import WorkerIdentity, worker_env
+from launcher.faults import FaultKind, FaultSpec
+from launcher.supervisor import Failure, FailureKind
+from launcher.workers import Console, Reaper, Worker, signal_worker, start_worker, stop_workers
+
+_BAD_STATUSES = {
+    psutil.STATUS_STOPPED,
+    psutil.STATUS_TRACING_STOP,
+    psutil.STATUS_ZOMBIE,
+    psutil.STATUS_DISK_SLEEP,
+}
+
+RUN_PATH_SNIPPET = (
+    "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+)
+
+
+def worker_command(
+    script: str, args: Sequence[str], *, module: bool, no_python: bool, run_path: bool
+) -> list[str]:
+    """torchrun's: python -u SCRIPT, python -u -m MODULE, SCRIPT (--no-python), or
+    runpy.run_path in a fresh interpreter (--run-path)."""
+    if run_path:
+        return [sys.executable, "-u", "-c", RUN_PATH_SNIPPET, script, *args]
+    if no_python:
+        return [script, *args]
+    if module:
+        return [sys.executable, "-u", "-m", script, *args]
+    return [sys.executable, "-u", script, *args]
+
+
+@dataclass
+class RoundSettings:
+    attempt: int
+    node_rank: int
+    num_nodes: int
+    rank_offset: int
+    world_size: int
+    nproc: int
+    role: str
+    master_addr: str
+    master_port: int
+    max_restarts: int
+    run_id: str
+    log_dir: Path
+    redirects: dict[int, int]
+    tee: dict[int, int]
+    local_ranks_filter: frozenset[int] | None
+    heartbeat_timeout_s: float
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+
+class LocalGroup:
+    def __init__(
+        self,
+        settings: RoundSettings,
+        command: list[str],
+        *,
+        console: Console,
+        faults: Sequence[FaultSpec],
+        emit: Callable[..., object],
+        base_env: dict[str, str],
+        worker_heartbeat: Callable[[int], dict | None] | None = None,
+        reaper: Reaper | None = None,
+    ) -> None:
+        self.s = settings
+        self.command = command
+        self.console = console
+        self.emit = emit
+        self.base_env = base_env
+        self.worker_heartbeat = worker_heartbeat
+        self.reaper = reaper
+        self.workers: dict[int, Worker] = {}
+        self.finished: set[int] = set()
+        self.failed: dict[int, Failure] = {}
+        self._bad_since: dict[int, float] = {}
+        self._last_step: dict[int, tuple[object, float]] = {}
+        self._faults = [
+            f for f in faults if f.attempt == settings.attempt and self._is_local(f.rank)
+        ]
+        self._fault_times: dict[int, float] = {}
+        self._started_at = 0.0
+
+    def _is_local(self, rank: int) -> bool:
+        return self.s.rank_offset <= rank < self.s.rank_offset + self.s.nproc
+
+    def start(self) -> None:
+        self._started_at = time.time()
+        for local_rank in range(self.s.nproc):
+            rank = self.s.rank_offset + local_rank
+            log_dir = self.s.log_dir / f"attempt_{self.s.attempt}" / str(rank)
+            who = WorkerIdentity(
+                rank=rank,
+                local_rank=local_rank,
+                world_size=self.s.world_size,
+                local_world_size=self.s.nproc,
+                group_rank=self.s.node_rank,
+                group_world_size=self.s.num_nodes,
+                role=self.s.role,
+                role_rank=rank,
+                role_world_size=self.s.world_size,
+            )
+            env = worker_env(
+                self.base_env,
+                who,
+                master_addr=self.s.master_addr,
+                master_port=self.s.master_port,
+                restart_count=self.s.attempt,
+                max_restarts=self.s.max_restarts,
+                run_id=self.s.run_id,
+                error_file=str(log_dir / "error.json"),
+                chameleon=self.s.extra_env,
+            )
+            show = self.s.local_ranks_filter is None or local_rank in self.s.local_ranks_filter
+            self.workers[rank] = start_worker(
+                self.command,
+                env,
+                rank=rank,
+                local_rank=local_rank,
+                log_dir=log_dir,
+                redirect=self.s.redirects.get(local_rank, 0),
+                tee=self.s.tee.get(local_rank, 0),
+                console=self.console,
+                show_on_console=show,
+                reaper=self.reaper,
+            )
+        self.emit(
+            "workers_started",
+            attempt=self.s.attempt,
+            node=self.s.node_rank,
+            ranks=sorted(self.workers),
+            pids=[self.workers[r].pid for r in sorted(self.workers)],
+        )
+
+    @property
+    def all_finished(self) -> bool:
+        return len(self.finished) == len(self.workers)
+
+    def poll(self) -> list[Failure]:
+        """New failures since the last poll (crashes, hangs), after injecting due faults."""
+        now = time.time()
+        self._inject(now)
+        new: list[Failure] = []
+        for rank, worker in self.workers.items():
+            if rank in self.finished or rank in self.failed:
+                continue
+            code = worker.poll()
+            if code is None:
+                hang = self._hang_reason(rank, worker, now)
+                if hang is not None:
+                    signal_worker(worker, signal.SIGKILL)
+                    new.append(self._failure(rank, worker, FailureKind.HANG, now, None, hang))
+                continue
+            if code == 0:
+                self.finished.add(rank)
+                continue
+            kind = FailureKind.SIGNAL if code < 0 else FailureKind.EXIT
+            new.append(self._failure(rank, worker, kind, now, code, _last_error_line(worker)))
+        for failure in new:
+            self.failed[failure.rank] = failure
+        return new
+
+    def _failure(
+        self,
+        rank: int,
+        worker: Worker,
+        kind: FailureKind,
+        now: float,
+        code: int | None,
+        message: str,
+    ) -> Failure:
+        failed_at = self._fault_times.get(rank)
+        if failed_at is None and kind is FailureKind.HANG:
+            failed_at = self._bad_since.get(rank, now)
+        logs = worker.log_files()
+        return Failure(
+            rank=rank,
+            node=self.s.node_rank,
+            kind=kind,
+            attempt=self.s.attempt,
+            failed_at=failed_at if failed_at is not None else now,
+            detected_at=now,
+            exit_code=code,
+            message=message,
+            log_file=str(logs[-1]) if logs else None,
+        )
+
+    def _hang_reason(self, rank: int, worker: Worker, now: float) -> str | None:
+        timeout = self.s.heartbeat_timeout_s
+        try:
+            status = psutil.Process(worker.pid).status()
+        except psutil.NoSuchProcess:
+            return None
+        if status in _BAD_STATUSES:
+            since = self._bad_since.setdefault(rank, now)
+            if now - since >= timeout:
+                return f"process {status} for {now - since:.1f} s"
+        else:
+            self._bad_since.pop(rank, None)
+        if self.worker_heartbeat is not None:
+            beat = self.worker_heartbeat(rank)
+            if beat is not None:
+                seen = self._last_step.get(rank)
+                if seen is None or seen[0] != beat.get("count"):
+                    self._last_step[rank] = (beat.get("count"), now)
+                elif now - seen[1] >= timeout:
+                    return f"no heartbeat for {now - seen[1]:.1f} s (step {beat.get('step')})"
+        return None
+
+    def _inject(self, now: float) -> None:
+        for fault in list(self._faults):
+            due = False
+            if fault.at_s is not None:
+                due = now - self._started_at >= fault.at_s
+            elif self.worker_heartbeat is not None:
+                beat = self.worker_heartbeat(fault.rank)
+                due = beat is not None and beat.get("step", -1) >= fault.step
+            if not due:
+                continue
+            self._faults.remove(fault)
+            worker = self.workers.get(fault.rank)
+            if worker is None or worker.poll() is not None:
+                continue
+            if fault.kind is FaultKind.KILL:
+                signal_worker(worker, signal.SIGKILL)
+            elif fault.kind is FaultKind.HANG:
+                signal_worker(worker, signal.SIGSTOP)
+            else:
+                self._request_exit(fault, worker)
+            self._fault_times[fault.rank] = now
+            self.emit(
+                "fault_injected",
+                rank=fault.rank,
+                kind=fault.kind.value,
+                attempt=self.s.attempt,
+                detail=fault.describe(),
+            )
+
+    def _request_exit(self, fault: FaultSpec, worker: Worker) -> None:
+        """A chameleon worker exits with the asked code (it polls for the request); a plain
+        script cannot be asked, so it gets SIGTERM."""
+        if (
+            fault.kind is FaultKind.EXIT
+            and self.worker_heartbeat is not None
+            and self.worker_heartbeat(fault.rank)
+        ):
+            self.emit("exit_requested", rank=fault.rank, code=fault.code)
+            self.request_exit(fault.rank, fault.code)
+        else:
+            signal_worker(worker, signal.SIGTERM)
+
+    def request_exit(
+        self, rank: int, code: int
+    ) -> None:  # overridden by the agent when a store exists
+        signal_worker(self.workers[rank], signal.SIGTERM)
+
+    def pending_step_faults(self) -> list[FaultSpec]:
+        return [f for f in self._faults if f.step is not None]
+
+    def stop(self, *, signum: int = signal.SIGTERM, grace_s: float) -> None:
+        stop_workers(
+            list(self.workers.values()), signum=signum, grace_s=grace_s, reaper=self.reaper
+        )
+
+
+def _last_error_line(worker: Worker) -> str:
+    """The most telling stderr line: the last exception line, else the last line."""
+    time.sleep(0.05)  # let the pump drain what the process wrote before dying
+    lines = [line for line in worker.stderr_tail if line.strip()]
+    for line in reversed(lines):
+        stripped = line.strip()
+        if stripped and (
+            stripped.split(":")[0].endswith(("Error", "Exception", "Interrupt"))
+            or "Error:" in stripped
+        ):
+            return stripped[-300:]
+    return lines[-1].strip()[-300:] if lines else ""

@@ -1,0 +1,265 @@
+"""Membership: agents meet on a TCPStore hosted by the first agent (torch.distributed's own
+store; no home-made transport), per round.
+
+Keys live under ``<run_id>/``; the host writes ``chameleon/run_id`` first and every joining
+agent checks it, so an agent of another job on the same endpoint is refused by name.
+
+A round (one attempt of the workers):
+- every agent writes ``r<a>/join/<i>`` (its key, node rank hint, workers, host) after
+  taking a slot ``i`` from the ``r<a>/joined`` counter;
+- the leader (the agent hosting the store) waits for enough agents, gives node ranks
+  (static: the ones asked for; c10d: join order), starts this round's worker store and
+  publishes ``r<a>/world``; an agent missing from it waits for the next round;
+- agents report failures (``r<a>/fail/<i>``) and finished nodes (``r<a>/done/<key>``);
+  the leader publishes its decision as ``r<a>/decision``;
+- heartbeats: ``hb/<key>`` counts up every second; the leader watches the counts change
+  on its own clock (no clock skew between hosts).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from torch.distributed import TCPStore
+
+from launcher.store import StoreError, connect_store, get_json, host_store, put_json
+from launcher.supervisor import Failure
+
+RUN_ID_KEY = "chameleon/run_id"
+
+
+class RendezvousError(RuntimeError):
+    """Membership could not be established; ``str()`` is one line."""
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    key: str
+    node_rank: int
+    nproc: int
+    host: str
+    rank_offset: int
+
+
+@dataclass(frozen=True)
+class World:
+    attempt: int
+    nodes: tuple[NodeInfo, ...]
+    worker_addr: str
+    worker_port: int
+
+    @property
+    def world_size(self) -> int:
+        return sum(n.nproc for n in self.nodes)
+
+    def node(self, key: str) -> NodeInfo | None:
+        return next((n for n in self.nodes if n.key == key), None)
+
+    def to_json(self) -> dict:
+        return {
+            "attempt": self.attempt,
+            "worker_addr": self.worker_addr,
+            "worker_port": self.worker_port,
+            "nodes": [n.__dict__ for n in self.nodes],
+        }
+
+    @classmethod
+    def from_json(cls, data: dict) -> World:
+        return cls(
+            attempt=data["attempt"],
+            nodes=tuple(NodeInfo(**n) for n in data["nodes"]),
+            worker_addr=data["worker_addr"],
+            worker_port=data["worker_port"],
+        )
+
+
+def node_key() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+class ControlPlane:
+    def __init__(
+        self, store: TCPStore, run_id: str, key: str, *, is_leader: bool, addr: str, port: int
+    ) -> None:
+        self.store = store
+        self.run_id = run_id
+        self.key = key
+        self.is_leader = is_leader
+        self.addr = addr
+        self.port = port
+
+    # -- setup -------------------------------------------------------------------------
+
+    @classmethod
+    def open(
+        cls,
+        *,
+        run_id: str,
+        addr: str,
+        port: int,
+        want_leader: bool | None,
+        timeout_s: float,
+    ) -> ControlPlane:
+        """Host the store (``want_leader``), join it, or (None) host it if we can bind the
+        endpoint and join otherwise (c10d: the first agent on the endpoint's host leads)."""
+        key = node_key()
+        if want_leader is not False:
+            try:
+                store = host_store(addr, port, timeout_s=timeout_s)
+                put_json(store, RUN_ID_KEY, run_id)
+                return cls(store, run_id, key, is_leader=True, addr=addr, port=store.port)
+            except StoreError:
+                if want_leader:
+                    raise
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                store = connect_store(addr, port, timeout_s=timeout_s)
+                break
+            except StoreError:
+                if time.monotonic() > deadline:
+                    raise RendezvousError(
+                        f"no agent hosts {addr}:{port} (waited {timeout_s:g} s)"
+                    ) from None
+                time.sleep(0.5)
+        try:
+            store.wait([RUN_ID_KEY], timedelta(seconds=timeout_s))
+            found = get_json(store, RUN_ID_KEY)
+        except Exception:
+            raise RendezvousError(f"{addr}:{port} is not a chameleon control store") from None
+        if found != run_id:
+            raise RendezvousError(
+                f"the job at {addr}:{port} has run id {found!r}, not {run_id!r}: refused"
+            )
+        return cls(store, run_id, key, is_leader=False, addr=addr, port=port)
+
+    def _k(self, key: str) -> str:
+        return f"{self.run_id}/{key}"
+
+    def put(self, key: str, value: Any) -> None:
+        put_json(self.store, self._k(key), value)
+
+    def get(self, key: str) -> Any | None:
+        return get_json(self.store, self._k(key))
+
+    def add(self, key: str, amount: int) -> int:
+        return self.store.add(self._k(key), amount)
+
+    # -- rounds --------------------------------------------------------------------------
+
+    def join(self, attempt: int, *, node_rank: int, nproc: int, host: str) -> None:
+        slot = self.add(f"r{attempt}/joined", 1) - 1
+        self.put(
+            f"r{attempt}/join/{slot}",
+            {"key": self.key, "node_rank": node_rank, "nproc": nproc, "host": host},
+        )
+
+    def joined(self, attempt: int) -> list[dict]:
+        count = self.add(f"r{attempt}/joined", 0)
+        entries = []
+        for slot in range(count):
+            entry = self.get(f"r{attempt}/join/{slot}")
+            if entry is not None:  # the joiner has taken the slot but not written it yet
+                entries.append(entry)
+        return entries
+
+    def form_world(
+        self,
+        attempt: int,
+        *,
+        min_nodes: int,
+        max_nodes: int,
+        static_ranks: bool,
+        worker_addr: str,
+        worker_port: int,
+        last_call_s: float,
+        timeout_s: float,
+    ) -> World:
+        """Leader: wait for at least ``min_nodes`` agents (then ``last_call_s`` for more, up
+        to ``max_nodes``) and publish the round's world."""
+        deadline = time.monotonic() + timeout_s
+        reached_min_at = None
+        while True:
+            entries = self.joined(attempt)
+            if len(entries) >= max_nodes:
+                break
+            if len(entries) >= min_nodes:
+                reached_min_at = reached_min_at or time.monotonic()
+                if time.monotonic() - reached_min_at >= last_call_s:
+                    break
+            if time.monotonic() > deadline:
+                raise RendezvousError(
+                    f"only {len(entries)} of {min_nodes} node(s) joined within {timeout_s:g} s (round {attempt})"
+                )
+            time.sleep(0.05)
+        entries = entries[:max_nodes]
+        if static_ranks:
+            ranks = [e["node_rank"] for e in entries]
+            if sorted(ranks) != list(range(len(entries))):
+                raise RendezvousError(
+                    f"static rendezvous got node ranks {sorted(ranks)}: each of 0..{len(entries) - 1} must join once"
+                )
+            order = sorted(entries, key=lambda e: e["node_rank"])
+        else:  # the leader first, then in join order
+            order = sorted(entries, key=lambda e: e["key"] != self.key)
+        nodes = []
+        offset = 0
+        for node_rank, entry in enumerate(order):
+            nodes.append(NodeInfo(entry["key"], node_rank, entry["nproc"], entry["host"], offset))
+            offset += entry["nproc"]
+        world = World(attempt, tuple(nodes), worker_addr, worker_port)
+        self.put(f"r{attempt}/world", world.to_json())
+        return world
+
+    def world(self, attempt: int) -> World | None:
+        data = self.get(f"r{attempt}/world")
+        return None if data is None else World.from_json(data)
+
+    # -- reports and decisions ------------------------------------------------------------
+
+    def report_failure(self, failure: Failure) -> None:
+        slot = self.add(f"r{failure.attempt}/failures", 1) - 1
+        self.put(f"r{failure.attempt}/fail/{slot}", failure.to_json())
+
+    def failures(self, attempt: int) -> list[Failure]:
+        out = []
+        for slot in range(self.add(f"r{attempt}/failures", 0)):
+            data = self.get(f"r{attempt}/fail/{slot}")
+            if data is not None:
+                out.append(Failure.from_json(data))
+        return out
+
+    def report_done(self, attempt: int) -> None:
+        self.put(f"r{attempt}/done/{self.key}", True)
+
+    def done(self, attempt: int, keys: list[str]) -> int:
+        return sum(1 for k in keys if self.get(f"r{attempt}/done/{k}") is not None)
+
+    def decide(self, attempt: int, decision: dict) -> None:
+        self.put(f"r{attempt}/decision", decision)
+
+    def decision(self, attempt: int) -> dict | None:
+        return self.get(f"r{attempt}/decision")
+
+    def acknowledge(self, attempt: int) -> None:
+        self.put(f"r{attempt}/ack/{self.key}", True)
+
+    def wait_acknowledged(self, attempt: int, keys: list[str], timeout_s: float) -> None:
+        """Leader: keep the store up until the other agents have read a final decision."""
+        deadline = time.monotonic() + timeout_s
+        pending = [k for k in keys if k != self.key]
+        while pending and time.monotonic() < deadline:
+            pending = [k for k in pending if self.get(f"r{attempt}/ack/{k}") is None]
+            if pending:
+                time.sleep(0.05)
+
+    def beat(self) -> None:
+        self.add(f"hb/{self.key}", 1)
+
+    def beats(self, key: str) -> int:
+        return self.add(f"hb/{key}", 0)

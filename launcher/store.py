@@ -1,0 +1,95 @@
+"""The control plane: torch.distributed TCPStores, listening where we say, carrying JSON.
+
+TCPStore's server binds every interface whatever host name it is given; we bind the
+listening socket ourselves (loopback unless told to use another address) and hand it over
+with ``master_listen_fd``. Values are JSON text: nothing from the network is unpickled.
+
+Every restart attempt gets a fresh worker store on a new port. torch 2.13's env://
+rendezvous no longer prefixes its keys per attempt ("we create a new TCPStore for every
+retry"), but torchrun's agent keeps one store for the whole job, so restarted gloo workers
+read the dead attempt's addresses and fail with "connection refused" in connectFullMesh,
+or wait on stale barrier counts. A new store per attempt removes the stale keys.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import socket
+from datetime import timedelta
+from typing import Any
+
+from torch.distributed import TCPStore
+
+
+class StoreError(RuntimeError):
+    """The store could not be hosted or reached; ``str()`` is one line."""
+
+
+def _is_loopback(addr: str) -> bool:
+    try:
+        return ipaddress.ip_address(addr).is_loopback
+    except ValueError:
+        return addr == "localhost"
+
+
+def host_store(addr: str, port: int, *, timeout_s: float = 60.0) -> TCPStore:
+    """Serve a TCPStore on ``addr:port`` only (port 0 picks a free one)."""
+    bind_to = "127.0.0.1" if _is_loopback(addr) else addr
+    family = socket.AF_INET6 if ":" in bind_to else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((bind_to, port))
+    except OSError as exc:
+        sock.close()
+        if port:
+            raise StoreError(
+                f"cannot listen on {bind_to}:{port} ({exc.strerror}): is another job using "
+                "this port? choose another --master-port / --rdzv-endpoint"
+            ) from None
+        raise StoreError(f"cannot listen on {bind_to}: {exc.strerror}") from None
+    sock.listen(1024)
+    actual_port = sock.getsockname()[1]
+    try:
+        store = TCPStore(
+            bind_to,
+            actual_port,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=timedelta(seconds=timeout_s),
+            master_listen_fd=sock.fileno(),
+            use_libuv=True,
+        )
+    except Exception as exc:  # torch raises RuntimeError subclasses with long texts
+        sock.close()
+        raise StoreError(
+            f"cannot start a TCPStore on {bind_to}:{actual_port}: {exc}".splitlines()[0]
+        ) from None
+    sock.detach()  # the store's server owns the descriptor now
+    return store
+
+
+def connect_store(addr: str, port: int, *, timeout_s: float = 60.0) -> TCPStore:
+    try:
+        return TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=timeout_s))
+    except Exception as exc:
+        raise StoreError(
+            f"cannot reach the store at {addr}:{port}: {str(exc).splitlines()[0]}"
+        ) from None
+
+
+def put_json(store: TCPStore, key: str, value: Any) -> None:
+    store.set(key, json.dumps(value, separators=(",", ":")))
+
+
+def get_json(store: TCPStore, key: str) -> Any | None:
+    """The JSON value under ``key``, or None if it is not set (never blocks)."""
+    if not store.check([key]):
+        return None
+    return json.loads(store.get(key).decode())
+
+
+def wait_json(store: TCPStore, key: str, timeout_s: float) -> Any:
+    store.wait([key], timedelta(seconds=timeout_s))
+    return json.loads(store.get(key).decode())

@@ -1,0 +1,169 @@
+"""What the job does next: a pure function of what the leader agent knows.
+
+``decide(view)`` looks at one round (attempt) of the job — its failures, finished and lost
+nodes, nodes waiting to join, a stop request — and returns continue, restart or finish,
+with the reason. The agent (``launcher.agent``) gathers the view and carries the decision
+out; tests drive this directly.
+
+For a plain script the options are those of torchrun, made elastic: restart every worker
+(its own checkpoint logic resumes it), shrink to the surviving nodes within --nnodes
+MIN:MAX, admit waiting nodes up to MAX (not counted as a restart), or give up after
+--max-restarts. The job's exit code is its root cause's: the earliest failure.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+JOB_FAILED = 3
+
+
+class FailureKind(StrEnum):
+    EXIT = "exit"  # non-zero exit code
+    SIGNAL = "signal"  # killed by a signal
+    HANG = "hang"  # stopped making progress; killed by us
+    NODE_LOST = "node_lost"  # its agent stopped heartbeating
+
+
+class Cause(StrEnum):
+    """Who is to blame, for the summary (STYLE.md habit 8)."""
+
+    USER_CODE = "user code"  # an exception or non-zero exit in the script
+    HARDWARE = "hardware or OS"  # killed by a signal (OOM killer, kill -9, a crashed device)
+    INFRASTRUCTURE = "infrastructure"  # a lost node, a hang in a collective
+
+
+@dataclass(frozen=True)
+class Failure:
+    rank: int
+    node: int
+    kind: FailureKind
+    attempt: int
+    failed_at: float  # best known time of the failure itself (wall clock)
+    detected_at: float
+    exit_code: int | None = None  # the process's own code, negative for a signal
+    message: str = ""
+    log_file: str | None = None
+
+    @property
+    def cause(self) -> Cause:
+        if self.kind is FailureKind.EXIT:
+            return Cause.USER_CODE
+        if self.kind is FailureKind.SIGNAL:
+            return Cause.HARDWARE
+        return Cause.INFRASTRUCTURE
+
+    @property
+    def job_exit_code(self) -> int:
+        """The code the job exits with when this is its root cause."""
+        if self.exit_code is not None and self.exit_code > 0:
+            return self.exit_code
+        if self.exit_code is not None and self.exit_code < 0:
+            return 128 - self.exit_code
+        return JOB_FAILED
+
+    def to_json(self) -> dict:
+        return {
+            "rank": self.rank,
+            "node": self.node,
+            "kind": self.kind.value,
+            "attempt": self.attempt,
+            "failed_at": self.failed_at,
+            "detected_at": self.detected_at,
+            "exit_code": self.exit_code,
+            "message": self.message,
+            "log_file": self.log_file,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict) -> Failure:
+        return cls(**{**data, "kind": FailureKind(data["kind"])})
+
+
+def root_cause(failures: list[Failure] | tuple[Failure, ...]) -> Failure | None:
+    """The earliest failure: later ones are usually its consequences (peers whose
+    collectives broke when it died)."""
+    return min(failures, key=lambda f: (f.failed_at, f.detected_at, f.rank), default=None)
+
+
+class Action(StrEnum):
+    CONTINUE = "continue"
+    RESTART = "restart"
+    FINISH = "finish"
+
+
+@dataclass(frozen=True)
+class RoundView:
+    attempt: int
+    restarts_used: int
+    max_restarts: int
+    min_nodes: int
+    max_nodes: int
+    nodes: int  # in this round
+    nodes_lost: int = 0
+    nodes_done: int = 0
+    nodes_waiting: int = 0
+    failures: tuple[Failure, ...] = ()
+    stop_signal: int | None = None  # a signal the leader received
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: Action
+    reason: str
+    exit_code: int = 0
+    counts_as_restart: bool = False
+    next_nodes: int | None = field(default=None)  # nodes expected in the next round
+
+
+def decide(view: RoundView) -> Decision:
+    if view.stop_signal is not None:
+        return Decision(
+            Action.FINISH, f"stopped by signal {view.stop_signal}", exit_code=128 + view.stop_signal
+        )
+    if view.failures:
+        cause = root_cause(view.failures)
+        assert cause is not None
+        survivors = view.nodes - view.nodes_lost + view.nodes_waiting
+        what = f"rank {cause.rank} {describe(cause)}"
+        if view.restarts_used >= view.max_restarts:
+            return Decision(
+                Action.FINISH,
+                f"{what}; no restarts left (--max-restarts {view.max_restarts})",
+                exit_code=cause.job_exit_code,
+            )
+        if survivors < view.min_nodes:
+            return Decision(
+                Action.FINISH,
+                f"{what}; {survivors} node(s) left, fewer than --nnodes minimum {view.min_nodes}",
+                exit_code=cause.job_exit_code,
+            )
+        next_nodes = min(survivors, view.max_nodes)
+        how = "shrink to" if next_nodes < view.nodes else "restart on"
+        return Decision(
+            Action.RESTART,
+            f"{what}; {how} {next_nodes} node(s) (restart {view.restarts_used + 1} of {view.max_restarts})",
+            counts_as_restart=True,
+            next_nodes=next_nodes,
+        )
+    if view.nodes_done == view.nodes:
+        return Decision(Action.FINISH, "all workers finished", exit_code=0)
+    if view.nodes_waiting and view.nodes < view.max_nodes:
+        grown = min(view.nodes + view.nodes_waiting, view.max_nodes)
+        return Decision(
+            Action.RESTART,
+            f"{view.nodes_waiting} node(s) waiting: grow to {grown}",
+            next_nodes=grown,
+        )
+    return Decision(Action.CONTINUE, "running")
+
+
+def describe(f: Failure) -> str:
+    if f.kind is FailureKind.EXIT:
+        return f"exited with code {f.exit_code}"
+    if f.kind is FailureKind.SIGNAL:
+        return f"was killed by signal {-(f.exit_code or 0)}"
+    if f.kind is FailureKind.HANG:
+        return f"hung ({f.message})" if f.message else "hung"
+    return "was lost with its node"

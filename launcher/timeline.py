@@ -1,0 +1,108 @@
+"""Recoveries, reconstructed from the event log: when each failure happened, how long
+detection, planning and recovery took, when the first good step came, and how many steps
+were lost. Pure: events in, rows out; the end-of-run summary and ``chameleon timeline``
+both render these rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from launcher.events import Record
+
+
+@dataclass(frozen=True)
+class Recovery:
+    attempt: int  # the attempt (round or plan generation) the failure hit
+    rank: int | None  # root cause
+    kind: str
+    failed_at: float
+    detected_at: float
+    decided_at: float | None
+    policy: str | None
+    recovered_at: float | None  # workers running again (restart) or the new plan applied
+    first_step_at: float | None  # the first step completed after recovery
+    steps_lost: int | None
+    outcome: str  # "recovered", "gave up", "in progress"
+
+    @property
+    def detection_s(self) -> float:
+        return self.detected_at - self.failed_at
+
+    @property
+    def planning_s(self) -> float | None:
+        return None if self.decided_at is None else self.decided_at - self.detected_at
+
+    @property
+    def recovery_s(self) -> float | None:
+        if self.recovered_at is None or self.decided_at is None:
+            return None
+        return self.recovered_at - self.decided_at
+
+    @property
+    def to_first_step_s(self) -> float | None:
+        return None if self.first_step_at is None else self.first_step_at - self.failed_at
+
+
+def recoveries(events: Iterable[Record]) -> list[Recovery]:
+    events = sorted(events, key=lambda e: e["t"])
+    out: list[Recovery] = []
+    for i, decision in enumerate(events):
+        if decision["event"] != "decision" or (
+            decision.get("action") == "finish" and not decision.get("exit_code")
+        ):
+            continue
+        attempt = decision.get("attempt", 0)
+        failures = [
+            e for e in events[:i] if e["event"] == "failure" and e.get("attempt") == attempt
+        ]
+        if not failures:
+            continue
+        root = min(failures, key=lambda f: (f["failed_at"], f["detected_at"], f["rank"]))
+        later = events[i + 1 :]
+        recovered = next((e for e in later if e["event"] == "recovered"), None)
+        first_step = None
+        if recovered is not None:
+            first_step = next(
+                (e for e in later if e["event"] == "step" and e["t"] >= recovered["t"]), None
+            )
+        step_before = max(
+            (
+                e.get("step", -1)
+                for e in events[:i]
+                if e["event"] == "step" and e.get("attempt", attempt) == attempt
+            ),
+            default=None,
+        )
+        steps_lost = None
+        if (
+            recovered is not None
+            and recovered.get("resume_step") is not None
+            and step_before is not None
+        ):
+            steps_lost = max(0, step_before + 1 - recovered["resume_step"])
+        elif recovered is not None and recovered.get("steps_lost") is not None:
+            steps_lost = recovered["steps_lost"]
+        action = decision.get("action")
+        outcome = "gave up" if action == "finish" else "recovered" if recovered else "in progress"
+        out.append(
+            Recovery(
+                attempt=attempt,
+                rank=root.get("rank"),
+                kind=root.get("kind", "?"),
+                failed_at=root["failed_at"],
+                detected_at=min(f["detected_at"] for f in failures),
+                decided_at=decision["t"],
+                policy=decision.get("policy"),
+                recovered_at=recovered["t"] if recovered else None,
+                first_step_at=first_step["t"] if first_step else None,
+                steps_lost=steps_lost,
+                outcome=outcome,
+            )
+        )
+    return out
+
+
+def start_time(events: Iterable[Record]) -> float | None:
+    return next((e["t"] for e in events if e["event"] == "start"), None)

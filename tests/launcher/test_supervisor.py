@@ -1,0 +1,62 @@
+"""The leader's decision, as a pure function."""
+
+from launcher.supervisor import Action, Failure, FailureKind, RoundView, decide, root_cause
+
+
+def failure(rank, t, kind=FailureKind.EXIT, code=1, node=0):
+    return Failure(rank=rank, node=node, kind=kind, attempt=0, failed_at=t, detected_at=t + 0.1, exit_code=code)
+
+
+def view(**kw):
+    base = dict(attempt=0, restarts_used=0, max_restarts=3, min_nodes=1, max_nodes=1, nodes=1)
+    base.update(kw)
+    return RoundView(**base)
+
+
+def test_running_job_continues():
+    assert decide(view()).action is Action.CONTINUE
+
+
+def test_all_done_finishes_with_zero():
+    d = decide(view(nodes=2, max_nodes=2, min_nodes=2, nodes_done=2))
+    assert (d.action, d.exit_code) == (Action.FINISH, 0)
+
+
+def test_failure_restarts_while_restarts_remain():
+    d = decide(view(failures=(failure(1, 10.0),)))
+    assert d.action is Action.RESTART and d.counts_as_restart
+    assert "rank 1 exited with code 1" in d.reason and "restart 1 of 3" in d.reason
+
+
+def test_no_restarts_left_exits_with_the_root_cause_code():
+    d = decide(view(restarts_used=3, failures=(failure(2, 11.0, code=9), failure(1, 10.0, code=7))))
+    assert (d.action, d.exit_code) == (Action.FINISH, 7)
+    assert "no restarts left" in d.reason
+
+
+def test_signals_map_to_128_plus_signal():
+    killed = failure(0, 1.0, kind=FailureKind.SIGNAL, code=-9)
+    assert decide(view(max_restarts=0, failures=(killed,))).exit_code == 137
+
+
+def test_lost_node_shrinks_within_min_max():
+    lost = failure(2, 5.0, kind=FailureKind.NODE_LOST, code=None, node=1)
+    d = decide(view(nodes=2, min_nodes=1, max_nodes=2, nodes_lost=1, failures=(lost,)))
+    assert d.action is Action.RESTART and d.next_nodes == 1 and "shrink" in d.reason
+    fixed = decide(view(nodes=2, min_nodes=2, max_nodes=2, nodes_lost=1, failures=(lost,)))
+    assert fixed.action is Action.FINISH and fixed.exit_code == 3
+
+
+def test_waiting_nodes_grow_the_job_without_counting_a_restart():
+    d = decide(view(nodes=1, min_nodes=1, max_nodes=2, nodes_waiting=1))
+    assert d.action is Action.RESTART and not d.counts_as_restart and d.next_nodes == 2
+
+
+def test_stop_signal_wins():
+    assert decide(view(stop_signal=2, failures=(failure(0, 1.0),))).exit_code == 130
+
+
+def test_root_cause_is_the_earliest():
+    early, late = failure(3, 1.0), failure(0, 2.0)
+    assert root_cause([late, early]) is early
+    assert early.cause.value == "user code"
