@@ -11,19 +11,28 @@ def test_both_spellings_and_torchrun_defaults():
     b = parse_run_args(["--nproc-per-node", "4", "--max_restarts", "2", "train.py"])
     assert a == b
     assert (a.nproc_per_node, a.max_restarts, a.min_nodes, a.max_nodes) == (4, 2, 1, 1)
-    assert (a.master_addr, a.master_port, a.rdzv_backend, a.role) == ("127.0.0.1", 29500, "static", "default")
+    assert (a.master_addr, a.master_port, a.rdzv_backend, a.role) == (
+        "127.0.0.1",
+        29500,
+        "static",
+        "default",
+    )
     assert a.monitor_interval_s == 0.1 and a.heartbeat_timeout_s == 30.0
 
 
 def test_script_arguments_pass_through_untouched():
-    a = parse_run_args(["--nproc-per-node", "2", "train.py", "--nproc-per-node", "9", "-m", "--lr=3"])
+    a = parse_run_args(
+        ["--nproc-per-node", "2", "train.py", "--nproc-per-node", "9", "-m", "--lr=3"]
+    )
     assert a.script == "train.py"
     assert a.script_args == ("--nproc-per-node", "9", "-m", "--lr=3")
     assert a.nproc_per_node == 2
 
 
 def test_module_and_elastic_nodes():
-    a = parse_run_args(["--nnodes", "2:4", "--rdzv-backend", "c10d", "--rdzv-endpoint", "h:1", "-m", "pkg.train"])
+    a = parse_run_args(
+        ["--nnodes", "2:4", "--rdzv-backend", "c10d", "--rdzv-endpoint", "h:1", "-m", "pkg.train"]
+    )
     assert (a.min_nodes, a.max_nodes, a.module, a.script) == (2, 4, True, "pkg.train")
 
 
@@ -61,12 +70,24 @@ def test_fault_specs():
     assert (f.kind, f.rank, f.at_s, f.step, f.attempt) == (FaultKind.KILL, 3, 5.0, None, 0)
     g = parse_fault("exit:rank=1,step=10,code=7,attempt=1")
     assert (g.kind, g.step, g.code, g.attempt) == (FaultKind.EXIT, 10, 7, 1)
-    for bad in ("explode:rank=1,at=1", "kill:at=1", "kill:rank=x,at=1", "kill:rank=1,at=1,step=2", "kill:rank=1,when=2"):
+    for bad in (
+        "explode:rank=1,at=1",
+        "kill:at=1",
+        "kill:rank=x,at=1",
+        "kill:rank=1,at=1,step=2",
+        "kill:rank=1,when=2",
+    ):
         with pytest.raises(ValueError):
             parse_fault(bad)
 
 
 def test_help_lists_torchrun_and_chameleon_flags():
     text = run_help()
-    for flag in ("--nproc-per-node", "--rdzv-endpoint", "--max-restarts", "--heartbeat-timeout", "--inject-fault"):
+    for flag in (
+        "--nproc-per-node",
+        "--rdzv-endpoint",
+        "--max-restarts",
+        "--heartbeat-timeout",
+        "--inject-fault",
+    ):
         assert flag in text

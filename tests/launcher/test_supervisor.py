@@ -4,7 +4,9 @@ from launcher.supervisor import Action, Failure, FailureKind, RoundView, decide,
 
 
 def failure(rank, t, kind=FailureKind.EXIT, code=1, node=0):
-    return Failure(rank=rank, node=node, kind=kind, attempt=0, failed_at=t, detected_at=t + 0.1, exit_code=code)
+    return Failure(
+        rank=rank, node=node, kind=kind, attempt=0, failed_at=t, detected_at=t + 0.1, exit_code=code
+    )
 
 
 def view(**kw):

@@ -6,9 +6,32 @@ from launcher.timeline import recoveries
 def test_restart_recovery_is_measured_from_the_failure():
     events = [
         {"t": 100.0, "event": "start"},
-        {"t": 105.1, "event": "failure", "rank": 2, "kind": "signal", "attempt": 0, "failed_at": 105.0, "detected_at": 105.1},
-        {"t": 105.3, "event": "failure", "rank": 0, "kind": "exit", "attempt": 0, "failed_at": 105.3, "detected_at": 105.3},
-        {"t": 105.4, "event": "decision", "attempt": 0, "action": "restart", "policy": "restart", "exit_code": 0},
+        {
+            "t": 105.1,
+            "event": "failure",
+            "rank": 2,
+            "kind": "signal",
+            "attempt": 0,
+            "failed_at": 105.0,
+            "detected_at": 105.1,
+        },
+        {
+            "t": 105.3,
+            "event": "failure",
+            "rank": 0,
+            "kind": "exit",
+            "attempt": 0,
+            "failed_at": 105.3,
+            "detected_at": 105.3,
+        },
+        {
+            "t": 105.4,
+            "event": "decision",
+            "attempt": 0,
+            "action": "restart",
+            "policy": "restart",
+            "exit_code": 0,
+        },
         {"t": 106.0, "event": "recovered", "attempt": 1, "policy": "restart", "resume_step": 10},
         {"t": 103.0, "event": "step", "attempt": 0, "step": 14},
         {"t": 109.0, "event": "step", "attempt": 1, "step": 10},
@@ -25,7 +48,15 @@ def test_restart_recovery_is_measured_from_the_failure():
 
 def test_giving_up_is_a_row_too():
     events = [
-        {"t": 1.0, "event": "failure", "rank": 0, "kind": "exit", "attempt": 0, "failed_at": 1.0, "detected_at": 1.0},
+        {
+            "t": 1.0,
+            "event": "failure",
+            "rank": 0,
+            "kind": "exit",
+            "attempt": 0,
+            "failed_at": 1.0,
+            "detected_at": 1.0,
+        },
         {"t": 1.1, "event": "decision", "attempt": 0, "action": "finish", "exit_code": 1},
     ]
     (r,) = recoveries(events)

@@ -1,0 +1,64 @@
+"""Running ``chameleon run`` as a user would: a real process in a temporary folder."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def write(path: Path, source: str) -> Path:
+    path.write_text(textwrap.dedent(source))
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def chameleon_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "chameleon_cli.app", *args]
+
+
+def env() -> dict[str, str]:
+    e = dict(os.environ)
+    e["PYTHONPATH"] = str(ROOT) + os.pathsep + e.get("PYTHONPATH", "")
+    return e
+
+
+def run(*args: str, cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        chameleon_cmd(*args), cwd=cwd, env=env(), capture_output=True, text=True, timeout=timeout
+    )
+
+
+def start(*args: str, cwd: Path, log: Path) -> subprocess.Popen:
+    out = open(log, "w")  # noqa: SIM115 - the process owns it
+    return subprocess.Popen(
+        chameleon_cmd(*args), cwd=cwd, env=env(), stdout=out, stderr=subprocess.STDOUT
+    )
+
+
+def events(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def wait_for_event(path: Path, name: str, timeout: float = 60, **match) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for e in events(path):
+            if e["event"] == name and all(e.get(k) == v for k, v in match.items()):
+                return e
+        time.sleep(0.05)
+    raise AssertionError(f"no {name} event within {timeout} s in {path}: {events(path)}")

@@ -1,0 +1,181 @@
+"""Several agents on 127.0.0.1, and gloo jobs restarted after a real kill -9."""
+
+import os
+import signal
+import time
+
+import pytest
+
+from tests.launcher.helpers import events, free_port, run, start, wait_for_event, write
+
+DDP = """
+    import os, sys, time, torch, torch.distributed as dist
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ckpt = "ckpt.pt"
+    start = torch.load(ckpt)["step"] + 1 if os.path.exists(ckpt) else 0
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 8))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(start, int(sys.argv[1])):
+        opt.zero_grad()
+        model(torch.randn(4, 8)).sum().backward()
+        opt.step()
+        if rank == 0:
+            torch.save({"step": step}, ckpt + ".tmp")
+            os.replace(ckpt + ".tmp", ckpt)
+        open(f"progress_{rank}", "w").write(str(step))
+        time.sleep(0.05)
+    total = torch.tensor([float(rank)])
+    dist.all_reduce(total)
+    open(f"done_{rank}", "w").write(f"{world} {total.item()}")
+    dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_gloo_job_restarts_after_external_kill_9(tmp_path):
+    # torch 2.13's torchrun fails this: restarted gloo workers dial the dead attempt's
+    # addresses (see launcher/store.py). Each attempt gets a fresh store here.
+    script = write(tmp_path / "ddp.py", DDP)
+    log = tmp_path / "events.jsonl"
+    launcher = start(
+        "run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "2",
+        "--events",
+        str(log),
+        str(script),
+        "60",
+        cwd=tmp_path,
+        log=tmp_path / "out.log",
+    )
+    started = wait_for_event(log, "workers_started", attempt=0)
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "progress_1").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    os.kill(started["pids"][1], signal.SIGKILL)
+    assert launcher.wait(timeout=120) == 0, (tmp_path / "out.log").read_text()[-2000:]
+    attempts = [e["attempt"] for e in events(log) if e["event"] == "workers_started"]
+    assert attempts == [0, 1]
+    assert (tmp_path / "done_0").read_text() == "2 1.0"
+    failure = next(e for e in events(log) if e["event"] == "failure" and e["rank"] == 1)
+    assert failure["exit_code"] == -9
+
+
+@pytest.mark.slow
+def test_two_static_agents_run_one_ddp_job(tmp_path):
+    script = write(tmp_path / "ddp.py", DDP)
+    port = free_port()
+    common = [
+        "run",
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(port),
+    ]
+    node1 = start(
+        *common, "--node-rank", "1", str(script), "5", cwd=tmp_path, log=tmp_path / "n1.log"
+    )
+    node0 = run(*common, "--node-rank", "0", str(script), "5", cwd=tmp_path)
+    assert node0.returncode == 0, node0.stderr[-2000:]
+    assert node1.wait(timeout=60) == 0
+    for rank in range(4):
+        assert (tmp_path / f"done_{rank}").read_text() == "4 6.0"  # 0+1+2+3 over 4 ranks
+
+
+SLEEPER = """
+    import os, sys, time
+    attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    open(f"ran_{attempt}_{os.environ['RANK']}_of_{os.environ['WORLD_SIZE']}", "w").close()
+    time.sleep(60 if attempt == 0 else 0.5)
+"""
+
+
+@pytest.mark.slow
+def test_lost_node_is_detected_and_the_job_shrinks(tmp_path):
+    script = write(tmp_path / "sleeper.py", SLEEPER)
+    endpoint = f"127.0.0.1:{free_port()}"
+    common = [
+        "run",
+        "--nnodes",
+        "1:2",
+        "--nproc-per-node",
+        "2",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        endpoint,
+        "--rdzv-id",
+        "shrink",
+        "--max-restarts",
+        "1",
+        "--heartbeat-timeout",
+        "2",
+    ]
+    log0 = tmp_path / "events0.jsonl"
+    node0 = start(
+        *common, "--events", str(log0), str(script), cwd=tmp_path, log=tmp_path / "n0.log"
+    )
+    time.sleep(0.3)
+    node1 = start(
+        *common,
+        "--events",
+        str(tmp_path / "events1.jsonl"),
+        str(script),
+        cwd=tmp_path,
+        log=tmp_path / "n1.log",
+    )
+    wait_for_event(log0, "round_started", world_size=4)
+    wait_for_event(tmp_path / "events1.jsonl", "workers_started")
+    node1.kill()
+    assert node0.wait(timeout=60) == 0, (tmp_path / "n0.log").read_text()[-2000:]
+    lost = wait_for_event(log0, "node_lost")
+    assert lost["node"] == 1 and lost["silent_s"] >= 2
+    decision = next(
+        e for e in events(log0) if e["event"] == "decision" and e["action"] == "restart"
+    )
+    assert "shrink to 1 node" in decision["reason"]
+    assert (tmp_path / "ran_1_0_of_2").exists() and (tmp_path / "ran_1_1_of_2").exists()
+
+
+@pytest.mark.slow
+def test_an_agent_of_another_run_id_is_refused(tmp_path):
+    script = write(tmp_path / "sleeper.py", "import time; time.sleep(20)\n")
+    endpoint = f"127.0.0.1:{free_port()}"
+    common = [
+        "run",
+        "--nnodes",
+        "1:2",
+        "--nproc-per-node",
+        "1",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        endpoint,
+    ]
+    host = start(*common, "--rdzv-id", "alpha", str(script), cwd=tmp_path, log=tmp_path / "a.log")
+    try:
+        time.sleep(3)
+        intruder = run(
+            *common,
+            "--rdzv-id",
+            "beta",
+            "--rdzv-conf",
+            "join_timeout=5",
+            str(script),
+            cwd=tmp_path,
+            timeout=60,
+        )
+        assert intruder.returncode == 1
+        assert "has run id 'alpha', not 'beta': refused" in intruder.stderr
+    finally:
+        host.kill()
+        host.wait()
