@@ -20,6 +20,7 @@ from chameleon_cli.errors import (
 from chameleon_cli.output import error
 from chameleon_cli.plan_cmd import plan
 from chameleon_cli.run_cmd import CONTEXT, run
+from chameleon_cli.timeline_cmd import timeline
 
 app = typer.Typer(
     name="chameleon",
@@ -57,6 +58,7 @@ def _root(
 
 app.command("plan")(plan)
 app.command("run", context_settings=CONTEXT, add_help_option=False)(run)
+app.command("timeline")(timeline)
 
 
 @app.command("profile")

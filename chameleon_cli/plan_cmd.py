@@ -4,20 +4,17 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import typer
 
 from chameleon_cli.errors import UserError
 from chameleon_cli.output import Output, choose_mode
-from chameleon_cli.plan_view import decision_blocks
 from chameleon_cli.units import parse_duration_s, parse_int_list
-from planner.config import load_job
-from planner.layout import failed_workers, initial_plan
-from planner.policy import Policy
-from planner.report import report
-from planner.search import Search
-from planner.selection import decide
+
+# The planner (networkx, pydantic) is imported when the command runs, not when the CLI
+# starts: `chameleon run` should not pay for it before its workers are up.
+PolicyName = Literal["reroute", "reparallelize", "restart"]
 
 
 def _ranks(values: list[str]) -> list[int]:
@@ -51,7 +48,7 @@ def plan(
         list[int] | None, typer.Option("--fail-node", help="A node that fails whole. Repeatable.")
     ] = None,
     policy: Annotated[
-        Policy | None, typer.Option("--policy", help="Force a policy instead of the best score.")
+        PolicyName | None, typer.Option("--policy", help="Force a policy instead of the best score.")
     ] = None,
     mtbf: Annotated[
         str | None,
@@ -78,6 +75,14 @@ def plan(
     plain: Annotated[bool, typer.Option("--plain", help="Plain text even on a terminal.")] = False,
 ) -> None:
     """Show every recovery candidate for a failure and the one the planner picks."""
+    from chameleon_cli.plan_view import decision_blocks
+    from planner.config import load_job
+    from planner.layout import failed_workers, initial_plan
+    from planner.policy import Policy
+    from planner.report import report
+    from planner.search import Search
+    from planner.selection import decide
+
     if not dry_run:
         raise typer.BadParameter(
             "chameleon plan only simulates; add --dry-run", param_hint="--dry-run"
@@ -96,16 +101,17 @@ def plan(
     t0 = time.perf_counter()
     search = Search(job).warm_up(failures=len(lost))
     templates_s = time.perf_counter() - t0
+    forced = Policy(policy) if policy else None
     decision = decide(
-        job, current, lost, policy=policy, mtbf_s=mtbf_s, since_checkpoint_s=since_s, search=search
+        job, current, lost, policy=forced, mtbf_s=mtbf_s, since_checkpoint_s=since_s, search=search
     )
     out = report(job, decision, failed_ranks=all_ranks, templates_s=templates_s)
     Output(choose_mode(json=json_out, plain=plain)).show(
         decision_blocks(out, cluster=job.cluster.name, model=job.model.name), out
     )
     if decision.chosen is None:
-        if policy is not None:
-            forced = next(c for c in decision.candidates if c.policy is policy)
-            raise UserError(f"--policy {policy.value} is infeasible: {forced.reason}")
+        if forced is not None:
+            candidate = next(c for c in decision.candidates if c.policy is forced)
+            raise UserError(f"--policy {forced.value} is infeasible: {candidate.reason}")
         reasons = "; ".join(f"{c.policy.value}: {c.reason}" for c in decision.candidates)
         raise UserError(f"no feasible recovery: {reasons}")

@@ -7,9 +7,11 @@ import os
 import sys
 
 import typer
+from rich.console import Console as RichConsole
 
 from chameleon_cli.errors import UsageError, UserError
-from chameleon_cli.output import Output, choose_mode, error
+from chameleon_cli.live_view import LiveView
+from chameleon_cli.output import Mode, Output, choose_mode, error
 from chameleon_cli.run_view import outcome_blocks
 from launcher.agent import Agent, JobError
 from launcher.args import ArgsError, parse_run_args, run_help
@@ -31,13 +33,19 @@ def run(ctx: typer.Context) -> None:
     if not (args.module or args.no_python) and not os.path.isfile(args.script):
         raise UserError(f"training script not found: {args.script}")
     console = Console()
-    agent = Agent(args, console=console)
+    mode = choose_mode(json=False, plain=args.plain, stream=sys.stderr)
+    live = LiveView(RichConsole(file=sys.stderr)) if mode is Mode.RICH else None
+    agent = Agent(args, console=console, events_listener=live.on_event if live else None)
     error(f"chameleon: run {agent.run_id}: logs in {agent.run_dir}, events in {agent.events.path}")
     try:
-        outcome = agent.run()
+        if live is None:
+            outcome = agent.run()
+        else:
+            console.write = live.print_line
+            with live:
+                outcome = agent.run()
     except JobError as exc:
         raise UserError(str(exc)) from None
-    mode = choose_mode(json=False, plain=args.plain, stream=sys.stderr)
     Output(mode, stream=sys.stderr).show(
         outcome_blocks(
             exit_code=outcome.exit_code,

@@ -21,8 +21,8 @@ from pathlib import Path
 from launcher.args import RunArgs
 from launcher.events import EventLog
 from launcher.local import LocalGroup, RoundSettings, worker_command
-from launcher.rendezvous import ControlPlane, RendezvousError, World
-from launcher.store import StoreError, host_store
+from launcher.rendezvous import RUN_ID_KEY, ControlPlane, NodeInfo, RendezvousError, World, node_key
+from launcher.store import StoreError, bind_listener, host_store, put_json, serve_store
 from launcher.supervisor import Action, Failure, FailureKind, RoundView, decide, root_cause
 from launcher.workers import Console, Reaper
 
@@ -136,23 +136,33 @@ class Agent:
     def run(self) -> Outcome:
         a = self.args
         self._install_signals()
-        addr, port, want_leader = self._endpoint()
-        join_timeout = float(a.rdzv_conf.get("join_timeout", 600))
+        self.reaper = Reaper()
         try:
-            control = ControlPlane.open(
-                run_id=self.run_id,
-                addr=addr,
-                port=port,
-                want_leader=want_leader,
-                timeout_s=join_timeout,
-            )
-        except (StoreError, RendezvousError) as exc:
-            raise JobError(str(exc)) from None
-        self.control = control
-        control.beat()
-        threading.Thread(
-            target=self._heartbeat, args=(control,), name="heartbeat", daemon=True
-        ).start()
+            if a.max_nodes == 1:
+                control, first = self._start_single_node()
+            else:
+                control, first = self._join_job(), None
+            self.control = control
+            control.beat()
+            threading.Thread(
+                target=self._heartbeat, args=(control,), name="heartbeat", daemon=True
+            ).start()
+            attempt = 0
+            while True:
+                if first is not None:
+                    result = self._monitor(control, *first)
+                    first = None
+                else:
+                    result = self._round(control, attempt)
+                if isinstance(result, Outcome):
+                    return result
+                attempt = result
+        finally:
+            self._stop_heartbeat.set()
+            self.reaper.close()
+
+    def _emit_start(self, control: ControlPlane) -> None:
+        a = self.args
         self.events.emit(
             "start",
             run_id=self.run_id,
@@ -163,17 +173,61 @@ class Agent:
             command=self.command,
             run_dir=str(self.run_dir),
         )
-        self.reaper = Reaper()
-        attempt = 0
+
+    def _join_job(self) -> ControlPlane:
+        addr, port, want_leader = self._endpoint()
         try:
-            while True:
-                result = self._round(control, attempt)
-                if isinstance(result, Outcome):
-                    return result
-                attempt = result
-        finally:
-            self._stop_heartbeat.set()
-            self.reaper.close()
+            control = ControlPlane.open(
+                run_id=self.run_id,
+                addr=addr,
+                port=port,
+                want_leader=want_leader,
+                timeout_s=float(self.args.rdzv_conf.get("join_timeout", 600)),
+            )
+        except (StoreError, RendezvousError) as exc:
+            raise JobError(str(exc)) from None
+        self._emit_start(control)
+        return control
+
+    def _start_single_node(self) -> tuple[ControlPlane, tuple[World, LocalGroup]]:
+        """One node needs no rendezvous: bind both stores' sockets in plain Python, start
+        the workers, and only then import torch and serve the stores. The workers' own
+        imports (seconds) overlap ours; their store clients wait in the listen backlog."""
+        addr, port, _ = self._endpoint()
+        try:
+            control_socket = bind_listener(addr, port)
+            worker_socket = bind_listener(addr, 0)
+        except StoreError as exc:
+            raise JobError(str(exc)) from None
+        bound, control_port = control_socket.getsockname()[:2]
+        worker_port = worker_socket.getsockname()[1]
+        key = node_key()
+        host = self.args.local_addr or socket.gethostname()
+        world = World(0, (NodeInfo(key, 0, self.args.nproc_per_node, host, 0),), bound, worker_port)
+        group = self._start_group(world, world.nodes[0])
+        timeout = float(self.args.rdzv_conf.get("join_timeout", 600))
+        try:
+            store = serve_store(control_socket, timeout_s=timeout)
+            self._worker_store = serve_store(worker_socket, timeout_s=timeout)
+        except StoreError as exc:
+            group.stop(grace_s=RESTART_GRACE_S)
+            raise JobError(str(exc)) from None
+        put_json(store, RUN_ID_KEY, self.run_id)
+        control = ControlPlane(
+            store,
+            self.run_id,
+            key,
+            is_leader=True,
+            addr=bound,
+            port=control_port,
+        )
+        control.join(0, node_rank=0, nproc=self.args.nproc_per_node, host=host)
+        control.put("r0/world", world.to_json())
+        self._last_world = world
+        self._emit_start(control)
+        self.events.emit("round_started", attempt=0, world_size=world.world_size, nodes=1)
+        self.events.emit("workers_started", **group.started)
+        return control, (world, group)
 
     def _round(self, control: ControlPlane, attempt: int) -> int | Outcome:
         """Run one round; the next attempt's number, or the job's outcome."""
@@ -198,9 +252,19 @@ class Agent:
                 world_size=world.world_size,
                 nodes=len(world.nodes),
             )
+        group = self._start_group(world, me)
+        self.events.emit("workers_started", **group.started)
+        if attempt > 0 and control.is_leader:
+            self.events.emit(
+                "recovered", attempt=attempt, policy="restart", world_size=world.world_size
+            )
+        return self._monitor(control, world, group)
+
+    def _start_group(self, world: World, me: NodeInfo) -> LocalGroup:
+        a = self.args
         group = LocalGroup(
             RoundSettings(
-                attempt=attempt,
+                attempt=world.attempt,
                 node_rank=me.node_rank,
                 num_nodes=len(world.nodes),
                 rank_offset=me.rank_offset,
@@ -225,11 +289,7 @@ class Agent:
             reaper=self.reaper,
         )
         group.start()
-        if attempt > 0 and control.is_leader:
-            self.events.emit(
-                "recovered", attempt=attempt, policy="restart", world_size=world.world_size
-            )
-        return self._monitor(control, world, group)
+        return group
 
     def _world(self, control: ControlPlane, attempt: int) -> World | None:
         a = self.args

@@ -101,6 +101,7 @@ class LocalGroup:
         ]
         self._fault_times: dict[int, float] = {}
         self._started_at = 0.0
+        self.started: dict = {}  # what the "workers_started" event reports
 
     def _is_local(self, rank: int) -> bool:
         return self.s.rank_offset <= rank < self.s.rank_offset + self.s.nproc
@@ -145,13 +146,12 @@ class LocalGroup:
                 show_on_console=show,
                 reaper=self.reaper,
             )
-        self.emit(
-            "workers_started",
-            attempt=self.s.attempt,
-            node=self.s.node_rank,
-            ranks=sorted(self.workers),
-            pids=[self.workers[r].pid for r in sorted(self.workers)],
-        )
+        self.started = {
+            "attempt": self.s.attempt,
+            "node": self.s.node_rank,
+            "ranks": sorted(self.workers),
+            "pids": [self.workers[r].pid for r in sorted(self.workers)],
+        }
 
     @property
     def all_finished(self) -> bool:

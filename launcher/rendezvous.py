@@ -23,9 +23,10 @@ import socket
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from torch.distributed import TCPStore
+if TYPE_CHECKING:
+    from torch.distributed import TCPStore
 
 from launcher.store import StoreError, connect_store, get_json, host_store, put_json
 from launcher.supervisor import Failure

@@ -17,9 +17,10 @@ import ipaddress
 import json
 import socket
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from torch.distributed import TCPStore
+if TYPE_CHECKING:  # imported when a store is made: torch takes seconds to import
+    from torch.distributed import TCPStore
 
 
 class StoreError(RuntimeError):
@@ -33,8 +34,9 @@ def _is_loopback(addr: str) -> bool:
         return addr == "localhost"
 
 
-def host_store(addr: str, port: int, *, timeout_s: float = 60.0) -> TCPStore:
-    """Serve a TCPStore on ``addr:port`` only (port 0 picks a free one)."""
+def bind_listener(addr: str, port: int) -> socket.socket:
+    """A listening socket on ``addr:port`` only (port 0 picks a free one). Plain Python:
+    the launcher can bind, hand the port to its workers and only then import torch."""
     bind_to = "127.0.0.1" if _is_loopback(addr) else addr
     family = socket.AF_INET6 if ":" in bind_to else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -50,11 +52,19 @@ def host_store(addr: str, port: int, *, timeout_s: float = 60.0) -> TCPStore:
             ) from None
         raise StoreError(f"cannot listen on {bind_to}: {exc.strerror}") from None
     sock.listen(1024)
-    actual_port = sock.getsockname()[1]
+    return sock
+
+
+def serve_store(sock: socket.socket, *, timeout_s: float = 60.0) -> TCPStore:
+    """Serve a TCPStore on an already-listening socket (clients that connected before
+    this wait in the listen backlog)."""
+    from torch.distributed import TCPStore
+
+    host, port = sock.getsockname()[:2]
     try:
         store = TCPStore(
-            bind_to,
-            actual_port,
+            host,
+            port,
             is_master=True,
             wait_for_workers=False,
             timeout=timedelta(seconds=timeout_s),
@@ -64,13 +74,20 @@ def host_store(addr: str, port: int, *, timeout_s: float = 60.0) -> TCPStore:
     except Exception as exc:  # torch raises RuntimeError subclasses with long texts
         sock.close()
         raise StoreError(
-            f"cannot start a TCPStore on {bind_to}:{actual_port}: {exc}".splitlines()[0]
+            f"cannot start a TCPStore on {host}:{port}: {exc}".splitlines()[0]
         ) from None
     sock.detach()  # the store's server owns the descriptor now
     return store
 
 
+def host_store(addr: str, port: int, *, timeout_s: float = 60.0) -> TCPStore:
+    """Serve a TCPStore on ``addr:port`` only (port 0 picks a free one)."""
+    return serve_store(bind_listener(addr, port), timeout_s=timeout_s)
+
+
 def connect_store(addr: str, port: int, *, timeout_s: float = 60.0) -> TCPStore:
+    from torch.distributed import TCPStore
+
     try:
         return TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=timeout_s))
     except Exception as exc:
