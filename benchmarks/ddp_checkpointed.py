@@ -37,7 +37,14 @@ for step in range(start, total_steps):
     optimizer.step()
     if rank == 0:
         if step % 10 == 0:
-            torch.save({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(), "step": step}, "checkpoint.tmp")
+            torch.save(
+                {
+                    "model": model.module.state_dict(),
+                    "optimizer": optimizer.state_dict(),
+                    "step": step,
+                },
+                "checkpoint.tmp",
+            )
             os.replace("checkpoint.tmp", "checkpoint.pt")
         print(f"STEP {step} {time.time():.4f}", flush=True)
 dist.destroy_process_group()

@@ -43,10 +43,30 @@ def free_port() -> int:
 
 def launcher_cmd(name: str, workers: int) -> list[str]:
     if name == "torchrun":
-        return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(workers),
-                "--max-restarts", "3", "--master-port", str(free_port())]
-    return [sys.executable, "-m", "chameleon_cli.app", "run", "--nproc-per-node", str(workers),
-            "--max-restarts", "3", "--master-port", str(free_port()), "--plain"]
+        return [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            str(workers),
+            "--max-restarts",
+            "3",
+            "--master-port",
+            str(free_port()),
+        ]
+    return [
+        sys.executable,
+        "-m",
+        "chameleon_cli.app",
+        "run",
+        "--nproc-per-node",
+        str(workers),
+        "--max-restarts",
+        "3",
+        "--master-port",
+        str(free_port()),
+        "--plain",
+    ]
 
 
 @dataclass
@@ -62,7 +82,9 @@ class Trial:
 def _rank_pid(root: int, rank: int) -> int | None:
     for child in psutil.Process(root).children(recursive=True):
         try:
-            if child.environ().get("RANK") == str(rank) and "ddp_checkpointed" in " ".join(child.cmdline()):
+            if child.environ().get("RANK") == str(rank) and "ddp_checkpointed" in " ".join(
+                child.cmdline()
+            ):
                 return child.pid
         except psutil.Error:
             continue
@@ -75,7 +97,11 @@ def trial(name: str, *, workers: int, steps: int, kill_at: int | None, timeout_s
     t = Trial(launched_at=time.time())
     proc = subprocess.Popen(
         [*launcher_cmd(name, workers), str(SCRIPT), str(steps)],
-        cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        cwd=work,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
         start_new_session=True,
     )
     timer = threading.Timer(timeout_s, lambda: os.killpg(proc.pid, signal.SIGKILL))
@@ -97,7 +123,11 @@ def trial(name: str, *, workers: int, steps: int, kill_at: int | None, timeout_s
     finally:
         t.timed_out = not timer.is_alive()
         timer.cancel()
-        with_leftovers = [p for p in psutil.process_iter(["cmdline"]) if str(work) in " ".join(p.info["cmdline"] or [])]
+        with_leftovers = [
+            p
+            for p in psutil.process_iter(["cmdline"])
+            if str(work) in " ".join(p.info["cmdline"] or [])
+        ]
         for p in with_leftovers:
             p.kill()
         shutil.rmtree(work, ignore_errors=True)
@@ -116,12 +146,16 @@ def report_recovery(name: str, t: Trial, steps: int) -> None:
         print(f"  {name:10} could not kill rank 1")
         return
     if not after:
-        print(f"  {name:10} no step completed after the kill; exit {t.exit_code}{' (timed out)' if t.timed_out else ''}; finished: no")
+        print(
+            f"  {name:10} no step completed after the kill; exit {t.exit_code}{' (timed out)' if t.timed_out else ''}; finished: no"
+        )
         return
     first_step, first_time = after[0]
     redone = max(0, (t.kill_step or 0) - first_step + 1)
-    print(f"  {name:10} kill -> first step after recovery {first_time - t.killed_at:6.2f} s; steps redone {redone}; "
-          f"finished: {'yes' if finished else 'no'} (exit {t.exit_code})")
+    print(
+        f"  {name:10} kill -> first step after recovery {first_time - t.killed_at:6.2f} s; steps redone {redone}; "
+        f"finished: {'yes' if finished else 'no'} (exit {t.exit_code})"
+    )
 
 
 def main() -> None:
@@ -129,26 +163,46 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--kill-at", type=int, default=60)
-    parser.add_argument("--repeat", type=int, default=2)
+    parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=120)
     args = parser.parse_args()
-    print(f"{args.workers} workers, {args.steps} steps, gloo on CPU; min over {args.repeat} runs")
+    print(
+        f"{args.workers} workers, {args.steps} steps, gloo on CPU; median over {args.repeat} runs (range)"
+    )
     startup: dict[str, list[float]] = {"torchrun": [], "chameleon": []}
     steady: dict[str, list[float]] = {"torchrun": [], "chameleon": []}
     for _ in range(args.repeat):
         for name in ("torchrun", "chameleon"):  # interleaved, so drift hits both
-            t = trial(name, workers=args.workers, steps=args.steps, kill_at=None, timeout_s=args.timeout)
+            t = trial(
+                name, workers=args.workers, steps=args.steps, kill_at=None, timeout_s=args.timeout
+            )
             if t.steps:
                 startup[name].append(t.steps[0][1] - t.launched_at)
                 steady[name].append(steady_step_s(t))
+    med = statistics.median
     print("without failures:")
     for name in ("torchrun", "chameleon"):
-        print(f"  {name:10} start-up to first step {min(startup[name]):6.2f} s; steady step {min(steady[name]) * 1e3:7.2f} ms")
-    print(f"  ratio chameleon/torchrun: start-up {min(startup['chameleon']) / min(startup['torchrun']):.3f} (target <= 1.0), "
-          f"steady step {min(steady['chameleon']) / min(steady['torchrun']):.3f} (target <= 1.02)")
+        print(
+            f"  {name:10} start-up to first step {med(startup[name]):6.2f} s ({min(startup[name]):.2f}-{max(startup[name]):.2f}); "
+            f"steady step {med(steady[name]) * 1e3:6.2f} ms ({min(steady[name]) * 1e3:.2f}-{max(steady[name]) * 1e3:.2f})"
+        )
+    print(
+        f"  ratio chameleon/torchrun: start-up {med(startup['chameleon']) / med(startup['torchrun']):.3f} (target <= 1.0), "
+        f"steady step {med(steady['chameleon']) / med(steady['torchrun']):.3f} (target <= 1.02)"
+    )
     print(f"with kill -9 of rank 1 at step {args.kill_at} (checkpoint every 10 steps):")
     for name in ("torchrun", "chameleon"):
-        report_recovery(name, trial(name, workers=args.workers, steps=args.steps, kill_at=args.kill_at, timeout_s=args.timeout), args.steps)
+        report_recovery(
+            name,
+            trial(
+                name,
+                workers=args.workers,
+                steps=args.steps,
+                kill_at=args.kill_at,
+                timeout_s=args.timeout,
+            ),
+            args.steps,
+        )
 
 
 if __name__ == "__main__":

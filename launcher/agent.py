@@ -31,6 +31,7 @@ FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUI
 # Workers of a failed round are useless (their collectives are broken): give them a short
 # grace to flush, not the full shutdown timeout.
 RESTART_GRACE_S = 2.0
+SYNC_PERIOD_S = 0.25
 
 
 @dataclass
@@ -370,15 +371,25 @@ class Agent:
             self._beat_seen.setdefault(k, time.time())
         lost: set[str] = set()
         reported_done = False
+        next_sync = 0.0
         while True:
             time.sleep(a.monitor_interval_s)
             try:
+                # Local processes every interval; the store (remote reports, decisions)
+                # at once when something happened here, else every SYNC_PERIOD_S: on a
+                # machine whose cores the workers saturate, the launcher's own polling
+                # comes out of their step time.
+                news = False
                 for failure in group.poll():
                     self.events.emit("failure", **failure.to_json())
                     control.report_failure(failure)
+                    news = True
                 if group.all_finished and not reported_done:
                     control.report_done(world.attempt)
-                    reported_done = True
+                    reported_done = news = True
+                if not news and time.monotonic() < next_sync and self._signal is None:
+                    continue
+                next_sync = time.monotonic() + SYNC_PERIOD_S
                 if control.is_leader:
                     self._lead(control, world, keys, beats, lost)
                 decision = control.decision(world.attempt)

@@ -62,7 +62,7 @@ def estimate(job: Job, plan: Plan, *, memo: Memo | None = None) -> Estimate:
     costs = CostModel(job)
     ranges = {s.worker: (s.first_layer, s.end_layer) for s in plan.stages}
     compute_end, in_flight = _compute_phase(job, plan, costs, ranges, {} if memo is None else memo)
-    timing = finish_step(compute_end, buckets_of(plan, job.model), ranges, costs)
+    timing = finish_step(compute_end, buckets_of(plan, job.model.layer_params), ranges, costs)
     memory = {w: costs.memory_bytes(*ranges[w], in_flight.get(w, 0)) for w in ranges}
     return Estimate(
         plan=plan,

@@ -32,14 +32,13 @@ the extra activation memory rerouting costs it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import NamedTuple
 
 from planner.colouring import Task, colour_rounds
 from planner.plan import Plan, Route
-from planner.workload import Model
 
 
 class OpKind(StrEnum):
@@ -86,8 +85,9 @@ class StepProgram:
         raise KeyError(worker)
 
 
-def build_program(plan: Plan, model: Model) -> StepProgram:
-    buckets = buckets_of(plan, model)
+def build_program(plan: Plan, layer_params: Sequence[int]) -> StepProgram:
+    """Every worker's program; ``layer_params`` (parameters per layer) orders the buckets."""
+    buckets = buckets_of(plan, layer_params)
     per_worker_buckets: dict[int, list[Bucket]] = {w: [] for w in plan.workers}
     for bucket in buckets:
         for worker in bucket.holders:
@@ -144,7 +144,7 @@ def max_in_flight(ops: Iterable[ComputeOp]) -> int:
     return peak
 
 
-def buckets_of(plan: Plan, model: Model) -> tuple[Bucket, ...]:
+def buckets_of(plan: Plan, layer_params: Sequence[int]) -> tuple[Bucket, ...]:
     """Runs of layers with the same holders; single-holder runs need no all-reduce."""
     boundaries = sorted({s.first_layer for s in plan.stages} | {s.end_layer for s in plan.stages})
     runs: list[tuple[int, int, tuple[int, ...]]] = []
@@ -157,7 +157,7 @@ def buckets_of(plan: Plan, model: Model) -> tuple[Bucket, ...]:
         else:
             runs.append((first, end, holders))
     shared = [r for r in runs if len(r[2]) > 1]
-    tasks = [Task(h, model.total("num_params", f, e)) for f, e, h in shared]
+    tasks = [Task(h, float(sum(layer_params[f:e]))) for f, e, h in shared]
     rounds = colour_rounds(tasks)
     return tuple(
         Bucket(index=i, first_layer=f, end_layer=e, holders=h, round=r)

@@ -86,6 +86,10 @@ class Model:
         return len(self.layers)
 
     @cached_property
+    def layer_params(self) -> tuple[int, ...]:
+        return tuple(x.num_params for x in self.layers)
+
+    @cached_property
     def _prefix(self) -> dict[str, tuple[float, ...]]:
         def prefix(values: list[float]) -> tuple[float, ...]:
             return (0.0, *accumulate(values))

@@ -49,7 +49,7 @@ def _random_plans(seeds):
 @pytest.mark.parametrize("seed", range(40))
 def test_deduplicated_estimate_equals_the_full_graph(seed):
     for job, plan in _random_plans([seed]):
-        full = simulate(build_program(plan, job.model), CostModel(job))
+        full = simulate(build_program(plan, job.model.layer_params), CostModel(job))
         assert estimate(job, plan).step_s == pytest.approx(full.step_s, rel=1e-12)
 
 
@@ -110,7 +110,7 @@ def test_repeated_reroutes_never_deadlock():
 def test_a_cyclic_program_is_reported_as_a_deadlock():
     job = uniform_job(dp=1, pp=2, num_layers=2, micro_batches=2)
     plan = initial_plan(job)
-    program = build_program(plan, job.model)
+    program = build_program(plan, job.model.layer_params)
     # Make stage 0 run both backwards before any forward: it waits for gradients of
     # micro-batches it never sent.
     first = program.workers[0]

@@ -1,0 +1,193 @@
+"""Messages between the launcher and chameleon_runtime workers, as JSON (pydantic).
+
+- ``JobDescription``: what a running job is, published by its workers at start: every
+  layer's measured costs and sizes, the batch, the layout. The launcher turns it into a
+  planner ``Job`` when a failure needs a plan.
+- ``PlanMessage``: a plan generation for the workers to apply: the plan, the step to
+  resume at, the policy that produced it and the weight migration to carry out.
+
+Converted once at the edge: everything inside the planner and the runtime works on the
+frozen dataclasses of ``planner.plan`` and ``planner.workload``.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from planner.migration import Migration
+from planner.plan import Plan, Route, Stage
+from planner.workload import Cluster, Job, Layer, Link, Model, Training
+
+NonNegative = Annotated[float, Field(ge=0)]
+
+
+class _Wire(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class LayerCostWire(_Wire):
+    name: str
+    num_params: Annotated[int, Field(ge=0)]
+    forward_s: NonNegative
+    backward_s: NonNegative
+    optimizer_s: NonNegative
+    activation_bytes: Annotated[int, Field(ge=0)]
+    stash_bytes: Annotated[int, Field(ge=0)]
+
+
+class JobDescription(_Wire):
+    model: str
+    layers: list[LayerCostWire]
+    global_batch_size: int
+    micro_batch_size: int
+    param_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+    dp: int
+    pp: int
+    memory_limit_bytes: int  # per worker
+    link_bandwidth_bytes_per_s: float
+    link_latency_s: float
+    checkpoint_interval_steps: int
+
+    def to_job(
+        self,
+        *,
+        num_nodes: int,
+        workers_per_node: int,
+        mtbf_s: float,
+        step_s: float,
+        restart_s: float,
+        pg_init_base_s: float = 0.2,
+        pg_init_per_worker_s: float = 0.02,
+        store_round_trip_s: float = 0.0005,
+    ) -> Job:
+        link = Link(self.link_bandwidth_bytes_per_s, self.link_latency_s)
+        cluster = Cluster(
+            name="live",
+            num_nodes=num_nodes,
+            devices_per_node=workers_per_node,
+            device_memory_bytes=self.memory_limit_bytes,
+            intra_node=link,
+            inter_node=link,
+            restart_s=restart_s,
+            pg_init_base_s=pg_init_base_s,
+            pg_init_per_worker_s=pg_init_per_worker_s,
+            store_round_trip_s=store_round_trip_s,
+        )
+        layers = tuple(
+            Layer(
+                name=x.name,
+                num_params=x.num_params,
+                forward_s=x.forward_s,
+                backward_s=x.backward_s,
+                optimizer_s=x.optimizer_s,
+                activation_bytes=x.activation_bytes,
+                stash_bytes=x.stash_bytes,
+            )
+            for x in self.layers
+        )
+        training = Training(
+            global_batch_size=self.global_batch_size,
+            micro_batch_size=self.micro_batch_size,
+            param_bytes=self.param_bytes,
+            grad_bytes=self.grad_bytes,
+            optimizer_bytes=self.optimizer_bytes,
+            dp=self.dp,
+            pp=self.pp,
+            mtbf_s=mtbf_s,
+            checkpoint_interval_s=max(step_s, 1e-3) * self.checkpoint_interval_steps,
+        )
+        return Job(cluster=cluster, model=Model(self.model, layers), training=training)
+
+
+class StageWire(_Wire):
+    worker: int
+    first_layer: int
+    end_layer: int
+
+
+class RouteWire(_Wire):
+    home: int
+    hops: list[int]
+    micro_batches: list[int]
+
+
+class PlanWire(_Wire):
+    num_layers: int
+    num_micro_batches: int
+    stages: list[StageWire]
+    routes: list[RouteWire]
+    pipelines: list[list[int]]
+
+    @classmethod
+    def of(cls, plan: Plan) -> PlanWire:
+        return cls(
+            num_layers=plan.num_layers,
+            num_micro_batches=plan.num_micro_batches,
+            stages=[
+                StageWire(worker=s.worker, first_layer=s.first_layer, end_layer=s.end_layer)
+                for s in plan.stages
+            ],
+            routes=[
+                RouteWire(home=r.home, hops=list(r.hops), micro_batches=list(r.micro_batches))
+                for r in plan.routes
+            ],
+            pipelines=[list(p) for p in plan.pipelines],
+        )
+
+    def to_plan(self) -> Plan:
+        return Plan(
+            num_layers=self.num_layers,
+            num_micro_batches=self.num_micro_batches,
+            stages=tuple(Stage(s.worker, s.first_layer, s.end_layer) for s in self.stages),
+            routes=tuple(Route(r.home, tuple(r.hops), tuple(r.micro_batches)) for r in self.routes),
+            pipelines=tuple(tuple(p) for p in self.pipelines),
+        )
+
+
+class TransferWire(_Wire):
+    src: int
+    dst: int
+    first_layer: int
+    end_layer: int
+    round: int
+
+
+class PlanMessage(_Wire):
+    generation: int
+    policy: str
+    resume_step: int
+    plan: PlanWire
+    transfers: list[TransferWire] = []
+    estimated_step_s: float | None = None
+
+    @classmethod
+    def build(
+        cls,
+        *,
+        generation: int,
+        policy: str,
+        resume_step: int,
+        plan: Plan,
+        migration: Migration | None = None,
+        estimated_step_s: float | None = None,
+    ) -> PlanMessage:
+        transfers = []
+        if migration is not None:
+            transfers = [
+                TransferWire(
+                    src=t.src, dst=t.dst, first_layer=t.first_layer, end_layer=t.end_layer, round=r
+                )
+                for t, r in zip(migration.transfers, migration.rounds, strict=True)
+            ]
+        return cls(
+            generation=generation,
+            policy=policy,
+            resume_step=resume_step,
+            plan=PlanWire.of(plan),
+            transfers=transfers,
+            estimated_step_s=estimated_step_s,
+        )
