@@ -48,7 +48,8 @@ def plan(
         list[int] | None, typer.Option("--fail-node", help="A node that fails whole. Repeatable.")
     ] = None,
     policy: Annotated[
-        PolicyName | None, typer.Option("--policy", help="Force a policy instead of the best score.")
+        PolicyName | None,
+        typer.Option("--policy", help="Force a policy instead of the best score."),
     ] = None,
     mtbf: Annotated[
         str | None,

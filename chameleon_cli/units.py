@@ -4,16 +4,9 @@ from __future__ import annotations
 
 import re
 
-_DURATION = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(ms|s|m|min|h|d)?\s*$")
-_SCALE = {"ms": 1e-3, "s": 1.0, None: 1.0, "m": 60.0, "min": 60.0, "h": 3600.0, "d": 86400.0}
+from launcher.args import parse_duration_s
 
-
-def parse_duration_s(text: str) -> float:
-    """'90', '90s', '15m', '3h', '250ms' -> seconds."""
-    match = _DURATION.match(text)
-    if not match:
-        raise ValueError(f"not a duration: {text!r} (try 90s, 15m or 3h)")
-    return float(match.group(1)) * _SCALE[match.group(2)]
+__all__ = ["fmt_bytes", "fmt_ranges", "fmt_s", "parse_duration_s", "parse_int_list"]
 
 
 def parse_int_list(text: str) -> list[int]:

@@ -15,14 +15,23 @@ import socket
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from launcher.args import RunArgs
 from launcher.events import EventLog
+from launcher.inplace import Coordinator
 from launcher.local import LocalGroup, RoundSettings, worker_command
 from launcher.rendezvous import RUN_ID_KEY, ControlPlane, NodeInfo, RendezvousError, World, node_key
-from launcher.store import StoreError, bind_listener, host_store, put_json, serve_store
+from launcher.store import (
+    StoreError,
+    bind_listener,
+    connect_store,
+    get_json,
+    host_store,
+    put_json,
+    serve_store,
+)
 from launcher.supervisor import Action, Failure, FailureKind, RoundView, decide, root_cause
 from launcher.workers import Console, Reaper
 
@@ -32,6 +41,7 @@ FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUI
 # grace to flush, not the full shutdown timeout.
 RESTART_GRACE_S = 2.0
 SYNC_PERIOD_S = 0.25
+RECOVERY_POLL_S = 0.005
 
 
 @dataclass
@@ -40,6 +50,40 @@ class Outcome:
     reason: str
     failures: list[Failure]
     run_dir: Path
+
+
+class WorkerStoreView:
+    """This round's worker store, seen from an agent: heartbeats and exit requests of the
+    chameleon_runtime workers. The leader reads the store it hosts; other agents connect
+    to it when they first need it."""
+
+    def __init__(self, agent: Agent, world: World) -> None:
+        self._agent = agent
+        self._world = world
+        self._client = None
+
+    def _store(self):
+        hosted = (
+            getattr(self._agent, "_worker_store", None)
+            if self._agent.control and self._agent.control.is_leader
+            else None
+        )
+        if hosted is not None:
+            return hosted
+        if self._client is None:
+            self._client = connect_store(
+                self._world.worker_addr, self._world.worker_port, timeout_s=10
+            )
+        return self._client
+
+    def heartbeat(self, rank: int) -> dict | None:
+        try:
+            return get_json(self._store(), f"chameleon/hb/{rank}")
+        except Exception:
+            return None
+
+    def ask_exit(self, rank: int, code: int) -> None:
+        put_json(self._store(), f"chameleon/exit/{rank}", code)
 
 
 class JobError(RuntimeError):
@@ -79,6 +123,8 @@ class Agent:
         # Leader: the last round's world, and when each node's heartbeat last moved.
         self._last_world: World | None = None
         self._beat_seen: dict[str, float] = {}
+        self._coordinator: Coordinator | None = None
+        self._aware = False  # every worker runs chameleon_runtime: recover in place
 
     # -- signals ---------------------------------------------------------------------
 
@@ -231,6 +277,7 @@ class Agent:
         return control, (world, group)
 
     def _round(self, control: ControlPlane, attempt: int) -> int | Outcome:
+        self._aware = False
         """Run one round; the next attempt's number, or the job's outcome."""
         a = self.args
         host = a.local_addr or socket.gethostname()
@@ -263,6 +310,8 @@ class Agent:
 
     def _start_group(self, world: World, me: NodeInfo) -> LocalGroup:
         a = self.args
+        view = WorkerStoreView(self, world)
+        self._view = view
         group = LocalGroup(
             RoundSettings(
                 attempt=world.attempt,
@@ -287,9 +336,12 @@ class Agent:
             faults=a.faults,
             emit=self.events.emit,
             base_env=dict(os.environ),
+            worker_heartbeat=view.heartbeat,
+            ask_exit=view.ask_exit,
             reaper=self.reaper,
         )
         group.start()
+        self._coordinator = None
         return group
 
     def _world(self, control: ControlPlane, attempt: int) -> World | None:
@@ -373,7 +425,9 @@ class Agent:
         reported_done = False
         next_sync = 0.0
         while True:
-            time.sleep(a.monitor_interval_s)
+            recovering = self._coordinator is not None and self._coordinator.recovering
+            # While a recovery is under way every millisecond counts: poll fast.
+            time.sleep(RECOVERY_POLL_S if recovering else a.monitor_interval_s)
             try:
                 # Local processes every interval; the store (remote reports, decisions)
                 # at once when something happened here, else every SYNC_PERIOD_S: on a
@@ -387,7 +441,7 @@ class Agent:
                 if group.all_finished and not reported_done:
                     control.report_done(world.attempt)
                     reported_done = news = True
-                if not news and time.monotonic() < next_sync and self._signal is None:
+                if not (news or recovering) and time.monotonic() < next_sync and self._signal is None:
                     continue
                 next_sync = time.monotonic() + SYNC_PERIOD_S
                 if control.is_leader:
@@ -458,6 +512,7 @@ class Agent:
         if control.decision(world.attempt) is not None:
             return
         failures = control.failures(world.attempt)
+        failures, restart_reason = self._recover_in_place(world, failures)
         waiting = len(control.joined(world.attempt + 1))
         view = RoundView(
             attempt=world.attempt,
@@ -473,6 +528,8 @@ class Agent:
             stop_signal=self._signal,
         )
         decision = decide(view)
+        if restart_reason is not None and decision.action is Action.RESTART:
+            decision = replace(decision, reason=f"{restart_reason}; {decision.reason}")
         if decision.action is Action.CONTINUE:
             return
         self.failures = self.failures + [f for f in failures if f not in self.failures]
@@ -496,6 +553,48 @@ class Agent:
                 "exit_code": decision.exit_code,
             },
         )
+
+    def _recover_in_place(
+        self, world: World, failures: list[Failure]
+    ) -> tuple[list[Failure], str | None]:
+        """For chameleon_runtime workers: hand failures to the in-place coordinator. Returns
+        the failures the ordinary decision should still see (none while recovering in
+        place; all of them when the coordinator falls back to a restart) and why."""
+        coordinator = self._coordinator
+        if coordinator is None:
+            store = getattr(self, "_worker_store", None)
+            if store is None:
+                return failures, None
+            coordinator = Coordinator(
+                store=store,
+                world_size=world.world_size,
+                emit=self.events.emit,
+                policy=self.args.policy,
+                mtbf_s=self.args.mtbf_s,
+                ready_timeout_s=self.args.heartbeat_timeout_s,
+                workers_per_node=world.nodes[0].nproc,
+                num_nodes=len(world.nodes),
+                attempt=world.attempt,
+            )
+            self._coordinator = coordinator
+        if not self._aware:
+            try:
+                self._aware = coordinator.all_aware()
+            except Exception:
+                return failures, None
+            if not self._aware:
+                return failures, None
+            self.events.emit("in_place_enabled", attempt=world.attempt, world_size=world.world_size)
+        failed = {f.rank for f in failures}
+        if failed - coordinator.dead:
+            self.failures = self.failures + [f for f in failures if f not in self.failures]
+            coordinator.on_failures(failed)
+        elif coordinator.phase.value == "running" and not coordinator.dead:
+            coordinator.calibrate_now_if_due()
+        outcome = coordinator.tick()
+        if outcome.restart:
+            return failures, outcome.reason
+        return [], None
 
     def _interrupted(self, group: LocalGroup) -> Outcome:
         signum = self._signal or signal.SIGTERM

@@ -14,6 +14,17 @@ from dataclasses import dataclass, field
 
 from launcher.faults import FaultSpec, parse_fault
 
+_DURATION = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(ms|s|m|min|h|d)?\s*$")
+_SCALE = {"ms": 1e-3, "s": 1.0, None: 1.0, "m": 60.0, "min": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def parse_duration_s(text: str) -> float:
+    """'90', '90s', '15m', '3h', '250ms' -> seconds."""
+    match = _DURATION.match(text)
+    if not match:
+        raise ValueError(f"not a duration: {text!r} (try 90s, 15m or 3h)")
+    return float(match.group(1)) * _SCALE[match.group(2)]
+
 
 class ArgsError(ValueError):
     """Bad command line; ``str()`` is one line."""
@@ -150,6 +161,11 @@ def _parser() -> _Parser:
         default="auto",
         help="force a recovery policy (chameleon_runtime jobs)",
     )
+    add(
+        "--mtbf",
+        default="1h",
+        help="expected time to the next failure, D in the policy score (90s, 30m, 3h)",
+    )
     add("--plain", action="store_true", help="plain output even on a terminal")
     p.add_argument(
         "training_script", metavar="SCRIPT", help="the training script (or module with -m)"
@@ -197,6 +213,7 @@ class RunArgs:
     faults: tuple[FaultSpec, ...]
     config: str | None
     policy: str
+    mtbf_s: float
     plain: bool
     script: str
     script_args: tuple[str, ...] = field(default_factory=tuple)
@@ -292,6 +309,12 @@ def parse_run_args(argv: list[str]) -> RunArgs:
             raise ArgsError(
                 f"--local-ranks-filter must be comma-separated ranks, got {ns.local_ranks_filter!r}"
             ) from None
+    try:
+        mtbf_s = parse_duration_s(ns.mtbf)
+    except ValueError as exc:
+        raise ArgsError(f"--mtbf: {exc}") from None
+    if mtbf_s <= 0:
+        raise ArgsError("--mtbf must be positive")
     shutdown = ns.shutdown_timeout
     if shutdown is None:
         shutdown = float(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30"))
@@ -324,6 +347,7 @@ def parse_run_args(argv: list[str]) -> RunArgs:
         faults=faults,
         config=ns.config,
         policy=ns.policy,
+        mtbf_s=mtbf_s,
         plain=ns.plain,
         script=ns.training_script,
         script_args=tuple(ns.training_script_args),

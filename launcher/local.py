@@ -24,6 +24,7 @@ from launcher.faults import FaultKind, FaultSpec
 from launcher.supervisor import Failure, FailureKind
 from launcher.workers import Console, Reaper, Worker, signal_worker, start_worker, stop_workers
 
+HANG_CHECK_PERIOD_S = 0.5  # psutil and heartbeat reads; crashes are polled every interval
 _BAD_STATUSES = {
     psutil.STATUS_STOPPED,
     psutil.STATUS_TRACING_STOP,
@@ -82,6 +83,7 @@ class LocalGroup:
         emit: Callable[..., object],
         base_env: dict[str, str],
         worker_heartbeat: Callable[[int], dict | None] | None = None,
+        ask_exit: Callable[[int, int], None] | None = None,
         reaper: Reaper | None = None,
     ) -> None:
         self.s = settings
@@ -90,6 +92,7 @@ class LocalGroup:
         self.emit = emit
         self.base_env = base_env
         self.worker_heartbeat = worker_heartbeat
+        self.ask_exit = ask_exit
         self.reaper = reaper
         self.workers: dict[int, Worker] = {}
         self.finished: set[int] = set()
@@ -100,6 +103,7 @@ class LocalGroup:
             f for f in faults if f.attempt == settings.attempt and self._is_local(f.rank)
         ]
         self._fault_times: dict[int, float] = {}
+        self._next_hang_check = 0.0
         self._started_at = 0.0
         self.started: dict = {}  # what the "workers_started" event reports
 
@@ -155,7 +159,9 @@ class LocalGroup:
 
     @property
     def all_finished(self) -> bool:
-        return len(self.finished) == len(self.workers)
+        """Every worker exited 0 or failed (a failure handled in place leaves the rest to
+        finish the job; in a plain job a failure leads to a restart first)."""
+        return len(self.finished) + len(self.failed) == len(self.workers) and bool(self.finished)
 
     def poll(self) -> list[Failure]:
         """New failures since the last poll (crashes, hangs), after injecting due faults."""
@@ -167,7 +173,9 @@ class LocalGroup:
                 continue
             code = worker.poll()
             if code is None:
-                hang = self._hang_reason(rank, worker, now)
+                hang = (
+                    self._hang_reason(rank, worker, now) if now >= self._next_hang_check else None
+                )
                 if hang is not None:
                     signal_worker(worker, signal.SIGKILL)
                     new.append(self._failure(rank, worker, FailureKind.HANG, now, None, hang))
@@ -177,6 +185,8 @@ class LocalGroup:
                 continue
             kind = FailureKind.SIGNAL if code < 0 else FailureKind.EXIT
             new.append(self._failure(rank, worker, kind, now, code, _last_error_line(worker)))
+        if now >= self._next_hang_check:
+            self._next_hang_check = now + HANG_CHECK_PERIOD_S
         for failure in new:
             self.failed[failure.rank] = failure
         return new
@@ -261,19 +271,14 @@ class LocalGroup:
         """A chameleon worker exits with the asked code (it polls for the request); a plain
         script cannot be asked, so it gets SIGTERM."""
         if (
-            fault.kind is FaultKind.EXIT
+            self.ask_exit is not None
             and self.worker_heartbeat is not None
             and self.worker_heartbeat(fault.rank)
         ):
             self.emit("exit_requested", rank=fault.rank, code=fault.code)
-            self.request_exit(fault.rank, fault.code)
+            self.ask_exit(fault.rank, fault.code)
         else:
             signal_worker(worker, signal.SIGTERM)
-
-    def request_exit(
-        self, rank: int, code: int
-    ) -> None:  # overridden by the agent when a store exists
-        signal_worker(self.workers[rank], signal.SIGTERM)
 
     def pending_step_faults(self) -> list[FaultSpec]:
         return [f for f in self._faults if f.step is not None]

@@ -48,14 +48,27 @@ class Recovery:
 def recoveries(events: Iterable[Record]) -> list[Recovery]:
     events = sorted(events, key=lambda e: e["t"])
     out: list[Recovery] = []
+    previous: dict[int, float] = {}  # attempt -> time of its last decision
     for i, decision in enumerate(events):
         if decision["event"] != "decision" or (
             decision.get("action") == "finish" and not decision.get("exit_code")
         ):
             continue
         attempt = decision.get("attempt", 0)
+        since = previous.get(attempt, float("-inf"))
+        previous[attempt] = decision["t"]
+        # The failures this decision answered: those of its attempt detected since the
+        # attempt's previous decision (in-place recoveries share an attempt). A restart or
+        # a final decision also owns the attempt's later failures: a lost node is often
+        # noticed only when its peers have crashed, or when it fails to rejoin.
+        closing = decision.get("action") in ("restart", "finish")
         failures = [
-            e for e in events[:i] if e["event"] == "failure" and e.get("attempt") == attempt
+            e
+            for e in events
+            if e["event"] == "failure"
+            and e.get("attempt") == attempt
+            and e["detected_at"] > since
+            and (e["detected_at"] <= decision["t"] or closing)
         ]
         if not failures:
             continue

@@ -6,7 +6,8 @@ Durations (PAPER.md, unified performance model):
 - activation or gradient transfer between two workers: latency + bytes / bandwidth on
   the intra- or inter-node link;
 - all-reduce of a bucket among n holders: ring all-reduce, 2(n-1)/n of the bytes over the
-  slowest link among them plus 2(n-1) latencies;
+  slowest link among them plus 2(n-1) latencies (or, for the runtime's point-to-point
+  exchange, n-1 sends of the whole bucket);
 - commit barrier: two store round trips; optimizer: the sum over the worker's layers.
 
 Memory of a worker: parameters, gradients and optimizer state of its layers, plus the
@@ -52,6 +53,9 @@ class CostModel:
             return 0.0
         grad_bytes = self.job.model.total("num_params", first, end) * self.job.training.grad_bytes
         link = self.slowest_link(holders)
+        if self.job.cluster.allreduce == "exchange":
+            # Each holder sends its n - 1 copies one after another on its link.
+            return (n - 1) * (grad_bytes / link.bandwidth_bytes_per_s + link.latency_s)
         return (
             2 * (n - 1) / n * grad_bytes / link.bandwidth_bytes_per_s + 2 * (n - 1) * link.latency_s
         )

@@ -124,3 +124,43 @@ class Partitioner:
         if best == _INF:  # cannot happen when a cap of infinity fits; never loop forever
             raise AssertionError("partition search made no progress")
         return best
+
+
+def balanced_split(weights: list[float] | tuple[float, ...], num_stages: int) -> tuple[int, ...]:
+    """Boundaries of the contiguous split of ``weights`` into ``num_stages`` non-empty
+    parts whose largest part is smallest (ties: later parts larger). A pure function of
+    its inputs, so every worker computes the same first layout without talking."""
+    n = len(weights)
+    if not 1 <= num_stages <= n:
+        raise ValueError(f"cannot split {n} layers into {num_stages} stages")
+    prefix = [0.0]
+    for w in weights:
+        prefix.append(prefix[-1] + w)
+
+    def fits(cap: float) -> list[int] | None:
+        bounds = [n]
+        end = n
+        for stage in range(num_stages - 1, 0, -1):
+            first = end - 1
+            while first - 1 >= stage and prefix[end] - prefix[first - 1] <= cap:
+                first -= 1
+            if prefix[end] - prefix[first] > cap:
+                return None
+            bounds.append(first)
+            end = first
+        if prefix[end] > cap:
+            return None
+        bounds.append(0)
+        return bounds[::-1]
+
+    candidates = sorted({prefix[j] - prefix[i] for i in range(n) for j in range(i + 1, n + 1)})
+    lo, hi = 0, len(candidates) - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if fits(candidates[mid]) is None:
+            lo = mid + 1
+        else:
+            hi = mid
+    result = fits(candidates[lo])
+    assert result is not None
+    return tuple(result)

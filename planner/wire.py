@@ -76,6 +76,7 @@ class JobDescription(_Wire):
             pg_init_base_s=pg_init_base_s,
             pg_init_per_worker_s=pg_init_per_worker_s,
             store_round_trip_s=store_round_trip_s,
+            allreduce="exchange",
         )
         layers = tuple(
             Layer(

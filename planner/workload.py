@@ -57,6 +57,10 @@ class Cluster:
     pg_init_per_worker_s: float = 0.001
     # One round trip to the job's TCPStore; the per-step commit barrier costs two.
     store_round_trip_s: float = 0.0005
+    # How holders sum a bucket's gradients: "ring" (NCCL, HCCL, large groups) or
+    # "exchange" (chameleon_runtime on gloo: every holder sends its gradients to every
+    # other and sums in holder order, point to point, so an aborted step can be drained).
+    allreduce: str = "ring"
 
     @property
     def num_devices(self) -> int:

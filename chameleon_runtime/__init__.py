@@ -1,0 +1,14 @@
+"""chameleon_runtime: the in-worker engine for scripts launched by ``chameleon run``.
+
+    import chameleon_runtime as cr
+    trainer = cr.Trainer(layers=build_layer, num_layers=6, loss_fn=..., optimizer=...,
+                         dataset=..., global_batch_size=32, micro_batch_size=2,
+                         pipeline_stages=4)
+    trainer.fit(steps=100, on_step=lambda info: print(info.step, info.loss))
+
+See docs/runtime.md for the full API and examples/train_gpt.py for a complete script.
+"""
+
+from chameleon_runtime.trainer import FitResult, StepInfo, Trainer
+
+__all__ = ["FitResult", "StepInfo", "Trainer"]

@@ -1,0 +1,185 @@
+"""The layers a worker holds, with one optimizer per layer.
+
+Why one optimizer per layer: a layer's parameters and optimizer state then move, save and
+load as one unit whatever the layout, and an element-wise optimizer (SGD, Adam, AdamW)
+steps exactly as one optimizer over all parameters would.
+
+Why per-layer seeding: layer i is always built under seed (seed, i), so every holder of it,
+now or after a migration, starts from the same weights; and each layer's forward runs
+under a seed of (step, micro-batch, layer), so dropout draws the same mask whichever
+worker runs it. Training is then independent of the layout.
+
+State crosses the network as raw tensors described by a JSON header (shapes, dtypes,
+optimizer-state keys) that travels through the store: nothing received is unpickled.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+LayerFactory = Callable[[int], nn.Module]
+OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+
+_DTYPES = {
+    str(t): t
+    for t in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32)
+}
+
+
+def layer_seed(seed: int, layer: int) -> int:
+    return (seed * 1_000_003 + layer * 7919) % (2**63)
+
+
+def op_seed(seed: int, step: int, micro_batch: int, layer: int) -> int:
+    return (seed * 1_000_003 + step * 104_729 + micro_batch * 7919 + layer * 31) % (2**63)
+
+
+def build_layer(factory: LayerFactory, seed: int, index: int, device: str = "cpu") -> nn.Module:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(layer_seed(seed, index))
+        module = factory(index)
+    return module.to(device)
+
+
+class Shard:
+    def __init__(
+        self,
+        factory: LayerFactory,
+        make_optimizer: OptimizerFactory,
+        *,
+        seed: int,
+        device: str = "cpu",
+    ) -> None:
+        self.factory = factory
+        self.make_optimizer = make_optimizer
+        self.seed = seed
+        self.device = device
+        self.layers: dict[int, nn.Module] = {}
+        self.optimizers: dict[int, torch.optim.Optimizer] = {}
+
+    # -- holding -----------------------------------------------------------------------
+
+    def ensure(self, first: int, end: int) -> list[int]:
+        """Build (fresh, deterministic) every layer of [first, end) not held yet."""
+        built = []
+        for i in range(first, end):
+            if i not in self.layers:
+                self.layers[i] = build_layer(self.factory, self.seed, i, self.device)
+                self.optimizers[i] = self.make_optimizer(list(self.layers[i].parameters()))
+                built.append(i)
+        return built
+
+    def keep_only(self, first: int, end: int) -> None:
+        for i in [i for i in self.layers if not first <= i < end]:
+            del self.layers[i]
+            del self.optimizers[i]
+
+    def held(self) -> list[int]:
+        return sorted(self.layers)
+
+    # -- compute -----------------------------------------------------------------------
+
+    def forward(
+        self, x: torch.Tensor, first: int, end: int, *, step: int, micro_batch: int
+    ) -> torch.Tensor:
+        for i in range(first, end):
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(op_seed(self.seed, step, micro_batch, i))
+                x = self.layers[i](x)
+        return x
+
+    def params(self, first: int, end: int) -> Iterator[nn.Parameter]:
+        for i in range(first, end):
+            yield from self.layers[i].parameters()
+
+    def flat_grads(self, first: int, end: int) -> torch.Tensor:
+        grads = [
+            (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+            for p in self.params(first, end)
+        ]
+        return torch.cat(grads) if grads else torch.zeros(0)
+
+    def set_flat_grads(self, first: int, end: int, flat: torch.Tensor) -> None:
+        offset = 0
+        for p in self.params(first, end):
+            n = p.numel()
+            p.grad = flat[offset : offset + n].view_as(p).clone()
+            offset += n
+
+    def zero_grad(self) -> None:
+        for opt in self.optimizers.values():
+            opt.zero_grad(set_to_none=True)
+
+    def step(self, lr: float | None = None) -> None:
+        for i in sorted(self.optimizers):
+            opt = self.optimizers[i]
+            if lr is not None:
+                for group in opt.param_groups:
+                    group["lr"] = lr
+            opt.step()
+
+    # -- state as tensors + JSON header ------------------------------------------------
+
+    def export_layer(self, i: int) -> tuple[dict, list[torch.Tensor]]:
+        """Header (JSON-able) and tensors: parameters, then optimizer state in a fixed order."""
+        params = list(self.layers[i].parameters())
+        tensors = [p.detach().cpu().contiguous() for p in params]
+        state_items: list[list[Any]] = []
+        state = self.optimizers[i].state_dict()["state"]
+        for index in sorted(state):
+            for key in sorted(state[index]):
+                value = state[index][key]
+                if torch.is_tensor(value):
+                    state_items.append([index, key, list(value.shape), str(value.dtype)])
+                    tensors.append(value.detach().cpu().contiguous())
+                else:
+                    state_items.append([index, key, None, value])
+        header = {
+            "layer": i,
+            "params": [[list(p.shape), str(p.dtype)] for p in params],
+            "state": state_items,
+        }
+        return header, tensors
+
+    @staticmethod
+    def empty_tensors(header: dict) -> list[torch.Tensor]:
+        out = [torch.empty(shape, dtype=_DTYPES[dtype]) for shape, dtype in header["params"]]
+        out += [
+            torch.empty(shape, dtype=_DTYPES[dtype])
+            for _i, _k, shape, dtype in header["state"]
+            if shape is not None
+        ]
+        return out
+
+    def import_layer(self, header: dict, tensors: list[torch.Tensor]) -> None:
+        i = header["layer"]
+        if i not in self.layers:
+            self.layers[i] = build_layer(self.factory, self.seed, i, self.device)
+            self.optimizers[i] = self.make_optimizer(list(self.layers[i].parameters()))
+        params = list(self.layers[i].parameters())
+        with torch.no_grad():
+            for p, t in zip(params, tensors, strict=False):
+                p.copy_(t)
+        rest = iter(tensors[len(params) :])
+        state: dict[int, dict[str, Any]] = {}
+        for index, key, shape, value in header["state"]:
+            state.setdefault(index, {})[key] = (
+                next(rest).to(self.device) if shape is not None else value
+            )
+        current = self.optimizers[i].state_dict()
+        current["state"] = state
+        self.optimizers[i].load_state_dict(current)
+
+    def checksum(self, i: int) -> float:
+        """A cheap fingerprint of a layer's weights, for cross-holder consistency checks."""
+        with torch.no_grad():
+            return float(
+                sum(
+                    p.double().sum() + (p.double() ** 2).sum() * 1e-3
+                    for p in self.layers[i].parameters()
+                )
+            )

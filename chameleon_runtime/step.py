@@ -1,0 +1,224 @@
+"""One training step of one worker: the program ``planner.program`` made for it, executed.
+
+For each pass in order: a forward receives its input from ``prev`` (or reads the data),
+runs the worker's layers and sends the output to ``next`` (or computes the loss, scaled by
+1/M for M micro-batches per step, so the step's gradient is the global batch's mean); a
+backward receives the output gradient from ``next`` (or starts from the loss) and sends
+the input gradient to ``prev``. Then each bucket's gradients are exchanged among its
+holders and summed in holder order (bit-identical on every holder), the commit barrier,
+and the optimizer step. Any error or abort leaves the step unapplied on every worker (the
+commit barrier is all-or-none).
+
+Everything between workers is point to point, and every message of a step is known up
+front, so an aborted step can be drained: the worker sends zeros for every message it
+still owes and posts receives (never waited) for every message still owed to it. gloo can
+cancel neither a blocked receive nor a blocked send (a send completes when its receiver
+posts the matching receive). A receive left blocked on a live peer wedges the process's
+gloo transport so that the next generation cannot connect, and a wait still blocked when
+the interpreter exits aborts the process (both seen on torch 2.13). Drained, every
+message of the step is matched on both sides, so no wait stays blocked.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from chameleon_runtime.comm import Generation
+from chameleon_runtime.control import Control
+from chameleon_runtime.data import Batches
+from chameleon_runtime.shard import Shard
+from planner.plan import Plan
+from planner.program import Bucket, ComputeOp, OpKind, buckets_of, ops_for, position_in_home
+
+BUCKET_TAG = 1_000_000
+
+
+@dataclass(frozen=True)
+class MyPart:
+    """What this worker runs under one plan."""
+
+    plan: Plan
+    worker: int
+    first_layer: int
+    end_layer: int
+    ops: tuple[ComputeOp, ...]
+    buckets: tuple[Bucket, ...]  # the buckets I hold, in issue order
+    all_buckets: tuple[Bucket, ...]
+
+    @classmethod
+    def of(cls, plan: Plan, worker: int, layer_params: Sequence[int]) -> MyPart:
+        stage = plan.stage_of[worker]
+        ops = ops_for([r for r in plan.routes if worker in r.hops], position_in_home(plan)).get(
+            worker, []
+        )
+        everything = buckets_of(plan, layer_params)
+        mine = sorted(
+            (b for b in everything if worker in b.holders), key=lambda b: (b.round, b.index)
+        )
+        return cls(
+            plan, worker, stage.first_layer, stage.end_layer, tuple(ops), tuple(mine), everything
+        )
+
+    @property
+    def members(self) -> list[int]:
+        return sorted(self.plan.workers)
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.end_layer == self.plan.num_layers
+
+    def last_stage_workers(self) -> list[int]:
+        return sorted(s.worker for s in self.plan.stages if s.end_layer == self.plan.num_layers)
+
+
+def _tag(micro_batch: int, backward: bool) -> int:
+    return 2 * micro_batch + int(backward)
+
+
+Shape = tuple[torch.Size, torch.dtype]
+Key = tuple[int, int]  # (peer, tag)
+
+
+class Ledger:
+    """Every message of this worker's step, both ways, until it happens: what it owes
+    (sends) and what it is owed (receives), each with its shape."""
+
+    def __init__(self, part: MyPart, shapes: Sequence[Shape], shard: Shard) -> None:
+        first, end = part.first_layer, part.end_layer
+        out = shapes[end - 1]
+        inp = shapes[first - 1] if first > 0 else None
+        self.owes: dict[Key, Shape] = {}
+        self.owed: dict[Key, Shape] = {}
+        for op in part.ops:
+            mb = op.micro_batch
+            if op.kind is OpKind.FORWARD:
+                if op.next is not None:
+                    self.owes[(op.next, _tag(mb, False))] = out
+                if op.prev is not None and inp is not None:
+                    self.owed[(op.prev, _tag(mb, False))] = inp
+            else:
+                if op.prev is not None and inp is not None:
+                    self.owes[(op.prev, _tag(mb, True))] = inp
+                if op.next is not None:
+                    self.owed[(op.next, _tag(mb, True))] = out
+        for b in part.buckets:
+            size = torch.Size([sum(p.numel() for p in shard.params(b.first_layer, b.end_layer))])
+            for h in b.holders:
+                if h != part.worker:
+                    self.owes[(h, BUCKET_TAG + b.index)] = (size, torch.float32)
+                    self.owed[(h, BUCKET_TAG + b.index)] = (size, torch.float32)
+
+    def send(self, gen: Generation, tensor: torch.Tensor, peer: int, tag: int) -> None:
+        gen.send(tensor, peer, tag)
+        self.owes.pop((peer, tag), None)
+
+    def recv(self, gen: Generation, buffer: torch.Tensor, peer: int, tag: int) -> torch.Tensor:
+        gen.recv(buffer, peer, tag)
+        self.owed.pop((peer, tag), None)
+        return buffer
+
+    def drain(self, gen: Generation) -> None:
+        for (peer, tag), (shape, dtype) in self.owes.items():
+            gen.send_quietly(torch.zeros(shape, dtype=dtype), peer, tag)
+        for (peer, tag), (shape, dtype) in self.owed.items():
+            gen.recv_quietly(torch.empty(shape, dtype=dtype), peer, tag)
+        self.owes.clear()
+        self.owed.clear()
+
+
+@dataclass
+class StepResult:
+    loss: float
+    seconds: float
+
+
+def run_step(
+    *,
+    step: int,
+    part: MyPart,
+    shard: Shard,
+    gen: Generation,
+    control: Control,
+    batches: Batches,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    activation_shapes: Sequence[Shape],
+    lr: float | None = None,
+) -> StepResult:
+    ledger = Ledger(part, activation_shapes, shard)
+    try:
+        return _run(
+            step, part, shard, gen, control, batches, loss_fn, activation_shapes, lr, ledger
+        )
+    except BaseException:
+        ledger.drain(gen)
+        raise
+
+
+def _run(
+    step, part, shard, gen, control, batches, loss_fn, activation_shapes, lr, ledger
+) -> StepResult:  # noqa: ANN001
+    started = time.perf_counter()
+    m_total = part.plan.num_micro_batches
+    first, end = part.first_layer, part.end_layer
+    in_shape, in_dtype = activation_shapes[first - 1] if first > 0 else (None, None)
+    stash: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    partial_loss = 0.0
+    for op in part.ops:
+        mb = op.micro_batch
+        if op.kind is OpKind.FORWARD:
+            if op.prev is None:
+                x = batches.inputs(step, mb)
+            else:
+                x = ledger.recv(
+                    gen, torch.empty(in_shape, dtype=in_dtype), op.prev, _tag(mb, False)
+                )
+                x.requires_grad_(True)
+            y = shard.forward(x, first, end, step=step, micro_batch=mb)
+            if op.next is None:
+                loss = loss_fn(y, batches.targets(step, mb)) / m_total
+                partial_loss += loss.item()
+                stash[mb] = (x, loss)
+            else:
+                ledger.send(gen, y.detach(), op.next, _tag(mb, False))
+                stash[mb] = (x, y)
+        else:
+            x, y = stash.pop(mb)
+            if op.next is None:
+                y.backward()
+            else:
+                y.backward(ledger.recv(gen, torch.empty_like(y), op.next, _tag(mb, True)))
+            if op.prev is not None:
+                ledger.send(gen, x.grad, op.prev, _tag(mb, True))
+    for bucket in part.buckets:
+        _exchange(bucket, part.worker, shard, gen, ledger)
+    gen.flush_sends()
+    if part.is_last_stage:
+        control.put(f"loss/{gen.generation}/{step}/{part.worker}", partial_loss)
+    control.commit(gen.generation, step, len(part.members))
+    shard.step(lr)
+    shard.zero_grad()
+    total = sum(
+        control.get(f"loss/{gen.generation}/{step}/{w}") or 0.0 for w in part.last_stage_workers()
+    )
+    return StepResult(loss=total, seconds=time.perf_counter() - started)
+
+
+def _exchange(bucket: Bucket, me: int, shard: Shard, gen: Generation, ledger: Ledger) -> None:
+    """Sum a bucket's gradients over its holders: send mine to every other holder, receive
+    theirs, add in holder order, so every holder computes the same bits."""
+    tag = BUCKET_TAG + bucket.index
+    mine = shard.flat_grads(bucket.first_layer, bucket.end_layer)
+    others = [h for h in bucket.holders if h != me]
+    for h in others:
+        ledger.send(gen, mine, h, tag)
+    parts = {me: mine}
+    for h in others:
+        parts[h] = ledger.recv(gen, torch.empty_like(mine), h, tag)
+    total = parts[bucket.holders[0]].clone()
+    for h in bucket.holders[1:]:
+        total += parts[h]
+    shard.set_flat_grads(bucket.first_layer, bucket.end_layer, total)
