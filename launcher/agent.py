@@ -441,7 +441,11 @@ class Agent:
                 if group.all_finished and not reported_done:
                     control.report_done(world.attempt)
                     reported_done = news = True
-                if not (news or recovering) and time.monotonic() < next_sync and self._signal is None:
+                if (
+                    not (news or recovering)
+                    and time.monotonic() < next_sync
+                    and self._signal is None
+                ):
                     continue
                 next_sync = time.monotonic() + SYNC_PERIOD_S
                 if control.is_leader:

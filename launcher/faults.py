@@ -4,6 +4,8 @@
     --inject-fault hang:rank=2,step=10      SIGSTOP rank 2 once it reports step 10
     --inject-fault exit:rank=1,at=4,code=7  rank 1 exits with code 7 (chameleon workers;
                                             a plain script gets SIGTERM instead)
+    --inject-fault kill:rank=3,recovery=1   SIGKILL rank 3 while it recovers from the
+                                            first failure (chameleon workers)
 
 ``attempt=N`` (default 0) picks the restart attempt the fault applies to, so a restarted
 job is not killed again. Step-based faults need workers that report steps (scripts using
@@ -29,11 +31,17 @@ class FaultSpec:
     rank: int
     at_s: float | None = None
     step: int | None = None
+    recovery: int | None = None  # during the N-th in-place recovery
     code: int = 1
     attempt: int = 0
 
     def describe(self) -> str:
-        when = f"at {self.at_s:g} s" if self.at_s is not None else f"at step {self.step}"
+        if self.at_s is not None:
+            when = f"at {self.at_s:g} s"
+        elif self.step is not None:
+            when = f"at step {self.step}"
+        else:
+            when = f"during recovery {self.recovery}"
         return f"{self.kind.value} rank {self.rank} {when} (attempt {self.attempt})"
 
 
@@ -51,19 +59,22 @@ def parse_fault(text: str) -> FaultSpec:
         if "=" not in part:
             raise ValueError(f"expected key=value in {text!r}, got {part!r}")
         key, value = (x.strip() for x in part.split("=", 1))
-        if key not in ("rank", "at", "step", "code", "attempt"):
-            raise ValueError(f"unknown key {key!r} in {text!r} (rank, at, step, code, attempt)")
+        if key not in ("rank", "at", "step", "recovery", "code", "attempt"):
+            raise ValueError(
+                f"unknown key {key!r} in {text!r} (rank, at, step, recovery, code, attempt)"
+            )
         fields[key] = value
     if "rank" not in fields:
         raise ValueError(f"{text!r} names no rank")
-    if ("at" in fields) == ("step" in fields):
-        raise ValueError(f"{text!r} needs exactly one of at=SECONDS or step=N")
+    if sum(k in fields for k in ("at", "step", "recovery")) != 1:
+        raise ValueError(f"{text!r} needs exactly one of at=SECONDS, step=N or recovery=N")
     try:
         spec = FaultSpec(
             kind=FaultKind(match.group(1)),
             rank=int(fields["rank"]),
             at_s=float(fields["at"]) if "at" in fields else None,
             step=int(fields["step"]) if "step" in fields else None,
+            recovery=int(fields["recovery"]) if "recovery" in fields else None,
             code=int(fields.get("code", "1")),
             attempt=int(fields.get("attempt", "0")),
         )

@@ -64,6 +64,7 @@ class Coordinator:
     _published: dict | None = None
     _last_step: int = -1
     _top_step: int = -1
+    _resumed_reported: bool = False
     _last_step_event: float = 0.0
     _search: Any = None
     _calibration: float | None = None
@@ -109,6 +110,8 @@ class Coordinator:
         new = ranks - self.dead
         if not new:
             return
+        if self.phase is Phase.RUNNING:
+            self._progress()  # the step reached, read now: it is what a restart would lose
         self.dead |= new
         if self.phase is Phase.CONFIRM:
             # The new plan was not applied everywhere yet: abandon it and plan again from
@@ -121,12 +124,23 @@ class Coordinator:
             self._published = None
         elif self.phase is Phase.RUNNING:
             self._put(f"abort/{self.generation}", {"reason": f"ranks {sorted(new)} failed"})
-            self.emit("abort", generation=self.generation, ranks=sorted(new))
+            self.emit(
+                "abort",
+                attempt=self.attempt,
+                generation=self.generation,
+                ranks=sorted(new),
+                last_step=self._top_step,
+            )
         self._pending_failed |= new
         self.phase = Phase.COLLECT
         self._collect_since = time.monotonic()
 
     def tick(self) -> InPlaceOutcome:
+        if not self._resumed_reported:
+            first = self._get("plan/0")
+            if first is not None:
+                self._resumed_reported = True
+                self.emit("resumed", attempt=self.attempt, resume_step=first["resume_step"])
         if self.phase is Phase.RUNNING:
             self._progress()
             return InPlaceOutcome()
@@ -312,7 +326,12 @@ class Coordinator:
         if self._calibration is None:
             predicted = estimate(job, current).step_s
             self._calibration = step_s / predicted if predicted > 0 else 1.0
-            self.emit("calibrated", measured_step_s=step_s, estimated_step_s=predicted, factor=self._calibration)
+            self.emit(
+                "calibrated",
+                measured_step_s=step_s,
+                estimated_step_s=predicted,
+                factor=self._calibration,
+            )
         k = self._calibration
         layers = tuple(
             replace(
@@ -325,7 +344,7 @@ class Coordinator:
         )
         return replace(job, model=replace(job.model, layers=layers))
 
-    def calibrate_now_if_due(self, after_step: int = 3) -> None:
+    def calibrate_now_if_due(self, after_step: int = 1) -> None:
         if self._calibration is None and self._top_step >= after_step:
             self.calibrate_now()
 

@@ -241,11 +241,17 @@ class LocalGroup:
     def _inject(self, now: float) -> None:
         for fault in list(self._faults):
             due = False
+            beat = self.worker_heartbeat(fault.rank) if self.worker_heartbeat is not None else None
             if fault.at_s is not None:
                 due = now - self._started_at >= fault.at_s
-            elif self.worker_heartbeat is not None:
-                beat = self.worker_heartbeat(fault.rank)
+            elif fault.step is not None:
                 due = beat is not None and beat.get("step", -1) >= fault.step
+            else:
+                due = (
+                    beat is not None
+                    and beat.get("state") == "recovering"
+                    and beat.get("gen", 0) + 1 >= (fault.recovery or 1)
+                )
             if not due:
                 continue
             self._faults.remove(fault)

@@ -80,23 +80,29 @@ def recoveries(events: Iterable[Record]) -> list[Recovery]:
             first_step = next(
                 (e for e in later if e["event"] == "step" and e["t"] >= recovered["t"]), None
             )
-        step_before = max(
+        # Steps lost: the last step reached before the failure (from the abort, else the
+        # step events) against the step work resumed at (in-place recoveries report it;
+        # a restart's workers report where their checkpoint put them).
+        reached = [
+            e.get("last_step")
+            for e in events[:i]
+            if e["event"] == "abort" and e.get("attempt") == attempt
+        ]
+        reached += [e.get("step") for e in events[:i] if e["event"] == "step"]
+        step_before = max((s for s in reached if s is not None and s >= 0), default=None)
+        resumed = next(
             (
-                e.get("step", -1)
-                for e in events[:i]
-                if e["event"] == "step" and e.get("attempt", attempt) == attempt
+                e
+                for e in later
+                if e["event"] in ("resumed", "recovered") and e.get("resume_step") is not None
             ),
-            default=None,
+            None,
         )
         steps_lost = None
-        if (
-            recovered is not None
-            and recovered.get("resume_step") is not None
-            and step_before is not None
-        ):
-            steps_lost = max(0, step_before + 1 - recovered["resume_step"])
-        elif recovered is not None and recovered.get("steps_lost") is not None:
+        if recovered is not None and recovered.get("steps_lost") is not None:
             steps_lost = recovered["steps_lost"]
+        elif resumed is not None and step_before is not None:
+            steps_lost = max(0, step_before + 1 - resumed["resume_step"])
         action = decision.get("action")
         outcome = "gave up" if action == "finish" else "recovered" if recovered else "in progress"
         out.append(
