@@ -57,7 +57,10 @@ def test_redirects_and_tee_formats():
         (["--rdzv-backend", "etcd", "t.py"], "--rdzv-backend etcd is not supported"),
         (["--run-path", "relative.py"], "absolute path"),
         (["-r", "9", "t.py"], "--redirects must be"),
-        (["--inject-fault", "kill:rank=1", "t.py"], "exactly one of at=SECONDS, step=N or recovery=N"),
+        (
+            ["--inject-fault", "kill:rank=1", "t.py"],
+            "exactly one of at=SECONDS, step=N or recovery=N",
+        ),
     ],
 )
 def test_bad_arguments_name_the_problem(argv, message):
