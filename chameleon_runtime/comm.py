@@ -104,6 +104,7 @@ class Generation:
         me: int,
         buckets: Sequence[tuple[int, ...]],
         abort: threading.Event,
+        key_prefix: str = "chameleon/0/",
         device: str = "cpu",
         timeout_s: float = 120.0,
     ) -> None:
@@ -113,7 +114,7 @@ class Generation:
         self.abort = abort
         self.device = device
         timeout = timedelta(seconds=timeout_s)
-        prefix = f"chameleon/gen{generation}"
+        prefix = f"{key_prefix}gen{generation}"
         self.group = _make_group(
             dist.PrefixStore(f"{prefix}/all", store),
             self.members.index(me),

@@ -1,5 +1,5 @@
 """The worker's side of the control channel: JSON in the store the launcher hosts for this
-attempt (MASTER_ADDR:MASTER_PORT). Keys, all under ``chameleon/``:
+attempt (MASTER_ADDR:MASTER_PORT). Keys, all under ``chameleon/<attempt>/``:
 
     aware/<rank>              a worker using this runtime (the launcher recovers in place)
     hb/<rank>                 heartbeat: {count, step, gen, t, step_s}, after every step
@@ -27,17 +27,22 @@ import torch.distributed as dist
 
 from chameleon_runtime.comm import Aborted
 
-PREFIX = "chameleon/"
 WATCH_PERIOD_S = 0.02
 
 
-def _key(name: str) -> str:
-    return PREFIX + name
+def key_prefix(attempt: int) -> str:
+    """Keys of one restart attempt. chameleon run gives each attempt a fresh store; under
+    torchrun the store outlives a restart, and stale keys of the dead attempt must not be
+    read (the very bug that breaks torchrun's own gloo restarts)."""
+    return f"chameleon/{attempt}/"
 
 
 class Control:
-    def __init__(self, addr: str, port: int, rank: int, *, timeout_s: float = 300.0) -> None:
+    def __init__(
+        self, addr: str, port: int, rank: int, *, attempt: int = 0, timeout_s: float = 300.0
+    ) -> None:
         self.rank = rank
+        self.prefix = key_prefix(attempt)
         self.addr, self.port = addr, port
         self.store = dist.TCPStore(
             addr, port, is_master=False, timeout=timedelta(seconds=timeout_s)
@@ -49,19 +54,22 @@ class Control:
         self._stop = threading.Event()
         threading.Thread(target=self._watch, name="abort-watcher", daemon=True).start()
 
+    def _key(self, name: str) -> str:
+        return self.prefix + name
+
     # -- JSON helpers ------------------------------------------------------------------
 
     def put(self, name: str, value: Any) -> None:
-        self.store.set(_key(name), json.dumps(value, separators=(",", ":")))
+        self.store.set(self._key(name), json.dumps(value, separators=(",", ":")))
 
     def get(self, name: str) -> Any | None:
-        key = _key(name)
+        key = self._key(name)
         if not self.store.check([key]):
             return None
         return json.loads(self.store.get(key).decode())
 
     def add(self, name: str, amount: int) -> int:
-        return self.store.add(_key(name), amount)
+        return self.store.add(self._key(name), amount)
 
     # -- aborts ------------------------------------------------------------------------
 
@@ -79,7 +87,7 @@ class Control:
             with self._watch_lock:
                 gen = self._watch_gen
             try:
-                aborted = store.check([_key(f"abort/{gen}")])
+                aborted = store.check([self._key(f"abort/{gen}")])
             except Exception:
                 return  # the store is gone: the launcher is ending this worker
             if aborted:
@@ -125,7 +133,9 @@ class Control:
             self.put(f"{name}/done", True)
             return
         self._await(
-            _key(f"{name}/done"), f"generation {generation} aborted at step {step}", done_wins=True
+            self._key(f"{name}/done"),
+            f"generation {generation} aborted at step {step}",
+            done_wins=True,
         )
 
     def _await(self, key: str, why: str, *, done_wins: bool) -> None:
@@ -142,7 +152,7 @@ class Control:
             self.put(f"barrier/{name}/done", True)
             return
         self._await(
-            _key(f"barrier/{name}/done"),
+            self._key(f"barrier/{name}/done"),
             f"generation {generation} aborted in barrier {name}",
             done_wins=False,
         )

@@ -139,7 +139,8 @@ class Trainer:
             addr, port = "127.0.0.1", self._own_store.port
         else:
             addr, port = env["MASTER_ADDR"], int(env["MASTER_PORT"])
-        self.control = Control(addr, port, self.rank)
+        attempt = int(env.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        self.control = Control(addr, port, self.rank, attempt=attempt)
         self.control.register({"pid": os.getpid(), "device": self.device})
 
     def initial_plan(self) -> Plan:
@@ -239,6 +240,7 @@ class Trainer:
             me=self.rank,
             buckets=[b.holders for b in (self.part.all_buckets if self.part else ())],
             abort=self.control.abort,
+            key_prefix=self.control.prefix,
             device=self.device,
         )
 

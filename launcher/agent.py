@@ -60,6 +60,7 @@ class WorkerStoreView:
     def __init__(self, agent: Agent, world: World) -> None:
         self._agent = agent
         self._world = world
+        self._prefix = f"chameleon/{world.attempt}/"  # as chameleon_runtime.control.key_prefix
         self._client = None
 
     def _store(self):
@@ -78,12 +79,12 @@ class WorkerStoreView:
 
     def heartbeat(self, rank: int) -> dict | None:
         try:
-            return get_json(self._store(), f"chameleon/hb/{rank}")
+            return get_json(self._store(), f"{self._prefix}hb/{rank}")
         except Exception:
             return None
 
     def ask_exit(self, rank: int, code: int) -> None:
-        put_json(self._store(), f"chameleon/exit/{rank}", code)
+        put_json(self._store(), f"{self._prefix}exit/{rank}", code)
 
 
 class JobError(RuntimeError):

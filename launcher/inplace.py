@@ -27,8 +27,6 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-PREFIX = "chameleon/"
-
 
 class Phase(StrEnum):
     RUNNING = "running"
@@ -71,10 +69,14 @@ class Coordinator:
 
     # -- store helpers -------------------------------------------------------------------
 
+    @property
+    def _prefix(self) -> str:
+        return f"chameleon/{self.attempt}/"  # as chameleon_runtime.control.key_prefix
+
     def _get(self, name: str) -> Any | None:
         import json
 
-        key = PREFIX + name
+        key = self._prefix + name
         if not self.store.check([key]):
             return None
         return json.loads(self.store.get(key).decode())
@@ -82,7 +84,7 @@ class Coordinator:
     def _put(self, name: str, value: Any) -> None:
         import json
 
-        self.store.set(PREFIX + name, json.dumps(value, separators=(",", ":")))
+        self.store.set(self._prefix + name, json.dumps(value, separators=(",", ":")))
 
     # -- state -------------------------------------------------------------------------
 
@@ -91,7 +93,7 @@ class Coordinator:
         return self.phase is not Phase.RUNNING
 
     def all_aware(self) -> bool:
-        return all(self.store.check([f"{PREFIX}aware/{r}"]) for r in range(self.world_size))
+        return all(self.store.check([f"{self._prefix}aware/{r}"]) for r in range(self.world_size))
 
     def heartbeat(self, rank: int) -> dict | None:
         return self._get(f"hb/{rank}")

@@ -114,7 +114,7 @@ class FakeStore:
 
 
 def _put(store, key, value):
-    store.set("chameleon/" + key, json.dumps(value))
+    store.set("chameleon/0/" + key, json.dumps(value))
 
 
 @pytest.fixture
@@ -154,13 +154,13 @@ def coordinator():
 def test_coordinator_aborts_collects_plans_and_confirms(coordinator):
     c, store, emitted = coordinator
     c.on_failures({3})
-    assert c.phase is Phase.COLLECT and store.check(["chameleon/abort/0"])
+    assert c.phase is Phase.COLLECT and store.check(["chameleon/0/abort/0"])
     assert not c.tick().restart and c.phase is Phase.COLLECT  # survivors not ready yet
     for r in (0, 1, 2):
         _put(store, f"ready/1/{r}", {"step": 3, "held": []})
     assert not c.tick().restart
     assert c.phase is Phase.CONFIRM
-    message = json.loads(store.get("chameleon/plan/1"))
+    message = json.loads(store.get("chameleon/0/plan/1"))
     assert message["policy"] == "reroute" and message["resume_step"] == 3
     assert 3 not in [s["worker"] for s in message["plan"]["stages"]]
     for r in (0, 1, 2):
@@ -184,13 +184,13 @@ def test_a_failure_before_the_plan_is_applied_abandons_it(coordinator):
     c.tick()
     assert c.phase is Phase.CONFIRM
     c.on_failures({2})  # worker 2 dies while applying generation 1
-    assert store.check(["chameleon/abort/1"]) and c.phase is Phase.COLLECT and c.generation == 0
+    assert store.check(["chameleon/0/abort/1"]) and c.phase is Phase.COLLECT and c.generation == 0
     for r in (0, 1):
         _put(store, f"ready/1/{r}", {"step": 3, "held": []})
     outcome = c.tick()
     # Workers 2 and 3 are gone: pipeline 0 (workers 0, 1) still holds every layer.
     assert not outcome.restart
-    assert json.loads(store.get("chameleon/plan/1"))["plan"]["stages"][-1]["worker"] == 1
+    assert json.loads(store.get("chameleon/0/plan/1"))["plan"]["stages"][-1]["worker"] == 1
 
 
 def test_survivors_that_disagree_on_the_step_force_a_restart(coordinator):
