@@ -70,7 +70,50 @@ def failures_table(failures: list[Failure], t0: float | None) -> Table:
         "Failures (* = root cause: the earliest)",
         ["rank", "node", "attempt", "at", "what", "cause", "message", "log"],
         rows,
-        highlight=frozenset({0}) if rows else frozenset(),
+    )
+
+
+def plans_table(events: list[Record]) -> Table | None:
+    """Every plan the planner chose during the run, with the alternatives it weighed."""
+    rows = []
+    for e in events:
+        if e["event"] != "plan_chosen":
+            continue
+        c = e.get("candidates", {})
+
+        def score(policy: str, c: dict = c) -> str:
+            x = c.get(policy, {})
+            return f"{x['score']:.1f}" if x.get("score") is not None else "infeasible"
+
+        estimated, base = e.get("estimated_step_s"), e.get("failure_free_step_s")
+        rows.append(
+            [
+                str(e.get("generation", "-")),
+                ",".join(map(str, e.get("failed", []))),
+                e["policy"],
+                e.get("label", "-") or "-",
+                fmt_s(estimated)
+                + (f" (throughput {base / estimated:.0%} of failure-free)" if estimated and base else ""),
+                fmt_s(e.get("transition_s")),
+                f"{e.get('search_ms', 0):.1f} ms",
+                f"{score('reroute')} / {score('reparallelize')} / {score('restart')}",
+            ]
+        )
+    if not rows:
+        return None
+    return Table(
+        "Plans chosen (scores: expected samples/s until the next failure)",
+        [
+            "gen",
+            "failed",
+            "policy",
+            "plan",
+            "est. step",
+            "transition",
+            "search",
+            "reroute / reparallelize / restart",
+        ],
+        rows,
     )
 
 
@@ -96,6 +139,9 @@ def outcome_blocks(
     ]
     if failures:
         blocks.append(failures_table(failures, start_time(events)))
+    plans = plans_table(events)
+    if plans is not None:
+        blocks.append(plans)
     if recoveries(events):
         blocks.append(timeline_table(events))
     return blocks

@@ -149,7 +149,9 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument(
         "--checkpoint-dir",
-        default=os.environ.get("CHAMELEON_CHECKPOINT_DIR", "checkpoints/train_gpt"),
+        # chameleon run gives each launch its own folder, kept across its restarts: a
+        # restart resumes from these checkpoints, a new launch starts afresh.
+        default=os.path.join(os.environ.get("CHAMELEON_RUN_DIR", "."), "checkpoints"),
     )
     parser.add_argument("--checkpoint-every", type=int, default=10)
     parser.add_argument(

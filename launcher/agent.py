@@ -331,6 +331,9 @@ class Agent:
                 tee=a.tee,
                 local_ranks_filter=a.local_ranks_filter,
                 heartbeat_timeout_s=a.heartbeat_timeout_s,
+                # This launch's folder, the same for every attempt: a script can keep its
+                # checkpoints there, so a restart resumes and a new launch starts fresh.
+                extra_env={"CHAMELEON_RUN_DIR": str(self.run_dir)},
             ),
             self.command,
             console=self.console,
