@@ -50,7 +50,9 @@ def free_port() -> int:
 @dataclass
 class Run:
     name: str
-    steps: list[tuple[float, int, float, int]] = field(default_factory=list)  # (seen at, step, ms, gen)
+    steps: list[tuple[float, int, float, int]] = field(
+        default_factory=list
+    )  # (seen at, step, ms, gen)
     killed_at: float | None = None
     kill_step: int | None = None
     exit_code: int | None = None
@@ -61,14 +63,20 @@ def _rank_pid(root: int, rank: int) -> int | None:
     for child in psutil.Process(root).children(recursive=True):
         try:
             cmd = " ".join(child.cmdline())
-            if "train_gpt.py" in cmd and child.environ().get("RANK") == str(rank) and "run" not in child.cmdline()[1:3]:
+            if (
+                "train_gpt.py" in cmd
+                and child.environ().get("RANK") == str(rank)
+                and "run" not in child.cmdline()[1:3]
+            ):
                 return child.pid
         except psutil.Error:
             continue
     return None
 
 
-def run_once(name: str, cmd: list[str], *, kill_at: int, timeout_s: float, events: Path | None) -> Run:
+def run_once(
+    name: str, cmd: list[str], *, kill_at: int, timeout_s: float, events: Path | None
+) -> Run:
     work = Path(tempfile.mkdtemp(prefix=f"bench-{name}-"))
     result = Run(name)
     proc = subprocess.Popen(
@@ -123,18 +131,29 @@ def report(r: Run) -> dict:
     finished = r.exit_code == 0 and any(s[1] == ARGS.steps - 1 for s in r.steps)
     before_ms = [ms for _t, step, ms, _g in r.steps if 3 <= step < (r.kill_step or 0)]
     after_ms = [ms for _t, _step, ms, _g in after[2:]]
-    measured = statistics.median(before_ms) / statistics.median(after_ms) if before_ms and after_ms else None
+    measured = (
+        statistics.median(before_ms) / statistics.median(after_ms)
+        if before_ms and after_ms
+        else None
+    )
     chosen = next((e for e in r.events if e["event"] == "plan_chosen"), None)
     predicted = None
     if chosen and chosen.get("estimated_step_s") and chosen.get("failure_free_step_s"):
         predicted = chosen["failure_free_step_s"] / chosen["estimated_step_s"]
-    line = (f"  {r.name:14} kill -> first step {recovery_s:6.2f} s; steps redone {redone}; finished {'yes' if finished else 'no'}")
+    line = f"  {r.name:14} kill -> first step {recovery_s:6.2f} s; steps redone {redone}; finished {'yes' if finished else 'no'}"
     if measured is not None:
         line += f"; throughput vs failure-free: measured {measured:.3f}"
         if predicted is not None:
-            line += f", predicted {predicted:.3f} ({abs(predicted - measured) / measured:.1%} apart)"
+            line += (
+                f", predicted {predicted:.3f} ({abs(predicted - measured) / measured:.1%} apart)"
+            )
     print(line)
-    return {"recovery_s": recovery_s, "redone": redone, "measured": measured, "predicted": predicted}
+    return {
+        "recovery_s": recovery_s,
+        "redone": redone,
+        "measured": measured,
+        "predicted": predicted,
+    }
 
 
 def main() -> None:
@@ -145,22 +164,34 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=300)
     ARGS = parser.parse_args()
-    print(f"8 workers (2 pipelines x 4 stages), tiny GPT, {ARGS.steps} steps, kill -9 rank 5 at step {ARGS.kill_at}")
+    print(
+        f"8 workers (2 pipelines x 4 stages), tiny GPT, {ARGS.steps} steps, kill -9 rank 5 at step {ARGS.kill_at}"
+    )
     results: dict[str, list[dict]] = {}
     for _ in range(ARGS.repeat):
         with tempfile.TemporaryDirectory() as tmp:
             for policy in ("reroute", "reparallelize"):
                 events = Path(tmp) / f"{policy}.jsonl"
-                r = run_once(f"chameleon {policy[:7]}", chameleon(policy, events), kill_at=ARGS.kill_at, timeout_s=ARGS.timeout, events=events)
+                r = run_once(
+                    f"chameleon {policy[:7]}",
+                    chameleon(policy, events),
+                    kill_at=ARGS.kill_at,
+                    timeout_s=ARGS.timeout,
+                    events=events,
+                )
                 results.setdefault(policy, []).append(report(r))
-            r = run_once("torchrun", torchrun(), kill_at=ARGS.kill_at, timeout_s=ARGS.timeout, events=None)
+            r = run_once(
+                "torchrun", torchrun(), kill_at=ARGS.kill_at, timeout_s=ARGS.timeout, events=None
+            )
             results.setdefault("torchrun", []).append(report(r))
     base = [x["recovery_s"] for x in results["torchrun"] if x]
     for policy in ("reroute", "reparallelize"):
         mine = [x["recovery_s"] for x in results[policy] if x]
         if mine and base:
-            print(f"  {policy}: recovery {statistics.median(mine):.2f} s (target < 2 s), "
-                  f"{statistics.median(mine) / statistics.median(base):.3f} of torchrun's (target < 0.1)")
+            print(
+                f"  {policy}: recovery {statistics.median(mine):.2f} s (target < 2 s), "
+                f"{statistics.median(mine) / statistics.median(base):.3f} of torchrun's (target < 0.1)"
+            )
 
 
 ARGS: argparse.Namespace

@@ -19,6 +19,8 @@ from chameleon_cli.errors import (
 )
 from chameleon_cli.output import error
 from chameleon_cli.plan_cmd import plan
+from chameleon_cli.profile_cmd import CONTEXT as PROFILE_CONTEXT
+from chameleon_cli.profile_cmd import profile
 from chameleon_cli.run_cmd import CONTEXT, run
 from chameleon_cli.timeline_cmd import timeline
 
@@ -59,12 +61,7 @@ def _root(
 app.command("plan")(plan)
 app.command("run", context_settings=CONTEXT, add_help_option=False)(run)
 app.command("timeline")(timeline)
-
-
-@app.command("profile")
-def profile() -> None:
-    """Measure per-layer costs and links into a cost table. Not implemented yet."""
-    raise UsageError("chameleon profile is not implemented yet")
+app.command("profile", context_settings=PROFILE_CONTEXT, add_help_option=False)(profile)
 
 
 def main(argv: list[str] | None = None) -> int:

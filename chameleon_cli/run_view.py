@@ -93,7 +93,11 @@ def plans_table(events: list[Record]) -> Table | None:
                 e["policy"],
                 e.get("label", "-") or "-",
                 fmt_s(estimated)
-                + (f" (throughput {base / estimated:.0%} of failure-free)" if estimated and base else ""),
+                + (
+                    f" (throughput {base / estimated:.0%} of failure-free)"
+                    if estimated and base
+                    else ""
+                ),
                 fmt_s(e.get("transition_s")),
                 f"{e.get('search_ms', 0):.1f} ms",
                 f"{score('reroute')} / {score('reparallelize')} / {score('restart')}",

@@ -7,6 +7,10 @@
   micro-batch of the real shape, while the other workers run too (on a shared host that
   contention is part of what a step costs); bytes stashed for backward, counted exactly
   with saved-tensor hooks.
+- ``link_cost``: latency and bandwidth between two workers, by ping-pong.
+
+``chameleon profile`` runs a training script with CHAMELEON_PROFILE set: the Trainer then
+measures instead of training (``Trainer.profile``) and writes a cost table.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import copy
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -113,3 +118,32 @@ def measure(
         )
         x = y.detach()
     return out
+
+
+def link_cost(
+    gen: Any, me: int, peer: int, *, sizes: tuple[int, ...] = (256, 1 << 22), reps: int = 5
+) -> tuple[float, float]:
+    """(latency s, bandwidth bytes/s) between two workers, from ping-pongs of a small and a
+    large float32 message: latency from the small, bandwidth from the large."""
+    times = {}
+    for size in sizes:
+        buf = torch.zeros(size // 4)
+        samples = []
+        for rep in range(reps + 1):
+            tag = 3_000_000 + size % 1000 * 10 + rep
+            t0 = time.perf_counter()
+            if me < peer:
+                gen.send(buf, peer, tag)
+                gen.flush_sends()
+                gen.recv(buf, peer, tag)
+            else:
+                gen.recv(buf, peer, tag)
+                gen.send(buf, peer, tag)
+                gen.flush_sends()
+            if rep:
+                samples.append((time.perf_counter() - t0) / 2)
+        times[size] = statistics.median(samples)
+    small, large = sizes[0], sizes[-1]
+    latency = times[small]
+    bandwidth = (large - small) / max(times[large] - times[small], 1e-9)
+    return latency, bandwidth

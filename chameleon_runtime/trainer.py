@@ -20,6 +20,7 @@ Life of a worker:
 from __future__ import annotations
 
 import os
+import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -35,12 +36,12 @@ from chameleon_runtime import checkpoint
 from chameleon_runtime.comm import Aborted, CommError, Generation, stuck_waits
 from chameleon_runtime.control import Control
 from chameleon_runtime.data import Batches
-from chameleon_runtime.profile import measure, probe
+from chameleon_runtime.profile import link_cost, measure, probe
 from chameleon_runtime.shard import LayerFactory, OptimizerFactory, Shard
 from chameleon_runtime.step import MyPart, run_step
 from planner.partition import balanced_split
 from planner.plan import Plan, pipelines_plan, split_evenly
-from planner.wire import JobDescription, PlanMessage
+from planner.wire import JobDescription, LayerCostWire, PlanMessage
 
 HEARTBEAT_WHILE_WAITING_S = 1.0
 
@@ -248,7 +249,11 @@ class Trainer:
 
     def fit(self, steps: int, *, on_step: Callable[[StepInfo], None] | None = None) -> FitResult:
         """Train until ``steps`` steps are done (counting from step 0, resuming from a
-        checkpoint if there is one); call ``on_step`` after each."""
+        checkpoint if there is one); call ``on_step`` after each. Under ``chameleon
+        profile`` (CHAMELEON_PROFILE set) measure instead, write the cost table, return."""
+        if os.environ.get("CHAMELEON_PROFILE"):
+            self.profile(Path(os.environ["CHAMELEON_PROFILE"]))
+            return FitResult(steps=0, generation=0, losses={}, recoveries=0)
         self._setup()
         losses: dict[int, float] = {}
         step_s: float | None = None
@@ -312,6 +317,73 @@ class Trainer:
         return FitResult(
             steps=self.step, generation=self.generation, losses=losses, recoveries=self.recoveries
         )
+
+    def profile(self, out: Path) -> None:
+        """Measure every layer on every worker at once (contention included), links and
+        the store; rank 0 writes the per-layer medians as a cost table (atomically)."""
+        from planner.costtable import CostTable, LayerCost, LinkCost
+
+        self._connect()
+        sample = self.batches.inputs(0, 0)
+        self.layer_params, self.activation_shapes, self.layer_names = probe(
+            self.factory, self.num_layers, sample, seed=self.seed
+        )
+        self.shard.ensure(0, self.num_layers)
+        for cost in measure(
+            self.shard, list(range(self.num_layers)), sample, self.layer_names, reps=5
+        ):
+            self.control.put(f"profile/{self.rank}/{cost.name}", cost.model_dump())
+        members = list(range(self.world_size))
+        t0 = time.perf_counter()
+        gen = Generation(
+            store=self.control.store, generation=0, members=members, workers=members, me=self.rank,
+            buckets=[], abort=self.control.abort, key_prefix=self.control.prefix + "profile/", device=self.device,
+        )  # fmt: skip
+        pg_init_s = time.perf_counter() - t0
+        link = None
+        if self.world_size >= 2 and self.rank in (0, 1):
+            link = link_cost(gen, self.rank, 1 - self.rank)
+        t0 = time.perf_counter()
+        for _ in range(100):
+            self.control.add("profile/ping", 0)
+        store_rt = (time.perf_counter() - t0) / 100
+        self.control.barrier("profile/done", self.world_size, generation=0)
+        gen.abandon()
+        if self.rank != 0:
+            return
+        layers = []
+        for i, name in enumerate(self.layer_names):
+            key = f"{name}.{i}"
+            samples = [
+                LayerCostWire.model_validate(self.control.get(f"profile/{r}/{key}"))
+                for r in members
+            ]
+            layers.append(
+                LayerCost(
+                    name=key,
+                    num_params=samples[0].num_params,
+                    forward_s=statistics.median(s.forward_s for s in samples),
+                    backward_s=statistics.median(s.backward_s for s in samples),
+                    optimizer_s=statistics.median(s.optimizer_s for s in samples),
+                    activation_bytes=samples[0].activation_bytes,
+                    stash_bytes=samples[0].stash_bytes,
+                )
+            )
+        table = CostTable(
+            device=self.device,
+            micro_batch_size=self.batches.micro_batch_size,
+            concurrent_workers=self.world_size,
+            layers=layers,
+            intra_node=LinkCost(bandwidth_gb_per_s=link[1] / 1e9, latency_us=link[0] * 1e6)
+            if link
+            else None,
+            store_round_trip_s=store_rt,
+            pg_init_base_s=pg_init_s,
+        )
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(out.name + ".tmp")
+        tmp.write_text(table.model_dump_json(indent=2))
+        os.replace(tmp, out)
 
     def checksums(self) -> dict[int, float]:
         """A fingerprint of each layer this worker holds (to compare holders and runs)."""
