@@ -18,7 +18,7 @@ import uuid
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from launcher.args import RunArgs
+from launcher.args import DEFAULT_MTBF_S, RunArgs
 from launcher.events import EventLog
 from launcher.inplace import Coordinator
 from launcher.local import LocalGroup, RoundSettings, worker_command
@@ -126,6 +126,19 @@ class Agent:
         self._beat_seen: dict[str, float] = {}
         self._coordinator: Coordinator | None = None
         self._aware = False  # every worker runs chameleon_runtime: recover in place
+        # --config: the cluster's figures that workers cannot measure (device memory,
+        # links, restart cost), read now so that a bad file fails before any worker starts.
+        self.planner_cluster = None
+        self.mtbf_s = args.mtbf_s
+        if args.config:
+            from planner.config import load_job  # raises ConfigError, one line
+
+            configured = load_job(args.config)
+            self.planner_cluster = configured.cluster
+            if self.mtbf_s is None:
+                self.mtbf_s = configured.training.mtbf_s
+        if self.mtbf_s is None:
+            self.mtbf_s = DEFAULT_MTBF_S
 
     # -- signals ---------------------------------------------------------------------
 
@@ -345,6 +358,7 @@ class Agent:
             reaper=self.reaper,
         )
         group.start()
+        self._started_at = time.monotonic()
         self._coordinator = None
         return group
 
@@ -578,7 +592,9 @@ class Agent:
                 world_size=world.world_size,
                 emit=self.events.emit,
                 policy=self.args.policy,
-                mtbf_s=self.args.mtbf_s,
+                mtbf_s=self.mtbf_s,
+                cluster=self.planner_cluster,
+                started_at=getattr(self, "_started_at", None),
                 ready_timeout_s=self.args.heartbeat_timeout_s,
                 workers_per_node=world.nodes[0].nproc,
                 num_nodes=len(world.nodes),

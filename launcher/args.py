@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from launcher.faults import FaultSpec, parse_fault
 
+DEFAULT_MTBF_S = 3600.0
 _DURATION = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(ms|s|m|min|h|d)?\s*$")
 _SCALE = {"ms": 1e-3, "s": 1.0, None: 1.0, "m": 60.0, "min": 60.0, "h": 3600.0, "d": 86400.0}
 
@@ -154,7 +155,12 @@ def _parser() -> _Parser:
         default=[],
         help="kill|hang|exit:rank=R,at=SECONDS|step=N[,code=C][,attempt=A] (repeatable)",
     )
-    add("--config", default=None, help="job config (TOML) for the planner (chameleon_runtime jobs)")
+    add(
+        "--config",
+        default=None,
+        help="job config (TOML) whose [cluster] figures (device memory, links, restart and "
+        "group-creation costs) and mtbf_hours the planner uses (chameleon_runtime jobs)",
+    )
     add(
         "--policy",
         choices=["auto", "reroute", "reparallelize", "restart"],
@@ -163,8 +169,9 @@ def _parser() -> _Parser:
     )
     add(
         "--mtbf",
-        default="1h",
-        help="expected time to the next failure, D in the policy score (90s, 30m, 3h)",
+        default=None,
+        help="expected time to the next failure, D in the policy score (90s, 30m, 3h); "
+        "default: the config's mtbf_hours, else 1h",
     )
     add("--plain", action="store_true", help="plain output even on a terminal")
     p.add_argument(
@@ -213,7 +220,7 @@ class RunArgs:
     faults: tuple[FaultSpec, ...]
     config: str | None
     policy: str
-    mtbf_s: float
+    mtbf_s: float | None  # None: the config's, else DEFAULT_MTBF_S
     plain: bool
     script: str
     script_args: tuple[str, ...] = field(default_factory=tuple)
@@ -309,12 +316,14 @@ def parse_run_args(argv: list[str]) -> RunArgs:
             raise ArgsError(
                 f"--local-ranks-filter must be comma-separated ranks, got {ns.local_ranks_filter!r}"
             ) from None
-    try:
-        mtbf_s = parse_duration_s(ns.mtbf)
-    except ValueError as exc:
-        raise ArgsError(f"--mtbf: {exc}") from None
-    if mtbf_s <= 0:
-        raise ArgsError("--mtbf must be positive")
+    mtbf_s = None
+    if ns.mtbf is not None:
+        try:
+            mtbf_s = parse_duration_s(ns.mtbf)
+        except ValueError as exc:
+            raise ArgsError(f"--mtbf: {exc}") from None
+        if mtbf_s <= 0:
+            raise ArgsError("--mtbf must be positive")
     shutdown = ns.shutdown_timeout
     if shutdown is None:
         shutdown = float(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30"))

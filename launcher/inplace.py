@@ -53,6 +53,12 @@ class Coordinator:
     workers_per_node: int = 1
     num_nodes: int = 1
     restart_s: float = 10.0
+    cluster: Any = None  # planner.workload.Cluster from --config, or None: measured defaults
+    # When this attempt's workers were spawned: spawn to first step is what a restart
+    # costs here (start-up, imports, group creation, checkpoint load), used as restart_s
+    # when no config gives one.
+    started_at: float | None = None
+    _startup_s: float | None = None
     attempt: int = 0  # the launcher round these workers belong to
     generation: int = 0
     phase: Phase = Phase.RUNNING
@@ -163,6 +169,8 @@ class Coordinator:
         top = max(steps)
         self._top_step = max(self._top_step, top)
         now = time.monotonic()
+        if self._startup_s is None and self.started_at is not None:
+            self._startup_s = now - self.started_at
         if top > self._last_step and (now - self._last_step_event >= 1.0 or self._last_step < 0):
             self.emit("step", step=top, generation=self.generation)
             self._last_step, self._last_step_event = top, now
@@ -220,12 +228,19 @@ class Coordinator:
                 "feasible": c.feasible,
                 "reason": c.reason,
                 "step_s": c.estimate.step_s if c.estimate else None,
+                "peak_memory_bytes": c.estimate.peak_memory_bytes if c.estimate else None,
                 "transition_s": c.transition.total_s if c.feasible else None,
                 "score": decision.score(job, c) if c.feasible else None,
             }
             for c in decision.candidates
         }
         chosen = decision.chosen
+        # What the choice was made against, for the event log.
+        basis = {
+            "memory_limit_bytes": job.cluster.device_memory_bytes,
+            "mtbf_s": self.mtbf_s,
+            "restart_s": job.cluster.restart_s,
+        }
         if chosen is None or chosen.plan is None or chosen.policy is Policy.RESTART:
             why = (
                 "the planner chose restart"
@@ -239,6 +254,7 @@ class Coordinator:
                 candidates=candidates,
                 search_ms=search_ms,
                 failed=failed,
+                **basis,
             )
             return InPlaceOutcome(restart=True, reason=why)
         self.emit(
@@ -281,6 +297,7 @@ class Coordinator:
             transfers=len(message.transfers),
             candidates=candidates,
             search_ms=search_ms,
+            **basis,
         )
         self._pending_failed = set()
         self.phase = Phase.CONFIRM
@@ -321,7 +338,8 @@ class Coordinator:
             workers_per_node=self.workers_per_node,
             mtbf_s=self.mtbf_s,
             step_s=step_s or 1.0,
-            restart_s=self.restart_s,
+            restart_s=self._startup_s if self._startup_s is not None else self.restart_s,
+            cluster=self.cluster,
         )
         if step_s is None:
             return job

@@ -12,6 +12,7 @@ frozen dataclasses of ``planner.plan`` and ``planner.workload``.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -63,9 +64,13 @@ class JobDescription(_Wire):
         pg_init_base_s: float = 0.2,
         pg_init_per_worker_s: float = 0.02,
         store_round_trip_s: float = 0.0005,
+        cluster: Cluster | None = None,
     ) -> Job:
+        """The running job as the planner sees it, on the launch's topology. ``cluster``
+        (from ``chameleon run --config``) supplies the figures a worker cannot know: device
+        memory, links, restart and group-creation costs."""
         link = Link(self.link_bandwidth_bytes_per_s, self.link_latency_s)
-        cluster = Cluster(
+        live = Cluster(
             name="live",
             num_nodes=num_nodes,
             devices_per_node=workers_per_node,
@@ -76,8 +81,18 @@ class JobDescription(_Wire):
             pg_init_base_s=pg_init_base_s,
             pg_init_per_worker_s=pg_init_per_worker_s,
             store_round_trip_s=store_round_trip_s,
+            # The runtime sums gradients by direct exchange between holders, not a ring.
             allreduce="exchange",
         )
+        if cluster is not None:
+            live = replace(
+                cluster,
+                num_nodes=num_nodes,
+                devices_per_node=workers_per_node,
+                spare_nodes=0,
+                allreduce="exchange",
+            )
+        cluster = live
         layers = tuple(
             Layer(
                 name=x.name,

@@ -329,6 +329,27 @@ def test_bad_input_is_one_line(tmp_path, args, code, message):
     assert len(lines) == 1 and message in lines[0] and "Traceback" not in result.stderr
 
 
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        (None, "config file not found"),
+        ("[cluster]\nname = 3\n", "cluster.name"),
+        ("not toml [", "not valid TOML"),
+    ],
+)
+def test_a_bad_config_fails_before_any_worker_starts(tmp_path, config, message):
+    marker = tmp_path / "started"
+    script = write(tmp_path / "touch.py", f"open({str(marker)!r}, 'w').close()\n")
+    path = tmp_path / "job.toml"
+    if config is not None:
+        path.write_text(config)
+    result = run("run", "--config", str(path), str(script), cwd=tmp_path)
+    assert result.returncode == 1, result.stderr
+    assert message in result.stderr and "Traceback" not in result.stderr
+    assert result.stderr.startswith("chameleon: config error: ")
+    assert not marker.exists()
+
+
 def test_port_in_use_is_one_line(tmp_path):
     script = write(tmp_path / "ok.py", "pass\n")
     port = free_port()

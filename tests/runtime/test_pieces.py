@@ -2,6 +2,8 @@
 checkpoints, the step ledger, and the launcher's recovery coordinator on a fake store."""
 
 import json
+from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,8 +14,11 @@ from chameleon_runtime.data import Batches
 from chameleon_runtime.shard import Shard
 from chameleon_runtime.step import Ledger, MyPart
 from launcher.inplace import Coordinator, Phase
+from planner.config import load_job
 from planner.plan import pipelines_plan
-from planner.wire import PlanMessage
+from planner.wire import JobDescription, PlanMessage
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
 def factory(i: int) -> nn.Module:
@@ -201,3 +206,30 @@ def test_survivors_that_disagree_on_the_step_force_a_restart(coordinator):
     _put(store, "ready/1/2", {"step": 3, "held": []})
     outcome = c.tick()
     assert outcome.restart and "disagree" in outcome.reason
+
+
+def test_a_configured_cluster_reaches_the_planner(coordinator):
+    """``chameleon run --config``: the config's device memory, links and restart cost
+    replace the workers' defaults; the launch's topology stays."""
+    c, store, emitted = coordinator
+    cluster = load_job(CONFIGS / "cpu_testbed.toml").cluster
+    description = JobDescription.model_validate(json.loads(store.get("chameleon/0/job")))
+    job = description.to_job(
+        num_nodes=1, workers_per_node=4, mtbf_s=60, step_s=0.1, restart_s=5, cluster=cluster
+    )
+    assert job.cluster.device_memory_bytes == cluster.device_memory_bytes == 2 * 2**30
+    assert job.cluster.intra_node == cluster.intra_node and job.cluster.restart_s == 8
+    assert (job.cluster.num_nodes, job.cluster.devices_per_node) == (1, 4)
+    assert job.cluster.allreduce == "exchange"  # what the runtime executes
+
+    # A device too small for any layout: no in-place policy fits, the job restarts.
+    c.policy, c.mtbf_s = "auto", 900.0
+    c.cluster = replace(cluster, device_memory_bytes=1000)
+    c.on_failures({3})
+    for r in (0, 1, 2):
+        _put(store, f"ready/1/{r}", {"step": 3, "held": []})
+    assert c.tick().restart
+    chosen = [kw for name, kw in emitted if name == "plan_chosen"][-1]
+    assert chosen["policy"] == "restart"
+    assert chosen["memory_limit_bytes"] == 1000 and chosen["mtbf_s"] == 900.0
+    assert not any(x["feasible"] for x in chosen["candidates"].values())

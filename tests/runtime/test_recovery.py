@@ -87,13 +87,16 @@ def recoveries(evs):
 @pytest.mark.parametrize("policy", ["reroute", "reparallelize"])
 def test_in_place_recovery_keeps_training_identical(tmp_path, reference, policy):
     checks, losses, evs = train(
-        tmp_path, policy, "--policy", policy, "--inject-fault", "kill:rank=3,step=4"
-    )
+        tmp_path, policy, "--policy", policy, "--inject-fault", "kill:rank=3,step=4",
+        "--config", str(ROOT / "configs" / "cpu_testbed.toml"),
+    )  # fmt: skip
     assert_same_training(reference, checks, losses)
     (recovered,) = recoveries(evs)
     assert recovered["policy"] == policy and recovered["steps_lost"] == 0
     chosen = next(e for e in evs if e["event"] == "plan_chosen")
     assert chosen["failed"] == [3]
+    # --config: the test bed's 2 GiB devices and 15-minute MTBF are what the planner used
+    assert chosen["memory_limit_bytes"] == 2 * 2**30 and chosen["mtbf_s"] == 900
 
 
 def test_forced_restart_resumes_from_the_checkpoint(tmp_path, reference):
