@@ -148,4 +148,20 @@ def outcome_blocks(
         blocks.append(plans)
     if recoveries(events):
         blocks.append(timeline_table(events))
+    hint = next((e for e in events if e["event"] == "layout_hint"), None)
+    if hint is not None:
+        blocks.append(
+            Fields(
+                "Note",
+                [
+                    (
+                        "faster layout",
+                        f"the planner estimates {hint['label']} at {fmt_s(hint['best_step_s'])} "
+                        f"a step, {hint['launched_step_s'] / hint['best_step_s']:.2f}x the "
+                        f"launched layout ({fmt_s(hint['launched_step_s'])}); a recovery may "
+                        "switch to such a layout, so steps can get faster after a failure",
+                    )
+                ],
+            )
+        )
     return blocks

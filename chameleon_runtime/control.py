@@ -52,7 +52,8 @@ class Control:
         self._watch_lock = threading.Lock()
         self._beats = 0
         self._stop = threading.Event()
-        threading.Thread(target=self._watch, name="abort-watcher", daemon=True).start()
+        self._watcher = threading.Thread(target=self._watch, name="abort-watcher", daemon=True)
+        self._watcher.start()
 
     def _key(self, name: str) -> str:
         return self.prefix + name
@@ -96,7 +97,13 @@ class Control:
                         self.abort.set()
 
     def close(self) -> None:
+        """Stop the watcher and wait for it: a daemon thread still inside a store call
+        when the interpreter finalizes is killed while unwinding through C++ that may not
+        throw, and the process dies with "terminate called without an active exception"
+        (seen once in ~20 demo runs, on a worker that had finished)."""
         self._stop.set()
+        if self._watcher is not threading.current_thread():
+            self._watcher.join(timeout=5.0)
 
     # -- heartbeats and reports --------------------------------------------------------
 

@@ -321,9 +321,15 @@ class Trainer:
     def profile(self, out: Path) -> None:
         """Measure every layer on every worker at once (contention included), links and
         the store; rank 0 writes the per-layer medians as a cost table (atomically)."""
+        self._connect()
+        try:
+            self._profile(out)
+        finally:
+            self.control.close()
+
+    def _profile(self, out: Path) -> None:
         from planner.costtable import CostTable, LayerCost, LinkCost
 
-        self._connect()
         sample = self.batches.inputs(0, 0)
         self.layer_params, self.activation_shapes, self.layer_names = probe(
             self.factory, self.num_layers, sample, seed=self.seed

@@ -198,6 +198,7 @@ class Agent:
         a = self.args
         self._install_signals()
         self.reaper = Reaper()
+        beating: threading.Thread | None = None
         try:
             if a.max_nodes == 1:
                 control, first = self._start_single_node()
@@ -205,9 +206,10 @@ class Agent:
                 control, first = self._join_job(), None
             self.control = control
             control.beat()
-            threading.Thread(
+            beating = threading.Thread(
                 target=self._heartbeat, args=(control,), name="heartbeat", daemon=True
-            ).start()
+            )
+            beating.start()
             attempt = 0
             while True:
                 if first is not None:
@@ -220,6 +222,10 @@ class Agent:
                 attempt = result
         finally:
             self._stop_heartbeat.set()
+            # Joined, not left to die: a daemon thread inside a store call at interpreter
+            # exit aborts the process (SIGABRT) and the job's exit code would be lost.
+            if beating is not None:
+                beating.join(timeout=5.0)
             self.reaper.close()
 
     def _emit_start(self, control: ControlPlane) -> None:

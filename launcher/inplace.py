@@ -42,6 +42,10 @@ class InPlaceOutcome:
     reason: str = ""
 
 
+# A layout this much faster than the launched one is worth a note in the run summary.
+LAYOUT_HINT_SPEEDUP = 1.1
+
+
 @dataclass
 class Coordinator:
     store: Any  # the TCPStore hosted for this attempt's workers
@@ -384,8 +388,27 @@ class Coordinator:
             return
         description = JobDescription.model_validate(described)
         current = PlanWire.model_validate(current_msg["plan"]).to_plan()
-        self._job(description, current)
-        self._search_for(self._job(description, current))
+        job = self._job(description, current)
+        search = self._search_for(job)
+        self._hint_layout(job, search, current)
+
+    def _hint_layout(self, job: Any, search: Any, current: Any) -> None:
+        """Say so when the planner knows a clearly faster layout on the same workers than
+        the one the script asked for: after a failure it may pick that layout, and the run
+        then goes faster than before, which would otherwise look like a bug. (Changing the
+        layout of a healthy job unasked is left to the user.)"""
+        from planner.estimate import estimate
+
+        launched = estimate(job, current).step_s
+        best = search.propose(current, current.workers)
+        if best and best[0].estimate.step_s < launched / LAYOUT_HINT_SPEEDUP:
+            self.emit(
+                "layout_hint",
+                launched_step_s=launched,
+                best_step_s=best[0].estimate.step_s,
+                label=best[0].label,
+                pipelines=[list(p) for p in best[0].plan.pipelines],
+            )
 
     def _search_for(self, job: Any) -> Any:
         from planner.search import Search

@@ -184,7 +184,8 @@ class LocalGroup:
                 self.finished.add(rank)
                 continue
             kind = FailureKind.SIGNAL if code < 0 else FailureKind.EXIT
-            new.append(self._failure(rank, worker, kind, now, code, _last_error_line(worker)))
+            message = _last_error_line(worker, any_line=kind is FailureKind.EXIT)
+            new.append(self._failure(rank, worker, kind, now, code, message))
         if now >= self._next_hang_check:
             self._next_hang_check = now + HANG_CHECK_PERIOD_S
         for failure in new:
@@ -295,8 +296,10 @@ class LocalGroup:
         )
 
 
-def _last_error_line(worker: Worker) -> str:
-    """The most telling stderr line: the last exception line, else the last line."""
+def _last_error_line(worker: Worker, *, any_line: bool) -> str:
+    """The most telling stderr line: the last exception line, else (``any_line``, for a
+    worker that exited by itself) the last line. A worker killed by a signal wrote no last
+    words: its last line is whatever it printed before, e.g. a library's warning."""
     time.sleep(0.05)  # let the pump drain what the process wrote before dying
     lines = [line for line in worker.stderr_tail if line.strip()]
     for line in reversed(lines):
@@ -306,4 +309,4 @@ def _last_error_line(worker: Worker) -> str:
             or "Error:" in stripped
         ):
             return stripped[-300:]
-    return lines[-1].strip()[-300:] if lines else ""
+    return lines[-1].strip()[-300:] if lines and any_line else ""

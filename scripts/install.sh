@@ -7,4 +7,9 @@ PYTHON=${PYTHON:-python3}
 if ! "$PYTHON" -c "import torch" >/dev/null 2>&1; then
     "$PYTHON" -m pip install --quiet torch==2.13.0
 fi
+# torch's CPU wheel does not require numpy but warns "Failed to initialize NumPy" at
+# every import without it: in every worker's stderr, on every start.
+if ! "$PYTHON" -c "import numpy" >/dev/null 2>&1; then
+    "$PYTHON" -m pip install --quiet numpy
+fi
 "$PYTHON" -m pip install --quiet -e '.[dev]'
