@@ -233,3 +233,12 @@ def test_a_configured_cluster_reaches_the_planner(coordinator):
     assert chosen["policy"] == "restart"
     assert chosen["memory_limit_bytes"] == 1000 and chosen["mtbf_s"] == 900.0
     assert not any(x["feasible"] for x in chosen["candidates"].values())
+
+
+def test_a_clearly_faster_layout_is_pointed_out(coordinator):
+    # 4 light layers on 2 pipelines of 2 stages: pure data parallelism has no bubble.
+    c, _store, emitted = coordinator
+    c.calibrate_now()
+    (hint,) = [kw for name, kw in emitted if name == "layout_hint"]
+    assert hint["best_step_s"] * 1.1 < hint["launched_step_s"]
+    assert sorted(len(p) for p in hint["pipelines"]) == [1, 1, 1, 1]
