@@ -16,6 +16,8 @@ EVENTS = [
     {"event": "failure", "t": 107.9, "rank": 5, "failed_at": 107.8, "detected_at": 107.9,
      "kind": "signal", "attempt": 0, "exit_code": -9},
     {"event": "abort", "t": 107.9, "attempt": 0, "generation": 0, "ranks": [5], "last_step": 15},
+    {"event": "decision", "t": 107.95, "attempt": 0, "generation": 1, "action": "recover",
+     "policy": "reparallelize", "exit_code": 0},
     {"event": "plan_chosen", "t": 108.0, "generation": 1, "policy": "reparallelize",
      "label": "1x2 + 4x1 stages", "failed": [5], "estimated_step_s": 0.06,
      "failure_free_step_s": 0.0612, "transition_s": 0.33, "search_ms": 4.8,
