@@ -89,7 +89,8 @@ def plans_table(events: list[Record]) -> Table | None:
         rows.append(
             [
                 str(e.get("generation", "-")),
-                ",".join(map(str, e.get("failed", []))),
+                ",".join(map(str, e.get("failed", [])))
+                or " ".join(f"+{r}" for r in e.get("joined", [])),
                 e["policy"],
                 e.get("label", "-") or "-",
                 fmt_s(estimated)
@@ -106,7 +107,7 @@ def plans_table(events: list[Record]) -> Table | None:
     if not rows:
         return None
     return Table(
-        "Plans chosen (scores: expected samples/s until the next failure)",
+        "Plans chosen (scores: expected samples/s until the next failure; +R: rank R rejoined)",
         [
             "gen",
             "failed",
@@ -119,6 +120,43 @@ def plans_table(events: list[Record]) -> Table | None:
         ],
         rows,
     )
+
+
+def replacements_table(events: list[Record]) -> Table | None:
+    """Failed ranks started again while the job trained (launcher/rejoin.py)."""
+    t0 = start_time(events)
+    rows = []
+    for e in events:
+        if e["event"] != "worker_respawned":
+            continue
+        rank = e["rank"]
+        later = [x for x in events if x["t"] >= e["t"] and rank in x.get("ranks", ())]
+        joined = next((x for x in later if x["event"] == "rejoined"), None)
+        plan = next(
+            (
+                x
+                for x in events
+                if x["event"] == "plan_chosen" and x["t"] >= e["t"] and rank in x.get("joined", ())
+            ),
+            None,
+        )
+        if joined is None:
+            outcome = "did not join before the end"
+        elif joined.get("taken_in"):
+            outcome = f"taken in: {plan['label'] if plan else 're-partitioned'}"
+        else:
+            outcome = "spare (no faster layout with it)"
+        rows.append(
+            [
+                str(rank),
+                _rel(e["t"], t0),
+                _rel(joined["t"], t0) if joined else "-",
+                outcome,
+            ]
+        )
+    if not rows:
+        return None
+    return Table("Replacements", ["rank", "started", "joined", "outcome"], rows)
 
 
 def outcome_blocks(
@@ -148,6 +186,9 @@ def outcome_blocks(
         blocks.append(plans)
     if recoveries(events):
         blocks.append(timeline_table(events))
+    replaced = replacements_table(events)
+    if replaced is not None:
+        blocks.append(replaced)
     hint = next((e for e in events if e["event"] == "layout_hint"), None)
     if hint is not None:
         blocks.append(

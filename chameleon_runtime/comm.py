@@ -208,6 +208,8 @@ class Generation:
 
     def abandon(self) -> None:
         """Drop this generation without destroying anything that might block."""
+        if self._helper in _ABANDONED:
+            return
         _ABANDONED.append(self._helper)
         for obj in (
             self.group,

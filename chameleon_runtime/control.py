@@ -69,6 +69,9 @@ class Control:
             return None
         return json.loads(self.store.get(key).decode())
 
+    def forget(self, name: str) -> None:
+        self.store.delete_key(self._key(name))
+
     def add(self, name: str, amount: int) -> int:
         return self.store.add(self._key(name), amount)
 

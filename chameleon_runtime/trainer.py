@@ -120,6 +120,8 @@ class Trainer:
         self.shard = Shard(self.factory, optimizer, seed=seed, device=device)
         self.generation = 0
         self.recoveries = 0
+        self.gen: Generation | None = None
+        self.part: MyPart | None = None
 
     # -- setup -------------------------------------------------------------------------
 
@@ -168,6 +170,10 @@ class Trainer:
         self.layer_params, self.activation_shapes, self.layer_names = probe(
             self.factory, self.num_layers, sample, seed=self.seed
         )
+        joining = os.environ.get("CHAMELEON_JOIN")
+        if joining:
+            self._join(int(joining))
+            return
         self.plan = self.initial_plan()
         stage = self.plan.stage_of[self.rank]
         self.shard.ensure(stage.first_layer, stage.end_layer)
@@ -187,6 +193,24 @@ class Trainer:
             self.control.put("gen", 0)
         self._publish_costs(stage.first_layer, stage.end_layer)
         self._start_generation(0, self.plan, members=self.plan.workers)
+
+    def _join(self, count: int) -> None:
+        """A replacement started by the launcher while the job trains (launcher/rejoin.py):
+        take the current generation as a spare, holding nothing, and announce it. The
+        launcher decides whether to re-partition with us; until then we idle."""
+        self.control.forget(f"exit/{self.rank}")  # a request to our predecessor, not to us
+        while (latest := self.control.get("gen")) is None or (
+            message := self.control.get(f"plan/{latest}")
+        ) is None:
+            time.sleep(0.05)
+        plan = PlanMessage.model_validate(message)
+        self.generation, self.plan, self.part = latest, plan.plan.to_plan(), None
+        self.step = plan.resume_step  # stale until a plan takes us in
+        self.control.watch(latest)
+        self.control.heartbeat(
+            step=self.step - 1, generation=self.generation, step_s=None, state="spare"
+        )
+        self.control.put(f"join/{self.rank}", {"count": count, "generation": latest})
 
     def _publish_costs(self, first: int, end: int) -> None:
         x = (
@@ -223,6 +247,7 @@ class Trainer:
             link_bandwidth_bytes_per_s=1e9,
             link_latency_s=1e-4,
             checkpoint_interval_steps=max(1, self.checkpoint_every),
+            host_cores=len(os.sched_getaffinity(0)) if self.device == "cpu" else 0,
         )
         self.control.put("job", description.model_dump())
 
@@ -306,7 +331,8 @@ class Trainer:
         self.control.close()
         # Peers finish at slightly different times; a group destroyed while a peer's end of
         # it is gone can abort the process at exit. Release it like an abandoned one.
-        self.gen.abandon()
+        if self.gen is not None:
+            self.gen.abandon()
         stuck = stuck_waits()
         if stuck:
             print(
@@ -422,7 +448,8 @@ class Trainer:
             step=self.step - 1, generation=self.generation, step_s=None, state="spare"
         )
         latest = self.control.get("gen")
-        if latest is not None and latest > self.generation:
+        if self.control.abort.is_set() or (latest is not None and latest > self.generation):
+            # A recovery (or a rejoin) is being planned: a spare must report ready too.
             self._recover("a new plan")
             return
         beats = [self.control.get(f"hb/{w}") for w in self.plan.workers]
@@ -435,14 +462,18 @@ class Trainer:
 
     def _recover(self, reason: str) -> None:
         """Discard the step in progress and carry out the launcher's next plan."""
-        self.gen.abandon()
+        if self.gen is not None:
+            self.gen.abandon()
         self.shard.zero_grad()
         target = self.generation + 1
         while True:
             held = self.shard.held()
+            # A spare holds nothing and its step is stale (it ran none): the step to
+            # resume at is the holders'.
+            spare = self.part is None
             self.control.put(
                 f"ready/{target}/{self.rank}",
-                {"step": self.step, "held": held, "reason": reason[:200]},
+                {"step": None if spare else self.step, "held": held, "reason": reason[:200]},
             )
             message = self._wait_for_plan(target)
             try:
@@ -471,6 +502,8 @@ class Trainer:
             time.sleep(0.01)
 
     def _apply(self, message: PlanMessage) -> None:
+        if self.part is None:  # a spare (or a replacement) takes the holders' step
+            self.step = message.resume_step
         plan = message.plan.to_plan()
         sources = {t.src for t in message.transfers}
         members = sorted(set(plan.workers) | sources)

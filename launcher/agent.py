@@ -86,6 +86,13 @@ class WorkerStoreView:
     def ask_exit(self, rank: int, code: int) -> None:
         put_json(self._store(), f"{self._prefix}exit/{rank}", code)
 
+    def respawn_request(self, rank: int) -> int | None:
+        """How many replacements the leader has asked for this rank (launcher/rejoin.py)."""
+        try:
+            return get_json(self._store(), f"{self._prefix}respawn/{rank}")
+        except Exception:
+            return None
+
 
 class JobError(RuntimeError):
     """The job could not be set up or lost its control plane; ``str()`` is one line."""
@@ -361,6 +368,7 @@ class Agent:
             base_env=dict(os.environ),
             worker_heartbeat=view.heartbeat,
             ask_exit=view.ask_exit,
+            respawn_request=view.respawn_request,
             reaper=self.reaper,
         )
         group.start()
@@ -601,9 +609,13 @@ class Agent:
                 mtbf_s=self.mtbf_s,
                 cluster=self.planner_cluster,
                 started_at=getattr(self, "_started_at", None),
+                max_rejoins=self.args.max_rejoins,
                 ready_timeout_s=self.args.heartbeat_timeout_s,
                 workers_per_node=world.nodes[0].nproc,
                 num_nodes=len(world.nodes),
+                nodes_per_host=max(
+                    sum(1 for m in world.nodes if m.host == n.host) for n in world.nodes
+                ),
                 attempt=world.attempt,
             )
             self._coordinator = coordinator
@@ -615,10 +627,15 @@ class Agent:
             if not self._aware:
                 return failures, None
             self.events.emit("in_place_enabled", attempt=world.attempt, world_size=world.world_size)
-        failed = {f.rank for f in failures}
-        if failed - coordinator.dead:
-            self.failures = self.failures + [f for f in failures if f not in self.failures]
-            coordinator.on_failures(failed)
+        # A rank can fail more than once (its replacement may fail too): go by failure.
+        new = [f for f in failures if (f.rank, f.detected_at) not in coordinator.reported]
+        if new:
+            coordinator.reported |= {(f.rank, f.detected_at) for f in new}
+            self.failures = self.failures + [f for f in new if f not in self.failures]
+            coordinator.on_failures(
+                {f.rank for f in new},
+                gone={f.rank for f in new if f.kind is FailureKind.NODE_LOST},
+            )
         elif coordinator.phase.value == "running" and not coordinator.dead:
             coordinator.calibrate_now_if_due()
         outcome = coordinator.tick()

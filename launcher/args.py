@@ -156,6 +156,13 @@ def _parser() -> _Parser:
         help="kill|hang|exit:rank=R,at=SECONDS|step=N[,code=C][,attempt=A] (repeatable)",
     )
     add(
+        *_both("--max-rejoins"),
+        type=int,
+        default=3,
+        help="times each failed rank of a chameleon_runtime job is started again to rejoin it "
+        "in place while it trains (0: go on without it)",
+    )
+    add(
         "--config",
         default=None,
         help="job config (TOML) whose [cluster] figures (device memory, links, restart and "
@@ -216,6 +223,7 @@ class RunArgs:
     local_addr: str | None
     shutdown_timeout_s: float
     heartbeat_timeout_s: float
+    max_rejoins: int
     events: str | None
     faults: tuple[FaultSpec, ...]
     config: str | None
@@ -292,6 +300,8 @@ def parse_run_args(argv: list[str]) -> RunArgs:
         raise ArgsError(f"--rdzv-backend {ns.rdzv_backend} is not supported (use static or c10d)")
     if ns.max_restarts < 0:
         raise ArgsError("--max-restarts must be >= 0")
+    if ns.max_rejoins < 0:
+        raise ArgsError("--max-rejoins must be 0 or more")
     if ns.monitor_interval <= 0 or ns.heartbeat_timeout <= 0:
         raise ArgsError("--monitor-interval and --heartbeat-timeout must be positive")
     if ns.run_path and not os.path.isabs(ns.training_script):
@@ -352,6 +362,7 @@ def parse_run_args(argv: list[str]) -> RunArgs:
         local_addr=ns.local_addr,
         shutdown_timeout_s=shutdown,
         heartbeat_timeout_s=ns.heartbeat_timeout,
+        max_rejoins=ns.max_rejoins,
         events=ns.events,
         faults=faults,
         config=ns.config,

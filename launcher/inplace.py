@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from launcher.rejoin import Rejoins, worth_growing
+
 
 class Phase(StrEnum):
     RUNNING = "running"
@@ -44,6 +46,22 @@ class InPlaceOutcome:
 
 # A layout this much faster than the launched one is worth a note in the run summary.
 LAYOUT_HINT_SPEEDUP = 1.1
+CALIBRATION_ROUNDS = 4
+
+
+def _scaled(job: Any, k: float) -> Any:
+    """``job`` with every layer's compute times multiplied by ``k``."""
+    from dataclasses import replace
+
+    if k == 1.0:
+        return job
+    layers = tuple(
+        replace(
+            x, forward_s=x.forward_s * k, backward_s=x.backward_s * k, optimizer_s=x.optimizer_s * k
+        )
+        for x in job.model.layers
+    )
+    return replace(job, model=replace(job.model, layers=layers))
 
 
 @dataclass
@@ -56,6 +74,7 @@ class Coordinator:
     ready_timeout_s: float = 30.0
     workers_per_node: int = 1
     num_nodes: int = 1
+    nodes_per_host: int = 1  # agents sharing one host (and its cores)
     restart_s: float = 10.0
     cluster: Any = None  # planner.workload.Cluster from --config, or None: measured defaults
     # When this attempt's workers were spawned: spawn to first step is what a restart
@@ -63,6 +82,9 @@ class Coordinator:
     # when no config gives one.
     started_at: float | None = None
     _startup_s: float | None = None
+    max_rejoins: int = 0  # replacements per rank (launcher/rejoin.py); 0: never
+    gone: set[int] = field(default_factory=set)  # ranks whose node is lost: no replacement
+    reported: set[tuple[int, float]] = field(default_factory=set)  # failures handed in
     attempt: int = 0  # the launcher round these workers belong to
     generation: int = 0
     phase: Phase = Phase.RUNNING
@@ -76,6 +98,9 @@ class Coordinator:
     _last_step_event: float = 0.0
     _search: Any = None
     _calibration: float | None = None
+    _last_measured_s: float | None = None
+    _rejoins: Rejoins | None = None
+    _growing: list[int] = field(default_factory=list)  # replacements being taken in
 
     # -- store helpers -------------------------------------------------------------------
 
@@ -117,10 +142,25 @@ class Coordinator:
 
     # -- the tick ------------------------------------------------------------------------
 
-    def on_failures(self, ranks: set[int]) -> None:
-        """Workers died (or hung and were killed): start or widen a recovery."""
+    def on_failures(
+        self, ranks: set[int], *, gone: set[int] | frozenset[int] = frozenset()
+    ) -> None:
+        """Workers died (or hung and were killed): start or widen a recovery. ``gone``:
+        those of them whose node is lost (no replacement can start there)."""
+        self.gone |= set(gone)
         new = ranks - self.dead
         if not new:
+            return
+        if self._rejoins is None:
+            self._rejoins = Rejoins(self.max_rejoins)
+        self._rejoins.forget(new)
+        asked = self._rejoins.request(new, gone=self.gone, put=self._put)
+        if asked:
+            self.emit("respawn_requested", attempt=self.attempt, ranks=asked)
+        if self.phase is not Phase.COLLECT and not new & self._members():
+            # Spares (and replacements not yet taken in) run no step: nothing to abort.
+            self.dead |= new
+            self.emit("spare_lost", attempt=self.attempt, ranks=sorted(new))
             return
         if self.phase is Phase.RUNNING:
             self._progress()  # the step reached, read now: it is what a restart would lose
@@ -155,6 +195,7 @@ class Coordinator:
                 self.emit("resumed", attempt=self.attempt, resume_step=first["resume_step"])
         if self.phase is Phase.RUNNING:
             self._progress()
+            self._admit_replacements()
             return InPlaceOutcome()
         if self.phase is Phase.COLLECT:
             return self._collect()
@@ -182,6 +223,82 @@ class Coordinator:
     def _survivors(self) -> list[int]:
         return [r for r in range(self.world_size) if r not in self.dead]
 
+    def _members(self) -> set[int]:
+        """Workers of the current generation's groups: its plan's workers and the sources
+        of its transfers (the others are spares)."""
+        message = self._get(f"plan/{self.generation}")
+        if message is None:
+            return set(range(self.world_size))
+        workers = {s["worker"] for s in message["plan"]["stages"]}
+        return workers | {t["src"] for t in message.get("transfers", [])}
+
+    # -- replacements (launcher/rejoin.py) -------------------------------------------------
+
+    def _admit_replacements(self) -> None:
+        """Take announced replacements in: as spares, and into the plan when the planner
+        finds a layout with them that pays for the move before the next failure."""
+        if self._rejoins is None or not self._rejoins.waiting:
+            return
+        joined = [
+            r
+            for r in self._rejoins.announced(self._get)
+            if (hb := self.heartbeat(r)) is not None
+            and hb.get("state") == "spare"
+            and hb.get("gen") == self.generation
+        ]
+        if not joined:
+            return
+        self._rejoins.forget(joined)
+        self.dead -= set(joined)
+        growth = self._growth()
+        if growth is None:
+            self.emit("rejoined", attempt=self.attempt, ranks=joined, taken_in=False)
+            return
+        current_s, grown_s, transition_s, label = growth
+        self.emit(
+            "rejoin",
+            attempt=self.attempt,
+            generation=self.generation,
+            ranks=joined,
+            step_s=current_s,
+            estimated_step_s=grown_s,
+            transition_s=transition_s,
+            label=label,
+        )
+        self._put(f"abort/{self.generation}", {"reason": f"ranks {joined} rejoin"})
+        self._growing = joined
+        self.phase = Phase.COLLECT
+        self._collect_since = time.monotonic()
+
+    def _growth(self) -> tuple[float, float, float, str] | None:
+        """(step now, step with every live worker, transition, label) when moving to the
+        best layout over every live worker is worth it, else None."""
+        from planner.policy import reparallelize_candidates
+        from planner.wire import JobDescription, PlanWire
+
+        described, current_msg = self._get("job"), self._get(f"plan/{self.generation}")
+        if described is None or current_msg is None:
+            return None
+        current = PlanWire.model_validate(current_msg["plan"]).to_plan()
+        job = self._job(JobDescription.model_validate(described), current)
+        search = self._search_for(job)
+        alive = self._survivors()
+        proposals = search.propose(current, alive)[:1]
+        if not proposals:
+            return None
+        (best,) = reparallelize_candidates(search, proposals, current, alive, search_s=0.0)
+        if best.estimate is None or best.plan is None:
+            return None
+        current_s = search.estimate(current).step_s
+        if not worth_growing(
+            current_s=current_s,
+            grown_s=best.estimate.step_s,
+            transition_s=best.transition.total_s,
+            mtbf_s=self.mtbf_s,
+        ):
+            return None
+        return current_s, best.estimate.step_s, best.transition.total_s, best.label
+
     def _collect(self) -> InPlaceOutcome:
         target = self.generation + 1
         survivors = self._survivors()
@@ -193,7 +310,9 @@ class Coordinator:
             return InPlaceOutcome(
                 restart=True, reason=f"ranks {missing} never reported ready for a new plan"
             )
-        steps = {v["step"] for v in ready.values()}
+        steps = {v["step"] for v in ready.values() if v["step"] is not None}  # spares: None
+        if not steps:
+            return InPlaceOutcome(restart=True, reason="no worker that held state survived")
         if len(steps) != 1:
             return InPlaceOutcome(
                 restart=True, reason=f"survivors disagree on the step to resume ({sorted(steps)})"
@@ -216,6 +335,13 @@ class Coordinator:
         failed = sorted(self._pending_failed | {w for w in current.workers if w in self.dead})
         job = self._job(description, current)
         forced = None if self.policy == "auto" else Policy(self.policy)
+        if self._growing and failed:
+            self._growing = []  # a failure came first: this is a recovery again
+        if self._growing:
+            forced = Policy.REPARALLELIZE  # taking replacements in: only a re-partition can
+        # Live workers outside the plan (spares, replacements) hold nothing but can work;
+        # a failed rank whose replacement already runs is among them, and not lost twice.
+        idle = [r for r in self._survivors() if r not in current.workers]
         t0 = time.perf_counter()
         decision = decide(
             job,
@@ -224,6 +350,9 @@ class Coordinator:
             policy=forced,
             mtbf_s=self.mtbf_s,
             since_checkpoint_s=self._since_checkpoint(description, resume_step, job),
+            # A restart brings back every rank whose node lives.
+            spares=[r for r in failed if r not in self.gone],
+            idle=idle,
             search=self._search_for(job),
         )
         search_ms = (time.perf_counter() - t0) * 1e3
@@ -267,7 +396,8 @@ class Coordinator:
             generation=target,
             action="recover",
             policy=chosen.policy.value,
-            reason=f"ranks {failed} failed; {chosen.policy.value}: {chosen.label}",
+            reason=(f"ranks {self._growing} rejoin" if self._growing else f"ranks {failed} failed")
+            + f"; {chosen.policy.value}: {chosen.label}",
             exit_code=0,
         )
         message = PlanMessage.build(
@@ -294,13 +424,15 @@ class Coordinator:
             resume_step=resume_step,
             failed=failed,
             estimated_step_s=chosen.estimate.step_s if chosen.estimate else None,
-            failure_free_step_s=decision.baseline.step_s,
+            failure_free_step_s=self._failure_free_s(job),
+            before_step_s=decision.baseline.step_s,
             calibration=self._calibration,
             transition_s=chosen.transition.total_s,
             moved_bytes=chosen.migration.num_bytes,
             transfers=len(message.transfers),
             candidates=candidates,
             search_ms=search_ms,
+            joined=self._growing,
             **basis,
         )
         self._pending_failed = set()
@@ -314,12 +446,14 @@ class Coordinator:
             if hb is None or hb.get("gen", -1) < self.generation:
                 return InPlaceOutcome()
         self.emit(
-            "recovered",
+            "rejoined" if self._growing else "recovered",
             generation=self.generation,
             policy=self._published["policy"],
             resume_step=self._published["resume_step"],
             steps_lost=0,
+            **({"ranks": self._growing, "taken_in": True} if self._growing else {}),
         )
+        self._growing = []
         self.phase = Phase.RUNNING
         self._last_step = self._published["resume_step"] - 1
         self._last_step_event = 0.0
@@ -332,41 +466,50 @@ class Coordinator:
         """The described job, with layer times scaled so that the planner's estimate of the
         running plan matches the step time the workers measure (one calibration factor
         for everything a shared host's contention adds)."""
-        from dataclasses import replace
-
         from planner.estimate import estimate
 
-        step_s = self._measured_step_s()
+        measured = self._measured_step_s()  # None while the workers are recovering
+        if measured is not None:
+            self._last_measured_s = measured
         job = description.to_job(
             num_nodes=self.num_nodes,
             workers_per_node=self.workers_per_node,
             mtbf_s=self.mtbf_s,
-            step_s=step_s or 1.0,
+            step_s=self._last_measured_s or 1.0,
             restart_s=self._startup_s if self._startup_s is not None else self.restart_s,
             cluster=self.cluster,
+            nodes_per_host=self.nodes_per_host,
         )
-        if step_s is None:
-            return job
         if self._calibration is None:
-            predicted = estimate(job, current).step_s
-            self._calibration = step_s / predicted if predicted > 0 else 1.0
+            if measured is None:
+                return job
+            # Communication and the commit do not scale with the factor, so one ratio
+            # overshoots or undershoots: iterate to the fixed point (a few steps suffice).
+            k = 1.0
+            for _ in range(CALIBRATION_ROUNDS):
+                predicted = estimate(_scaled(job, k), current).step_s
+                if predicted <= 0:
+                    break
+                k *= measured / predicted
+            self._calibration = k
             self.emit(
                 "calibrated",
-                measured_step_s=step_s,
-                estimated_step_s=predicted,
-                factor=self._calibration,
+                measured_step_s=measured,
+                estimated_step_s=estimate(job, current).step_s,
+                calibrated_step_s=estimate(_scaled(job, k), current).step_s,
+                factor=k,
             )
-        k = self._calibration
-        layers = tuple(
-            replace(
-                x,
-                forward_s=x.forward_s * k,
-                backward_s=x.backward_s * k,
-                optimizer_s=x.optimizer_s * k,
-            )
-            for x in job.model.layers
-        )
-        return replace(job, model=replace(job.model, layers=layers))
+        return _scaled(job, self._calibration)
+
+    def _failure_free_s(self, job: Any) -> float | None:
+        """The estimate of the launched plan (generation 0) under ``job``."""
+        from planner.estimate import estimate
+        from planner.wire import PlanWire
+
+        first = self._get("plan/0")
+        if first is None:
+            return None
+        return estimate(job, PlanWire.model_validate(first["plan"]).to_plan()).step_s
 
     def calibrate_now_if_due(self, after_step: int = 1) -> None:
         if self._calibration is None and self._top_step >= after_step:

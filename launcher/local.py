@@ -84,6 +84,7 @@ class LocalGroup:
         base_env: dict[str, str],
         worker_heartbeat: Callable[[int], dict | None] | None = None,
         ask_exit: Callable[[int, int], None] | None = None,
+        respawn_request: Callable[[int], int | None] | None = None,
         reaper: Reaper | None = None,
     ) -> None:
         self.s = settings
@@ -93,6 +94,8 @@ class LocalGroup:
         self.base_env = base_env
         self.worker_heartbeat = worker_heartbeat
         self.ask_exit = ask_exit
+        self.respawn_request = respawn_request
+        self.respawned: dict[int, int] = {}  # rank -> replacements started
         self.reaper = reaper
         self.workers: dict[int, Worker] = {}
         self.finished: set[int] = set()
@@ -114,48 +117,73 @@ class LocalGroup:
         self._started_at = time.time()
         for local_rank in range(self.s.nproc):
             rank = self.s.rank_offset + local_rank
-            log_dir = self.s.log_dir / f"attempt_{self.s.attempt}" / str(rank)
-            who = WorkerIdentity(
-                rank=rank,
-                local_rank=local_rank,
-                world_size=self.s.world_size,
-                local_world_size=self.s.nproc,
-                group_rank=self.s.node_rank,
-                group_world_size=self.s.num_nodes,
-                role=self.s.role,
-                role_rank=rank,
-                role_world_size=self.s.world_size,
-            )
-            env = worker_env(
-                self.base_env,
-                who,
-                master_addr=self.s.master_addr,
-                master_port=self.s.master_port,
-                restart_count=self.s.attempt,
-                max_restarts=self.s.max_restarts,
-                run_id=self.s.run_id,
-                error_file=str(log_dir / "error.json"),
-                chameleon=self.s.extra_env,
-            )
-            show = self.s.local_ranks_filter is None or local_rank in self.s.local_ranks_filter
-            self.workers[rank] = start_worker(
-                self.command,
-                env,
-                rank=rank,
-                local_rank=local_rank,
-                log_dir=log_dir,
-                redirect=self.s.redirects.get(local_rank, 0),
-                tee=self.s.tee.get(local_rank, 0),
-                console=self.console,
-                show_on_console=show,
-                reaper=self.reaper,
-            )
+            self.workers[rank] = self._spawn(rank, str(rank), {})
         self.started = {
             "attempt": self.s.attempt,
             "node": self.s.node_rank,
             "ranks": sorted(self.workers),
             "pids": [self.workers[r].pid for r in sorted(self.workers)],
         }
+
+    def _spawn(self, rank: int, log_name: str, env_extra: dict[str, str]) -> Worker:
+        local_rank = rank - self.s.rank_offset
+        log_dir = self.s.log_dir / f"attempt_{self.s.attempt}" / log_name
+        who = WorkerIdentity(
+            rank=rank,
+            local_rank=local_rank,
+            world_size=self.s.world_size,
+            local_world_size=self.s.nproc,
+            group_rank=self.s.node_rank,
+            group_world_size=self.s.num_nodes,
+            role=self.s.role,
+            role_rank=rank,
+            role_world_size=self.s.world_size,
+        )
+        env = worker_env(
+            self.base_env,
+            who,
+            master_addr=self.s.master_addr,
+            master_port=self.s.master_port,
+            restart_count=self.s.attempt,
+            max_restarts=self.s.max_restarts,
+            run_id=self.s.run_id,
+            error_file=str(log_dir / "error.json"),
+            chameleon={**self.s.extra_env, **env_extra},
+        )
+        show = self.s.local_ranks_filter is None or local_rank in self.s.local_ranks_filter
+        return start_worker(
+            self.command,
+            env,
+            rank=rank,
+            local_rank=local_rank,
+            log_dir=log_dir,
+            redirect=self.s.redirects.get(local_rank, 0),
+            tee=self.s.tee.get(local_rank, 0),
+            console=self.console,
+            show_on_console=show,
+            reaper=self.reaper,
+        )
+
+    def _respawn_requested(self) -> None:
+        """Start replacements the leader asked for (launcher/rejoin.py): the same rank and
+        environment, plus CHAMELEON_JOIN, in this attempt. A chameleon_runtime worker
+        started so joins the running job as a spare instead of starting it."""
+        if self.respawn_request is None:
+            return
+        for rank in sorted(self.failed):
+            wanted = self.respawn_request(rank)
+            if not wanted or wanted <= self.respawned.get(rank, 0):
+                continue
+            self.respawned[rank] = wanted
+            worker = self._spawn(rank, f"{rank}.rejoin{wanted}", {"CHAMELEON_JOIN": str(wanted)})
+            self.workers[rank] = worker
+            del self.failed[rank]
+            self._bad_since.pop(rank, None)
+            # The old process's heartbeat is still in the store: time the new one from now.
+            self._last_step[rank] = (object(), time.time())
+            self.emit(
+                "worker_respawned", rank=rank, attempt=self.s.attempt, count=wanted, pid=worker.pid
+            )
 
     @property
     def all_finished(self) -> bool:
@@ -167,6 +195,8 @@ class LocalGroup:
         """New failures since the last poll (crashes, hangs), after injecting due faults."""
         now = time.time()
         self._inject(now)
+        if self.failed:
+            self._respawn_requested()
         new: list[Failure] = []
         for rank, worker in self.workers.items():
             if rank in self.finished or rank in self.failed:

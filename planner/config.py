@@ -55,6 +55,11 @@ class ClusterConfig(_Strict):
     pg_init_base_s: Annotated[float, Field(ge=0)] = 0.5
     pg_init_per_worker_s: Annotated[float, Field(ge=0)] = 0.001
     store_round_trip_us: Annotated[float, Field(ge=0)] = 500.0
+    # CPU workers sharing their host's cores (0: a device per worker; unset: a device per
+    # worker here, what the workers report under chameleon run --config), and how many
+    # of the config's nodes one host carries (the CPU test bed: 2 "nodes" on one machine).
+    host_cores: Annotated[int, Field(ge=0)] | None = None
+    nodes_per_host: PositiveInt = 1
 
 
 class GptConfig(_Strict):
@@ -208,6 +213,8 @@ def to_job(config: JobConfig, table: CostTable | None = None) -> Job:
         pg_init_base_s=pg_base,
         pg_init_per_worker_s=pg_per,
         store_round_trip_s=store_rt,
+        host_cores=c.host_cores,
+        nodes_per_host=c.nodes_per_host,
     )
     act_bytes = _bytes_per_value(t.precision)
     training = Training(
@@ -226,6 +233,16 @@ def to_job(config: JobConfig, table: CostTable | None = None) -> Job:
     m = config.model
     if table is not None:
         layers = table.to_layers(micro_batch_size=t.micro_batch_size, tp=t.tp)
+        if c.host_cores and table.concurrent_workers > c.host_cores:
+            # Measured while every worker measured at once: each had host_cores /
+            # concurrent_workers of a core, so the times include the wait for one. The
+            # shared-host model wants a layer's time on a core of its own.
+            share = c.host_cores / table.concurrent_workers
+            layers = tuple(
+                replace(x, forward_s=x.forward_s * share, backward_s=x.backward_s * share,
+                        optimizer_s=x.optimizer_s * share)
+                for x in layers
+            )  # fmt: skip
     else:
         flops = c.device_tflops * 1e12 * c.mfu * t.tp  # a worker's achieved FLOP/s
         per_param_optimizer_s = (

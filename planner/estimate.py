@@ -63,14 +63,35 @@ def estimate(job: Job, plan: Plan, *, memo: Memo | None = None) -> Estimate:
     ranges = {s.worker: (s.first_layer, s.end_layer) for s in plan.stages}
     compute_end, in_flight = _compute_phase(job, plan, costs, ranges, {} if memo is None else memo)
     timing = finish_step(compute_end, buckets_of(plan, job.model.layer_params), ranges, costs)
+    step_s = max(timing.step_s, shared_host_bound_s(job, plan, costs, ranges))
     memory = {w: costs.memory_bytes(*ranges[w], in_flight.get(w, 0)) for w in ranges}
     return Estimate(
         plan=plan,
-        step_s=timing.step_s,
+        step_s=step_s,
         memory_bytes=memory,
         in_flight=in_flight,
         limit_bytes=job.worker_memory_bytes,
     )
+
+
+def shared_host_bound_s(
+    job: Job, plan: Plan, costs: CostModel, ranges: dict[int, tuple[int, int]]
+) -> float:
+    """On hosts whose workers share CPU cores: the busiest host's compute (every pass of
+    every micro-batch, and the optimizer) over its cores, plus the commit. 0 otherwise."""
+    cluster = job.cluster
+    if not cluster.host_cores:
+        return 0.0
+    passes: dict[int, int] = {}
+    for route in plan.routes:
+        for w in route.hops:
+            passes[w] = passes.get(w, 0) + len(route.micro_batches)
+    busy: dict[int, float] = {}
+    for w, (first, end) in ranges.items():
+        host = job.node_of(w) // max(1, cluster.nodes_per_host)
+        work = passes.get(w, 0) * (costs.forward_s(first, end) + costs.backward_s(first, end))
+        busy[host] = busy.get(host, 0.0) + work + costs.optimizer_s(first, end)
+    return max(busy.values(), default=0.0) / cluster.host_cores + costs.commit_s()
 
 
 def _compute_phase(

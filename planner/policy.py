@@ -162,11 +162,10 @@ def restart_candidate(
     if len(spares) >= len(lost_in_plan):
         plan = replace_workers(current, dict(zip(lost_in_plan, spares, strict=False)))
         est = search.estimate(plan)
-        label = (
-            f"{len(lost_in_plan)} spare worker(s) replace the failed ones"
-            if lost_in_plan
-            else "same workers"
-        )
+        if not lost_in_plan or all(a == b for a, b in zip(lost_in_plan, spares, strict=False)):
+            label = "same workers"  # nothing lost, or the failed workers come back
+        else:
+            label = f"{len(lost_in_plan)} spare worker(s) replace the failed ones"
     elif best_over_survivors is not None:
         plan, est = best_over_survivors.plan, best_over_survivors.estimate
         label = f"{len(survivors)} survivors: {best_over_survivors.label}"

@@ -76,6 +76,7 @@ def decide(
     mtbf_s: float | None = None,
     since_checkpoint_s: float | None = None,
     spares: Sequence[int] | None = None,
+    idle: Sequence[int] = (),
     search: Search | None = None,
     clock: Callable[[], float] = time.perf_counter,
 ) -> Decision:
@@ -85,11 +86,15 @@ def decide(
     workers a restart may use (default: the cluster's spare nodes). ``since_checkpoint_s``
     is the work a restart would redo (default: half the checkpoint interval). ``search``
     may be one kept from earlier decisions of the same job (its templates are reused).
+    ``idle`` are live workers the current plan leaves unused (left over by an earlier
+    re-partition, or replacements that rejoined): they hold no state, and a re-partition
+    or restart may use them.
     """
     started = clock()
     mtbf = job.training.mtbf_s if mtbf_s is None else mtbf_s
     lost = set(failed)
     survivors = [w for w in current.workers if w not in lost]
+    survivors += [w for w in idle if w not in lost and w not in survivors]
     if spares is None:
         spares = range(job.num_workers, job.num_workers + job.num_spare_workers)
     since = (

@@ -52,6 +52,8 @@ class JobDescription(_Wire):
     link_bandwidth_bytes_per_s: float
     link_latency_s: float
     checkpoint_interval_steps: int
+    # CPU workers share their host's cores (workload.Cluster.host_cores); 0 on devices.
+    host_cores: int = 0
 
     def to_job(
         self,
@@ -65,6 +67,7 @@ class JobDescription(_Wire):
         pg_init_per_worker_s: float = 0.02,
         store_round_trip_s: float = 0.0005,
         cluster: Cluster | None = None,
+        nodes_per_host: int = 1,
     ) -> Job:
         """The running job as the planner sees it, on the launch's topology. ``cluster``
         (from ``chameleon run --config``) supplies the figures a worker cannot know: device
@@ -83,6 +86,8 @@ class JobDescription(_Wire):
             store_round_trip_s=store_round_trip_s,
             # The runtime sums gradients by direct exchange between holders, not a ring.
             allreduce="exchange",
+            host_cores=self.host_cores,
+            nodes_per_host=nodes_per_host,
         )
         if cluster is not None:
             live = replace(
@@ -91,6 +96,8 @@ class JobDescription(_Wire):
                 devices_per_node=workers_per_node,
                 spare_nodes=0,
                 allreduce="exchange",
+                host_cores=self.host_cores if cluster.host_cores is None else cluster.host_cores,
+                nodes_per_host=nodes_per_host,
             )
         cluster = live
         layers = tuple(

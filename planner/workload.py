@@ -61,6 +61,13 @@ class Cluster:
     # "exchange" (chameleon_runtime on gloo: every holder sends its gradients to every
     # other and sums in holder order, point to point, so an aborted step can be drained).
     allreduce: str = "ring"
+    # Workers that share a host's CPU cores instead of owning a device each (the CPU test
+    # bed: 8 gloo workers on 2 cores). 0: a device per worker. When set, a step takes at
+    # least the host's total compute divided by its cores, whatever the layout: pipeline
+    # bubbles free cores for the other workers instead of wasting a device. None: not
+    # said (a live job takes what its workers report).
+    host_cores: int | None = None
+    nodes_per_host: int = 1  # several agents on one host (multi-node tests on 127.0.0.1)
 
     @property
     def num_devices(self) -> int:

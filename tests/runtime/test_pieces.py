@@ -14,6 +14,7 @@ from chameleon_runtime.data import Batches
 from chameleon_runtime.shard import Shard
 from chameleon_runtime.step import Ledger, MyPart
 from launcher.inplace import Coordinator, Phase
+from launcher.rejoin import Rejoins, worth_growing
 from planner.config import load_job
 from planner.plan import pipelines_plan
 from planner.wire import JobDescription, PlanMessage
@@ -242,3 +243,53 @@ def test_a_clearly_faster_layout_is_pointed_out(coordinator):
     (hint,) = [kw for name, kw in emitted if name == "layout_hint"]
     assert hint["best_step_s"] * 1.1 < hint["launched_step_s"]
     assert sorted(len(p) for p in hint["pipelines"]) == [1, 1, 1, 1]
+
+
+def test_replacements_are_asked_for_within_budget_and_only_where_a_node_lives():
+    asked: dict = {}
+    rejoins = Rejoins(max_per_rank=2)
+    assert rejoins.request({1, 2}, gone={2}, put=asked.__setitem__) == [1]
+    assert asked == {"respawn/1": 1}
+    assert rejoins.announced({"join/1": {"count": 0}}.get) == []  # a stale announcement
+    assert rejoins.announced({"join/1": {"count": 1}}.get) == [1]
+    rejoins.forget([1])
+    assert rejoins.request({1}, gone=set(), put=asked.__setitem__) == [1]
+    assert rejoins.request({1}, gone=set(), put=asked.__setitem__) == []  # budget spent
+    assert asked["respawn/1"] == 2
+
+
+def test_growing_must_pay_for_its_transition_before_the_next_failure():
+    assert worth_growing(current_s=1.0, grown_s=0.75, transition_s=1.0, mtbf_s=3600)
+    assert not worth_growing(current_s=1.0, grown_s=0.995, transition_s=1.0, mtbf_s=3600)
+    assert not worth_growing(current_s=1.0, grown_s=0.75, transition_s=30, mtbf_s=60)
+
+
+def test_a_spare_reports_no_step_and_its_death_aborts_nothing(coordinator):
+    c, store, emitted = coordinator
+    c.on_failures({3})
+    for r in (0, 1):
+        _put(store, f"ready/1/{r}", {"step": 3, "held": [0, 1]})
+    _put(store, "ready/1/2", {"step": None, "held": []})  # a spare: its step is stale
+    assert not c.tick().restart and c.phase is Phase.CONFIRM
+    message = json.loads(store.get("chameleon/0/plan/1"))
+    assert message["resume_step"] == 3
+    for r in {s["worker"] for s in message["plan"]["stages"]}:
+        _put(store, f"hb/{r}", {"count": 3, "step": 3, "gen": 1, "t": 0, "state": "applied"})
+    c.tick()
+    assert c.phase is Phase.RUNNING
+
+
+def test_losing_a_worker_outside_the_plan_aborts_nothing(coordinator):
+    c, store, emitted = coordinator
+    # Generation 0 uses workers 0-2 only (3 was left out by an earlier re-partition).
+    three = pipelines_plan(
+        num_layers=4, num_micro_batches=4, pipelines=[[0, 1], [2]],
+        boundaries=[[0, 2, 4], [0, 4]], micro_batch_counts=[2, 2],
+    )  # fmt: skip
+    message = PlanMessage.build(generation=0, policy="reparallelize", resume_step=0, plan=three)
+    _put(store, "plan/0", message.model_dump())
+    c.on_failures({3})
+    assert c.phase is Phase.RUNNING and not store.check(["chameleon/0/abort/0"])
+    assert ("spare_lost", {"attempt": 0, "ranks": [3]}) in emitted
+    c.on_failures({2})  # a worker of the plan: a recovery
+    assert c.phase is Phase.COLLECT and store.check(["chameleon/0/abort/0"])

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = str(ROOT / "examples" / "train_gpt.py")
 STEPS = 16
 MODEL = [
-    "--steps", str(STEPS), "--blocks", "2", "--hidden", "32", "--heads", "2", "--seq-len", "16",
+    "--blocks", "2", "--hidden", "32", "--heads", "2", "--seq-len", "16",
     "--global-batch", "16", "--micro-batch", "2", "--pipeline-stages", "2", "--checkpoint-every", "3",
 ]  # fmt: skip
 TOLERANCE = 1e-5
@@ -29,7 +29,7 @@ pytestmark = pytest.mark.slow
 
 
 def train(
-    tmp: Path, name: str, *launcher_flags: str, workers: int = 4
+    tmp: Path, name: str, *launcher_flags: str, workers: int = 4, steps: int = STEPS
 ) -> tuple[dict, dict, list[dict]]:
     """(checksums per layer, one per holder; losses per step; events). Asserts exit 0 and
     that no worker outlived the launcher."""
@@ -38,23 +38,29 @@ def train(
     log = out / "events.jsonl"
     result = run(
         "run", "--standalone", "--nproc-per-node", str(workers), "--events", str(log),
-        "--max-restarts", "2", *launcher_flags, EXAMPLE, *MODEL,
+        "--max-restarts", "2", *launcher_flags, EXAMPLE, "--steps", str(steps), *MODEL,
         "--checkpoint-dir", str(out / "ckpt"), "--dump", str(out / "dump"),
         cwd=out, timeout=240,
     )  # fmt: skip
-    checks: dict[int, list[float]] = {}
-    losses: dict[int, float] = {}
-    for f in glob.glob(str(out / "dump.rank*.json")):
-        data = json.loads(Path(f).read_text())
-        for layer, value in data["checksums"].items():
-            checks.setdefault(int(layer), []).append(value)
-        losses.update({int(s): v for s, v in data["losses"].items()})
+    checks, losses = dumps(out)
     leftovers = [
         p for p in psutil.process_iter(["cmdline"]) if str(out) in " ".join(p.info["cmdline"] or [])
     ]
     assert leftovers == [], "workers outlived the launcher"
     assert result.returncode == 0, result.stderr[-3000:]
     return checks, losses, events(log)
+
+
+def dumps(folder: Path) -> tuple[dict[int, list[float]], dict[int, float]]:
+    """Checksums per layer (one per holder) and losses per step, from every worker's dump."""
+    checks: dict[int, list[float]] = {}
+    losses: dict[int, float] = {}
+    for f in glob.glob(str(folder / "dump.rank*.json")):
+        data = json.loads(Path(f).read_text())
+        for layer, value in data["checksums"].items():
+            checks.setdefault(int(layer), []).append(value)
+        losses.update({int(s): v for s, v in data["losses"].items()})
+    return checks, losses
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +70,9 @@ def reference(tmp_path_factory):
     return checks, losses
 
 
-def assert_same_training(reference, checks, losses, *, every_step=True):
+def assert_same_training(
+    reference, checks, losses, *, every_step=True, steps=STEPS, weights_tolerance=TOLERANCE
+):
     """Same weights, holders in agreement, same losses (every step when no process was
     restarted; after a restart the final processes know only the steps they ran)."""
     ref_checks, ref_losses = reference
@@ -72,10 +80,10 @@ def assert_same_training(reference, checks, losses, *, every_step=True):
     for layer, values in checks.items():
         assert max(values) == min(values), f"holders of layer {layer} disagree"
         expected = ref_checks[layer][0]
-        assert abs(values[0] - expected) <= TOLERANCE * max(1.0, abs(expected)), layer
+        assert abs(values[0] - expected) <= weights_tolerance * max(1.0, abs(expected)), layer
     if every_step:
         assert sorted(losses) == sorted(ref_losses)
-    assert losses and max(losses) == STEPS - 1
+    assert losses and max(losses) == steps - 1
     for step, value in losses.items():
         assert value == pytest.approx(ref_losses[step], abs=TOLERANCE), step
 
