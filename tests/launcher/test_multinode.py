@@ -30,6 +30,10 @@ DDP = """
     dist.all_reduce(total)
     open(f"done_{rank}", "w").write(f"{world} {total.item()}")
     dist.destroy_process_group()
+    # torch 2.13's gloo can abort at interpreter exit ("terminate called without an active
+    # exception", about 1 run in 16 on a loaded 2-core machine, under torchrun as well):
+    # leave without running the C++ static destructors.
+    os._exit(0)
 """
 
 
