@@ -114,8 +114,17 @@ class Control:
         self.put(f"aware/{self.rank}", info)
 
     def heartbeat(
-        self, *, step: int, generation: int, step_s: float | None, state: str = "training"
+        self,
+        *,
+        step: int,
+        generation: int,
+        step_s: float | None,
+        state: str = "training",
+        cpu_s: float | None = None,
+        compute_cpu_s: float | None = None,
+        means: dict[str, float] | None = None,
     ) -> None:
+        """``means``: the recent steps' averages (``Pace.means``) the launcher fits to."""
         self._beats += 1
         self.put(
             f"hb/{self.rank}",
@@ -125,7 +134,10 @@ class Control:
                 "gen": generation,
                 "t": time.time(),
                 "step_s": step_s,
+                "cpu_s": cpu_s,
+                "compute_cpu_s": compute_cpu_s,
                 "state": state,
+                **(means or {}),
             },
         )
 

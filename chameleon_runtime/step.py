@@ -134,6 +134,9 @@ class Ledger:
 class StepResult:
     loss: float
     seconds: float
+    # CPU time this thread spent in the layers' passes and the optimizer: against the
+    # process's CPU time per step it splits a worker's load into compute and overhead.
+    compute_cpu_s: float = 0.0
 
 
 def run_step(
@@ -167,6 +170,7 @@ def _run(
     in_shape, in_dtype = activation_shapes[first - 1] if first > 0 else (None, None)
     stash: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     partial_loss = 0.0
+    cpu = 0.0
     for op in part.ops:
         mb = op.micro_batch
         if op.kind is OpKind.FORWARD:
@@ -177,7 +181,9 @@ def _run(
                     gen, torch.empty(in_shape, dtype=in_dtype), op.prev, _tag(mb, False)
                 )
                 x.requires_grad_(True)
+            c0 = time.thread_time()
             y = shard.forward(x, first, end, step=step, micro_batch=mb)
+            cpu += time.thread_time() - c0
             if op.next is None:
                 loss = loss_fn(y, batches.targets(step, mb)) / m_total
                 partial_loss += loss.item()
@@ -187,10 +193,14 @@ def _run(
                 stash[mb] = (x, y)
         else:
             x, y = stash.pop(mb)
-            if op.next is None:
-                y.backward()
-            else:
-                y.backward(ledger.recv(gen, torch.empty_like(y), op.next, _tag(mb, True)))
+            grad = (
+                None
+                if op.next is None
+                else ledger.recv(gen, torch.empty_like(y), op.next, _tag(mb, True))
+            )
+            c0 = time.thread_time()
+            y.backward(grad)
+            cpu += time.thread_time() - c0
             if op.prev is not None:
                 ledger.send(gen, x.grad, op.prev, _tag(mb, True))
     for bucket in part.buckets:
@@ -199,12 +209,14 @@ def _run(
     if part.is_last_stage:
         control.put(f"loss/{gen.generation}/{step}/{part.worker}", partial_loss)
     control.commit(gen.generation, step, len(part.members))
+    c0 = time.thread_time()
     shard.step(lr)
+    cpu += time.thread_time() - c0
     shard.zero_grad()
     total = sum(
         control.get(f"loss/{gen.generation}/{step}/{w}") or 0.0 for w in part.last_stage_workers()
     )
-    return StepResult(loss=total, seconds=time.perf_counter() - started)
+    return StepResult(loss=total, seconds=time.perf_counter() - started, compute_cpu_s=cpu)
 
 
 def _exchange(bucket: Bucket, me: int, shard: Shard, gen: Generation, ledger: Ledger) -> None:

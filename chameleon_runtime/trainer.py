@@ -36,6 +36,7 @@ from chameleon_runtime import checkpoint
 from chameleon_runtime.comm import Aborted, CommError, Generation, stuck_waits
 from chameleon_runtime.control import Control
 from chameleon_runtime.data import Batches
+from chameleon_runtime.pace import Pace
 from chameleon_runtime.profile import link_cost, measure, probe
 from chameleon_runtime.shard import LayerFactory, OptimizerFactory, Shard
 from chameleon_runtime.step import MyPart, run_step
@@ -282,6 +283,8 @@ class Trainer:
         self._setup()
         losses: dict[int, float] = {}
         step_s: float | None = None
+        cpu_mark = time.process_time()
+        pace = Pace()
         while self.step < steps:
             try:
                 self._honour_exit_request()
@@ -307,7 +310,19 @@ class Trainer:
             done = self.step
             losses[done] = result.loss
             self.step += 1
-            self.control.heartbeat(step=done, generation=self.generation, step_s=step_s)
+            # CPU time of the whole process (every thread) since the last step: on a host
+            # whose cores the workers share, this is what each step costs the host.
+            cpu_now = time.process_time()
+            cpu_s, cpu_mark = cpu_now - cpu_mark, cpu_now
+            pace.add(self.generation, step_s, cpu_s, result.compute_cpu_s)
+            self.control.heartbeat(
+                step=done,
+                generation=self.generation,
+                step_s=step_s,
+                cpu_s=cpu_s,
+                compute_cpu_s=result.compute_cpu_s,
+                means=pace.means(),
+            )
             if (
                 self.checkpoint_dir is not None
                 and self.checkpoint_every
@@ -509,6 +524,9 @@ class Trainer:
         members = sorted(set(plan.workers) | sources)
         if self.rank not in members:  # neither used nor needed: a spare from now on
             self.generation, self.plan, self.part = message.generation, plan, None
+            # What it held goes stale with the next step: never let it pass for current
+            # state (a later plan would copy it from here), and give the memory back.
+            self.shard.keep_only(0, 0)
             self.control.watch(message.generation)
             self.step = message.resume_step
             return

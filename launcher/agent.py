@@ -636,7 +636,7 @@ class Agent:
                 {f.rank for f in new},
                 gone={f.rank for f in new if f.kind is FailureKind.NODE_LOST},
             )
-        elif coordinator.phase.value == "running" and not coordinator.dead:
+        else:
             coordinator.calibrate_now_if_due()
         outcome = coordinator.tick()
         if outcome.restart:

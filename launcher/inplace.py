@@ -23,7 +23,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any
 
@@ -47,12 +47,30 @@ class InPlaceOutcome:
 # A layout this much faster than the launched one is worth a note in the run summary.
 LAYOUT_HINT_SPEEDUP = 1.1
 CALIBRATION_ROUNDS = 4
+# The model is fitted to the running plan once its steps have settled (a generation's
+# first steps pay for warm-up), and fitted again in every generation: a fit to the
+# launched plan alone misses what a new layout changes on this machine, and a failure
+# before the first fit must not leave later recoveries planning on the raw description.
+CALIBRATE_AFTER_STEPS = 6  # chameleon_runtime.pace: 2 warm-up steps, then means
+# Steps after which the workers' means (chameleon_runtime.pace: 2 warm-up steps, a window
+# of 8) cover only steps run after a replacement's start-up, which competed for the host.
+SETTLE_STEPS = 10
+
+
+def _waiting(job: Any, extra_s: float) -> Any:
+    """``job`` with ``extra_s`` added to every message's latency."""
+    if extra_s == 0.0:
+        return job
+    cluster = job.cluster
+    slower = {
+        name: replace(link, latency_s=link.latency_s + extra_s)
+        for name, link in (("intra_node", cluster.intra_node), ("inter_node", cluster.inter_node))
+    }
+    return replace(job, cluster=replace(cluster, **slower))
 
 
 def _scaled(job: Any, k: float) -> Any:
     """``job`` with every layer's compute times multiplied by ``k``."""
-    from dataclasses import replace
-
     if k == 1.0:
         return job
     layers = tuple(
@@ -62,6 +80,24 @@ def _scaled(job: Any, k: float) -> Any:
         for x in job.model.layers
     )
     return replace(job, model=replace(job.model, layers=layers))
+
+
+def _fit_wait(job: Any, plan: Any, measured: float, rounds: int = 30) -> float | None:
+    """The extra latency per message that makes ``plan``'s estimate ``measured`` (the
+    estimate grows with it), or None where none does: the estimate without any is
+    already there, or no amount of waiting reaches it."""
+    from planner.estimate import estimate
+
+    def predicted(extra: float) -> float:
+        return estimate(_waiting(job, extra), plan).step_s
+
+    low, high = 0.0, measured
+    if predicted(low) >= measured or predicted(high) < measured:
+        return None
+    for _ in range(rounds):
+        mid = (low + high) / 2
+        low, high = (mid, high) if predicted(mid) < measured else (low, mid)
+    return (low + high) / 2
 
 
 @dataclass
@@ -98,6 +134,12 @@ class Coordinator:
     _last_step_event: float = 0.0
     _search: Any = None
     _calibration: float | None = None
+    _host: tuple[float, float, float] | None = None  # cores, overhead, wait: _calibrate
+    _calibrated_gen: int = -1
+    _wait_s: float = 0.0  # the last message wait a fit could determine
+    _gen_start: int = 0  # the step the current generation resumed at
+    _joined: list[int] = field(default_factory=list)  # announced, growth not yet judged
+    _settle_until: int = 0
     _last_measured_s: float | None = None
     _rejoins: Rejoins | None = None
     _growing: list[int] = field(default_factory=list)  # replacements being taken in
@@ -192,6 +234,7 @@ class Coordinator:
             first = self._get("plan/0")
             if first is not None:
                 self._resumed_reported = True
+                self._gen_start = first["resume_step"]
                 self.emit("resumed", attempt=self.attempt, resume_step=first["resume_step"])
         if self.phase is Phase.RUNNING:
             self._progress()
@@ -237,19 +280,28 @@ class Coordinator:
     def _admit_replacements(self) -> None:
         """Take announced replacements in: as spares, and into the plan when the planner
         finds a layout with them that pays for the move before the next failure."""
-        if self._rejoins is None or not self._rejoins.waiting:
+        if self._rejoins is not None and self._rejoins.waiting:
+            joined = [
+                r
+                for r in self._rejoins.announced(self._get)
+                if (hb := self.heartbeat(r)) is not None
+                and hb.get("state") == "spare"
+                and hb.get("gen") == self.generation
+            ]
+            if joined:
+                self._rejoins.forget(joined)
+                self.dead -= set(joined)  # a spare from now on
+                self._joined += joined
+                self._settle_until = self._top_step + SETTLE_STEPS
+        # Judge the layout with them on a model fitted after their start-up (importing
+        # torch, building the model) stopped competing with the workers for the host.
+        if not self._joined or self._top_step < self._settle_until:
             return
-        joined = [
-            r
-            for r in self._rejoins.announced(self._get)
-            if (hb := self.heartbeat(r)) is not None
-            and hb.get("state") == "spare"
-            and hb.get("gen") == self.generation
-        ]
-        if not joined:
-            return
-        self._rejoins.forget(joined)
-        self.dead -= set(joined)
+        if self._rejoins is not None and self._rejoins.waiting:
+            return  # another one is still starting
+        joined, self._joined = self._joined, []
+        self._calibrated_gen = -1
+        self.calibrate_now()
         growth = self._growth()
         if growth is None:
             self.emit("rejoined", attempt=self.attempt, ranks=joined, taken_in=False)
@@ -272,10 +324,13 @@ class Coordinator:
 
     def _growth(self) -> tuple[float, float, float, str] | None:
         """(step now, step with every live worker, transition, label) when moving to the
-        best layout over every live worker is worth it, else None."""
+        best layout over every live worker is worth it, else None. Never under a forced
+        ``reroute`` (the user asked to keep the layout) or ``restart``."""
         from planner.policy import reparallelize_candidates
         from planner.wire import JobDescription, PlanWire
 
+        if self.policy not in ("auto", "reparallelize"):
+            return None
         described, current_msg = self._get("job"), self._get(f"plan/{self.generation}")
         if described is None or current_msg is None:
             return None
@@ -456,6 +511,7 @@ class Coordinator:
         self._growing = []
         self.phase = Phase.RUNNING
         self._last_step = self._published["resume_step"] - 1
+        self._gen_start = self._published["resume_step"]
         self._last_step_event = 0.0
         self._published = None
         return InPlaceOutcome()
@@ -463,11 +519,8 @@ class Coordinator:
     # -- the planner's view of the job -------------------------------------------------------
 
     def _job(self, description: Any, current: Any) -> Any:
-        """The described job, with layer times scaled so that the planner's estimate of the
-        running plan matches the step time the workers measure (one calibration factor
-        for everything a shared host's contention adds)."""
-        from planner.estimate import estimate
-
+        """The described job, fitted to what the workers measure (``_calibrate``): the
+        planner's estimate of the running plan is its measured step time."""
         measured = self._measured_step_s()  # None while the workers are recovering
         if measured is not None:
             self._last_measured_s = measured
@@ -483,23 +536,88 @@ class Coordinator:
         if self._calibration is None:
             if measured is None:
                 return job
-            # Communication and the commit do not scale with the factor, so one ratio
-            # overshoots or undershoots: iterate to the fixed point (a few steps suffice).
+            self._calibrate(job, current, measured)
+        job = _scaled(job, self._calibration)
+        if self._host is not None:
+            cores, overhead, wait = self._host
+            job = replace(
+                job, cluster=replace(job.cluster, host_cores=cores, worker_overhead_s=overhead)
+            )
+            job = _waiting(job, wait)
+        return job
+
+    def _calibrate(self, job: Any, current: Any, measured: float) -> None:
+        """Fit the model to the running plan's measured step.
+
+        Workers with a device each: one factor on every layer's time, so that the critical
+        path is the measured step (communication and the commit do not scale with it:
+        iterate to the fixed point).
+
+        Workers sharing a host's cores (CPU), from their own CPU accounting: layer times
+        become CPU times (a worker that has a core runs at that speed), each worker's CPU
+        beyond its layers is its overhead, and the host bound is all of it over the
+        host's cores. A step slower than that bound waits on messages: on a busy host a
+        message's wake-up costs far more than the link's latency, so the latency that
+        makes the running plan's critical path the measured step is fitted (a pipeline
+        with many hops pays it often, data parallelism rarely). Where waiting cannot
+        explain the step (no messages) or the bound already exceeds it (the host is
+        busier than its workers: the launcher, a replacement starting), the host is
+        taken to keep busy only the cores it was measured to keep busy."""
+        from planner.cost import CostModel
+        from planner.estimate import estimate, worker_compute_s
+
+        beats = {
+            w: hb
+            for w in current.workers
+            if (hb := self.heartbeat(w))
+            and hb.get("cpu_s")
+            and hb.get("compute_cpu_s")
+            and hb.get("gen", self.generation) == self.generation
+        }
+        compute = worker_compute_s(current, CostModel(job))
+        modelled = sum(compute.get(w, 0.0) for w in beats)
+        if job.cluster.host_cores and beats and modelled > 0:
+            cpu = [hb.get("mean_cpu_s") or hb["cpu_s"] for hb in beats.values()]
+            compute_cpu = [
+                hb.get("mean_compute_cpu_s") or hb["compute_cpu_s"] for hb in beats.values()
+            ]
+            self._calibration = sum(compute_cpu) / modelled
+            overhead = max(
+                0.0, statistics.mean(c - k for c, k in zip(cpu, compute_cpu, strict=True))
+            )
+            cores = job.cluster.host_cores
+            fitted = replace(
+                _scaled(job, self._calibration),
+                cluster=replace(job.cluster, worker_overhead_s=overhead),
+            )
+            wait = _fit_wait(fitted, current, measured)
+            if wait is None:
+                # Keep what an earlier plan with more messages showed of waiting: a data
+                # parallel step that the host bounds says nothing about it.
+                hosts = -(-self.num_nodes // max(1, self.nodes_per_host))
+                busy = sum(cpu) * len(current.workers) / len(beats) / measured / hosts
+                cores, wait = busy, self._wait_s
+            self._wait_s = wait
+            self._host = (cores, overhead, wait)
+        else:
+            alone = replace(job, cluster=replace(job.cluster, host_cores=None))
             k = 1.0
             for _ in range(CALIBRATION_ROUNDS):
-                predicted = estimate(_scaled(job, k), current).step_s
+                predicted = estimate(_scaled(alone, k), current).step_s
                 if predicted <= 0:
                     break
                 k *= measured / predicted
             self._calibration = k
-            self.emit(
-                "calibrated",
-                measured_step_s=measured,
-                estimated_step_s=estimate(job, current).step_s,
-                calibrated_step_s=estimate(_scaled(job, k), current).step_s,
-                factor=k,
-            )
-        return _scaled(job, self._calibration)
+        host = self._host
+        self.emit(
+            "calibrated",
+            measured_step_s=measured,
+            estimated_step_s=estimate(job, current).step_s,
+            factor=self._calibration,
+            host_cores=host[0] if host else None,
+            worker_overhead_s=host[1] if host else None,
+            message_wait_s=host[2] if host else None,
+        )
 
     def _failure_free_s(self, job: Any) -> float | None:
         """The estimate of the launched plan (generation 0) under ``job``."""
@@ -511,29 +629,37 @@ class Coordinator:
             return None
         return estimate(job, PlanWire.model_validate(first["plan"]).to_plan()).step_s
 
-    def calibrate_now_if_due(self, after_step: int = 1) -> None:
-        if self._calibration is None and self._top_step >= after_step:
+    def calibrate_now_if_due(self) -> None:
+        if (
+            self.phase is Phase.RUNNING
+            # a replacement starting up competes for the host: not a fit of the layout
+            and not (self._rejoins is not None and self._rejoins.waiting)
+            and self._calibrated_gen != self.generation
+            and self._top_step >= self._gen_start + CALIBRATE_AFTER_STEPS
+        ):
             self.calibrate_now()
 
     def calibrate_now(self) -> None:
-        """Fix the calibration on failure-free steps, before any failure changes the plan."""
-        if self._calibration is not None:
-            return
+        """Fit the model to the current generation's measured steps (and warm the search
+        up for the next failure)."""
         from planner.plan import Plan  # noqa: F401  (import cost paid here, not at failure)
         from planner.wire import JobDescription, PlanWire
 
         described, current_msg, step_s = (
             self._get("job"),
-            self._get("plan/0"),
+            self._get(f"plan/{self.generation}"),
             self._measured_step_s(),
         )
         if described is None or current_msg is None or step_s is None:
             return
+        self._calibrated_gen = self.generation
+        self._calibration, self._host = None, None  # refit (in _job) on these steps
         description = JobDescription.model_validate(described)
         current = PlanWire.model_validate(current_msg["plan"]).to_plan()
         job = self._job(description, current)
         search = self._search_for(job)
-        self._hint_layout(job, search, current)
+        if self.generation == 0:
+            self._hint_layout(job, search, current)
 
     def _hint_layout(self, job: Any, search: Any, current: Any) -> None:
         """Say so when the planner knows a clearly faster layout on the same workers than
@@ -561,10 +687,14 @@ class Coordinator:
         return self._search
 
     def _measured_step_s(self) -> float | None:
+        """The median step time the current generation's workers report, over their
+        recent steps where they say (None while they recover: then they report none)."""
         times = [
-            hb["step_s"]
+            hb.get("mean_step_s") or hb["step_s"]
             for r in self._survivors()
-            if (hb := self.heartbeat(r)) and hb.get("step_s")
+            if (hb := self.heartbeat(r))
+            and hb.get("step_s")
+            and hb.get("gen", self.generation) == self.generation
         ]
         return statistics.median(times) if times else None
 

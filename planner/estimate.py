@@ -77,21 +77,35 @@ def estimate(job: Job, plan: Plan, *, memo: Memo | None = None) -> Estimate:
 def shared_host_bound_s(
     job: Job, plan: Plan, costs: CostModel, ranges: dict[int, tuple[int, int]]
 ) -> float:
-    """On hosts whose workers share CPU cores: the busiest host's compute (every pass of
-    every micro-batch, and the optimizer) over its cores, plus the commit. 0 otherwise."""
+    """On hosts whose workers share CPU cores: the busiest host's CPU work (every pass of
+    every micro-batch, the optimizer, each worker's overhead) over its cores, plus the
+    commit. 0 otherwise."""
     cluster = job.cluster
     if not cluster.host_cores:
         return 0.0
+    busy: dict[int, float] = {}
+    for w, work in worker_compute_s(plan, costs, ranges).items():
+        host = job.node_of(w) // max(1, cluster.nodes_per_host)
+        busy[host] = busy.get(host, 0.0) + work + cluster.worker_overhead_s
+    return max(busy.values(), default=0.0) / cluster.host_cores + costs.commit_s()
+
+
+def worker_compute_s(
+    plan: Plan, costs: CostModel, ranges: dict[int, tuple[int, int]] | None = None
+) -> dict[int, float]:
+    """Each worker's compute in one step: every pass of its micro-batches, and its
+    optimizer update."""
+    if ranges is None:
+        ranges = {s.worker: (s.first_layer, s.end_layer) for s in plan.stages}
     passes: dict[int, int] = {}
     for route in plan.routes:
         for w in route.hops:
             passes[w] = passes.get(w, 0) + len(route.micro_batches)
-    busy: dict[int, float] = {}
-    for w, (first, end) in ranges.items():
-        host = job.node_of(w) // max(1, cluster.nodes_per_host)
-        work = passes.get(w, 0) * (costs.forward_s(first, end) + costs.backward_s(first, end))
-        busy[host] = busy.get(host, 0.0) + work + costs.optimizer_s(first, end)
-    return max(busy.values(), default=0.0) / cluster.host_cores + costs.commit_s()
+    return {
+        w: passes.get(w, 0) * (costs.forward_s(first, end) + costs.backward_s(first, end))
+        + costs.optimizer_s(first, end)
+        for w, (first, end) in ranges.items()
+    }
 
 
 def _compute_phase(

@@ -65,9 +65,14 @@ class Cluster:
     # bed: 8 gloo workers on 2 cores). 0: a device per worker. When set, a step takes at
     # least the host's total compute divided by its cores, whatever the layout: pipeline
     # bubbles free cores for the other workers instead of wasting a device. None: not
-    # said (a live job takes what its workers report).
-    host_cores: int | None = None
+    # said (a live job takes what its workers report). A live job uses the cores its
+    # workers were measured to keep busy (fractional), so that the bound of the running
+    # plan is its measured step.
+    host_cores: float | None = None
     nodes_per_host: int = 1  # several agents on one host (multi-node tests on 127.0.0.1)
+    # On such hosts, the CPU time a worker spends per step beyond its layers (Python,
+    # communication, the store: fewer workers, less of it). Measured live.
+    worker_overhead_s: float = 0.0
 
     @property
     def num_devices(self) -> int:

@@ -11,9 +11,10 @@ from torch import nn
 
 from chameleon_runtime import checkpoint
 from chameleon_runtime.data import Batches
+from chameleon_runtime.pace import Pace
 from chameleon_runtime.shard import Shard
 from chameleon_runtime.step import Ledger, MyPart
-from launcher.inplace import Coordinator, Phase
+from launcher.inplace import Coordinator, Phase, _fit_wait, _waiting
 from launcher.rejoin import Rejoins, worth_growing
 from planner.config import load_job
 from planner.plan import pipelines_plan
@@ -293,3 +294,35 @@ def test_losing_a_worker_outside_the_plan_aborts_nothing(coordinator):
     assert ("spare_lost", {"attempt": 0, "ranks": [3]}) in emitted
     c.on_failures({2})  # a worker of the plan: a recovery
     assert c.phase is Phase.COLLECT and store.check(["chameleon/0/abort/0"])
+
+
+def test_pace_leaves_out_warm_up_and_starts_again_with_each_generation():
+    pace = Pace()
+    for s in (1.0, 1.0, 0.1, 0.3):  # the first two are warm-up
+        pace.add(0, s, 2 * s, s / 2)
+    assert pace.means() == pytest.approx(
+        {"mean_step_s": 0.2, "mean_cpu_s": 0.4, "mean_compute_cpu_s": 0.1}
+    )
+    pace.add(1, 5.0, 5.0, 1.0)
+    assert pace.means() == {}
+
+
+def test_the_message_wait_fitted_makes_the_running_plan_take_its_measured_step():
+    from planner.estimate import estimate
+    from tests.synthetic import uniform_job
+
+    job = uniform_job(dp=1, pp=4, num_layers=4, micro_batches=8)
+    deep = pipelines_plan(
+        num_layers=4, num_micro_batches=8, pipelines=[[0, 1, 2, 3]],
+        boundaries=[[0, 1, 2, 3, 4]], micro_batch_counts=[8],
+    )  # fmt: skip
+    free = estimate(job, deep).step_s
+    wait = _fit_wait(job, deep, free * 1.5)
+    assert wait is not None and wait > 0
+    assert estimate(_waiting(job, wait), deep).step_s == pytest.approx(free * 1.5, rel=1e-3)
+    assert _fit_wait(job, deep, free * 0.9) is None  # already slower than measured
+    alone = pipelines_plan(
+        num_layers=4, num_micro_batches=8, pipelines=[[0]], boundaries=[[0, 4]],
+        micro_batch_counts=[8],
+    )  # fmt: skip
+    assert _fit_wait(job, alone, estimate(job, alone).step_s * 1.5) is None  # no messages

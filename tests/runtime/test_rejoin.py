@@ -65,12 +65,12 @@ def test_a_replacement_is_taken_in_when_it_pays(tmp_path, long_reference):
 
 
 def test_a_spare_replacement_serves_the_next_recovery(tmp_path, long_reference):
-    # On the shared 2-core host every layout costs about the same (the planner models
-    # the shared cores), so the replacement of rank 3 waits as a spare. Rank 0 dies
-    # later: the spare must answer the abort like everyone else, and the job recovers in
-    # place (a spare that never reported ready would force a restart).
+    # Under a forced reroute the layout stays (no growth), so the replacement of rank 3
+    # waits as a spare. Rank 0 dies later: the spare must answer the abort like everyone
+    # else, and the job recovers in place (a spare that never reported ready would force
+    # a restart).
     checks, losses, evs = train(
-        tmp_path, "spare", "--inject-fault", "kill:rank=3,step=4",
+        tmp_path, "spare", "--policy", "reroute", "--inject-fault", "kill:rank=3,step=4",
         "--inject-fault", "kill:rank=0,step=220", steps=STEPS,
     )  # fmt: skip
     assert_same_training(
