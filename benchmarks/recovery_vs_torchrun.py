@@ -16,6 +16,7 @@ Targets (issue 3): steady-state ratio chameleon/torchrun <= 1.02, start-up ratio
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import signal
@@ -91,6 +92,19 @@ def _rank_pid(root: int, rank: int) -> int | None:
     return None
 
 
+def _kill_everything(proc: subprocess.Popen, work: Path) -> None:
+    """The launcher's process group and every process running in ``work``: torchrun's
+    workers outlive it (they would also hold our stdout pipe open forever)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    for p in psutil.process_iter():
+        try:
+            if p.cwd() == str(work) or str(work) in " ".join(p.cmdline()):
+                p.kill()
+        except psutil.Error:
+            continue
+
+
 def trial(name: str, *, workers: int, steps: int, kill_at: int | None, timeout_s: float) -> Trial:
     work = Path(tempfile.mkdtemp(prefix=f"bench-{name}-"))
     env = dict(os.environ, PYTHONPATH=str(HERE.parent))
@@ -104,7 +118,7 @@ def trial(name: str, *, workers: int, steps: int, kill_at: int | None, timeout_s
         text=True,
         start_new_session=True,
     )
-    timer = threading.Timer(timeout_s, lambda: os.killpg(proc.pid, signal.SIGKILL))
+    timer = threading.Timer(timeout_s, _kill_everything, args=(proc, work))
     timer.start()
     try:
         for line in proc.stdout:  # type: ignore[union-attr]
@@ -123,13 +137,7 @@ def trial(name: str, *, workers: int, steps: int, kill_at: int | None, timeout_s
     finally:
         t.timed_out = not timer.is_alive()
         timer.cancel()
-        with_leftovers = [
-            p
-            for p in psutil.process_iter(["cmdline"])
-            if str(work) in " ".join(p.info["cmdline"] or [])
-        ]
-        for p in with_leftovers:
-            p.kill()
+        _kill_everything(proc, work)
         shutil.rmtree(work, ignore_errors=True)
     return t
 
