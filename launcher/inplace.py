@@ -300,6 +300,9 @@ class Coordinator:
         if self._rejoins is not None and self._rejoins.waiting:
             return  # another one is still starting
         joined, self._joined = self._joined, []
+        if set(joined) <= self._members():  # a recovery while they settled took them in
+            self.emit("rejoined", attempt=self.attempt, ranks=joined, taken_in=True)
+            return
         self._calibrated_gen = -1
         self.calibrate_now()
         growth = self._growth()
