@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -148,8 +149,11 @@ class Control:
 
     def commit(self, generation: int, step: int, members: int) -> None:
         """Return once every member has finished ``step`` (then each applies it), or raise
-        Aborted if the generation ends first. All or none: ``done`` is set only by the
-        last member to arrive, and a set ``done`` wins over an abort."""
+        Aborted if the generation ends first. All or none: the commit point is the
+        counter reaching ``members`` (one atomic store add), and it wins over an abort.
+        (Not the ``done`` flag the last member sets just after: a member that saw an
+        abort in between dropped a step the others applied, and the survivors then
+        disagreed on the step to resume.)"""
         name = f"commit/{generation}/{step}"
         if self.add(name, 1) == members:
             self.put(f"{name}/done", True)
@@ -157,13 +161,16 @@ class Control:
         self._await(
             self._key(f"{name}/done"),
             f"generation {generation} aborted at step {step}",
-            done_wins=True,
+            committed=lambda: self.add(name, 0) >= members,
         )
 
-    def _await(self, key: str, why: str, *, done_wins: bool) -> None:
+    def _await(self, key: str, why: str, *, committed: Callable[[], bool] | None = None) -> None:
+        """Wait for ``key``; on an abort, raise unless ``committed`` says it is too late."""
         pause = 0.0005
         while not self.store.check([key]):
-            if self.abort.is_set() and not (done_wins and self.store.check([key])):
+            if self.abort.is_set():
+                if committed is not None and committed():
+                    return
                 raise Aborted(why)
             time.sleep(pause)
             pause = min(pause * 2, 0.005)
@@ -176,5 +183,4 @@ class Control:
         self._await(
             self._key(f"barrier/{name}/done"),
             f"generation {generation} aborted in barrier {name}",
-            done_wins=False,
         )

@@ -2,6 +2,7 @@
 checkpoints, the step ledger, and the launcher's recovery coordinator on a fake store."""
 
 import json
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -326,3 +327,44 @@ def test_the_message_wait_fitted_makes_the_running_plan_take_its_measured_step()
         micro_batch_counts=[8],
     )  # fmt: skip
     assert _fit_wait(job, alone, estimate(job, alone).step_s * 1.5) is None  # no messages
+
+
+def test_a_commit_every_member_reached_wins_over_an_abort():
+    # The last member's add is the commit point; it sets "done" just after. A member
+    # that sees an abort in between must still apply the step, like the last one.
+    import threading
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from chameleon_runtime.comm import Aborted
+    from chameleon_runtime.control import Control
+    from tests.launcher.helpers import free_port
+
+    port = free_port()
+    master = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=10))
+    control = Control("127.0.0.1", port, 0)
+    try:
+        control.abort.set()
+        with pytest.raises(Aborted):  # the other member never arrived
+            control.commit(0, 7, 2)
+        control.abort.clear()
+        outcome = []
+
+        def first_to_arrive():
+            try:
+                control.commit(0, 8, 2)
+                outcome.append("applied")
+            except Aborted:
+                outcome.append("dropped")
+
+        waiter = threading.Thread(target=first_to_arrive)
+        waiter.start()
+        while master.add("chameleon/0/commit/0/8", 0) < 1:
+            time.sleep(0.001)
+        master.add("chameleon/0/commit/0/8", 1)  # the other member arrives last...
+        control.abort.set()  # ...and an abort comes before its "done"
+        waiter.join(timeout=10)
+        assert outcome == ["applied"]
+    finally:
+        control.close()
