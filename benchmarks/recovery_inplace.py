@@ -24,7 +24,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -35,16 +34,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
+from processes import free_port, kill_everything
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "train_gpt.py"
 STEP_LINE = re.compile(r"step\s+(\d+)\s+loss\s+([0-9.]+)\s+([0-9.]+) ms\s+gen (\d+)")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -84,7 +78,7 @@ def run_once(
         cwd=work, env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL, text=True, start_new_session=True,
     )  # fmt: skip
-    timer = threading.Timer(timeout_s, lambda: os.killpg(proc.pid, signal.SIGKILL))
+    timer = threading.Timer(timeout_s, kill_everything, args=(proc, work))
     timer.start()
     try:
         for line in proc.stdout:  # type: ignore[union-attr]
@@ -102,9 +96,7 @@ def run_once(
         result.exit_code = proc.wait()
     finally:
         timer.cancel()
-        for p in psutil.process_iter(["cmdline"]):
-            if str(work) in " ".join(p.info["cmdline"] or []):
-                p.kill()
+        kill_everything(proc, work)
         if events is not None and events.exists():
             result.events = [json.loads(x) for x in events.read_text().splitlines() if x.strip()]
         shutil.rmtree(work, ignore_errors=True)

@@ -16,11 +16,9 @@ Targets (issue 3): steady-state ratio chameleon/torchrun <= 1.02, start-up ratio
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -31,43 +29,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
+from processes import free_port, kill_everything
 
 HERE = Path(__file__).resolve().parent
 SCRIPT = HERE / "ddp_checkpointed.py"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launcher_cmd(name: str, workers: int) -> list[str]:
+    flags = ["--nproc-per-node", str(workers), "--max-restarts", "3"]
+    flags += ["--master-port", str(free_port())]
     if name == "torchrun":
-        return [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc-per-node",
-            str(workers),
-            "--max-restarts",
-            "3",
-            "--master-port",
-            str(free_port()),
-        ]
-    return [
-        sys.executable,
-        "-m",
-        "chameleon_cli.app",
-        "run",
-        "--nproc-per-node",
-        str(workers),
-        "--max-restarts",
-        "3",
-        "--master-port",
-        str(free_port()),
-        "--plain",
-    ]
+        return [sys.executable, "-m", "torch.distributed.run", *flags]
+    return [sys.executable, "-m", "chameleon_cli.app", "run", *flags, "--plain"]
 
 
 @dataclass
@@ -92,19 +65,6 @@ def _rank_pid(root: int, rank: int) -> int | None:
     return None
 
 
-def _kill_everything(proc: subprocess.Popen, work: Path) -> None:
-    """The launcher's process group and every process running in ``work``: torchrun's
-    workers outlive it (they would also hold our stdout pipe open forever)."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    for p in psutil.process_iter():
-        try:
-            if p.cwd() == str(work) or str(work) in " ".join(p.cmdline()):
-                p.kill()
-        except psutil.Error:
-            continue
-
-
 def trial(name: str, *, workers: int, steps: int, kill_at: int | None, timeout_s: float) -> Trial:
     work = Path(tempfile.mkdtemp(prefix=f"bench-{name}-"))
     env = dict(os.environ, PYTHONPATH=str(HERE.parent))
@@ -118,7 +78,7 @@ def trial(name: str, *, workers: int, steps: int, kill_at: int | None, timeout_s
         text=True,
         start_new_session=True,
     )
-    timer = threading.Timer(timeout_s, _kill_everything, args=(proc, work))
+    timer = threading.Timer(timeout_s, kill_everything, args=(proc, work))
     timer.start()
     try:
         for line in proc.stdout:  # type: ignore[union-attr]
@@ -137,7 +97,7 @@ def trial(name: str, *, workers: int, steps: int, kill_at: int | None, timeout_s
     finally:
         t.timed_out = not timer.is_alive()
         timer.cancel()
-        _kill_everything(proc, work)
+        kill_everything(proc, work)
         shutil.rmtree(work, ignore_errors=True)
     return t
 
