@@ -38,6 +38,10 @@ def key_prefix(attempt: int) -> str:
     return f"chameleon/{attempt}/"
 
 
+# Far beyond any number of members: a poisoned commit counter never reaches it again.
+COMMIT_POISON = 1 << 40
+
+
 class Control:
     def __init__(
         self, addr: str, port: int, rank: int, *, attempt: int = 0, timeout_s: float = 300.0
@@ -149,11 +153,13 @@ class Control:
 
     def commit(self, generation: int, step: int, members: int) -> None:
         """Return once every member has finished ``step`` (then each applies it), or raise
-        Aborted if the generation ends first. All or none: the commit point is the
-        counter reaching ``members`` (one atomic store add), and it wins over an abort.
-        (Not the ``done`` flag the last member sets just after: a member that saw an
-        abort in between dropped a step the others applied, and the survivors then
-        disagreed on the step to resume.)"""
+        Aborted if the generation ends first. All or none, decided by one counter in the
+        store: the step commits when the arrivals reach ``members``; a member that sees
+        an abort first poisons the counter (one atomic add) so that no later arrival can
+        reach it, unless it already had. (A ``done`` flag or a plain read is not enough:
+        with them a member that saw the abort dropped a step that the last member, set
+        done or arriving just after, applied, and the survivors then disagreed on the
+        step to resume and the job restarted.)"""
         name = f"commit/{generation}/{step}"
         if self.add(name, 1) == members:
             self.put(f"{name}/done", True)
@@ -161,7 +167,7 @@ class Control:
         self._await(
             self._key(f"{name}/done"),
             f"generation {generation} aborted at step {step}",
-            committed=lambda: self.add(name, 0) >= members,
+            committed=lambda: self.add(name, -COMMIT_POISON) + COMMIT_POISON >= members,
         )
 
     def _await(self, key: str, why: str, *, committed: Callable[[], bool] | None = None) -> None:
