@@ -1,77 +1,106 @@
-"""Communication for one plan generation: process groups built straight on the store (no
-default group, no collective to create a subgroup), point-to-point transfers with tags,
-bucket all-reduces, and waits that can be abandoned.
+"""Communication for one plan generation: one process group over the generation's
+members, built straight on the store (no default group), point-to-point transfers with
+tags, and waits that an abort ends at once.
 
-Why waits run on a helper thread: gloo cannot interrupt a blocked wait. ``abort()`` does not
-wake it (tested on torch 2.13: waiters sat out the full group timeout), and a
-``wait(timeout)`` that expires closes the gloo pair for good. So the main thread hands each
-blocking ``wait()`` to this generation's helper thread and waits on an event, checking the
-abort flag every few milliseconds. On abort the helper (and the group) are abandoned —
-deliberately leaked, never destroyed: a gloo group's destructor blocks on a silent peer,
-and at interpreter exit destroying one whose threads still run aborts the process
-("terminate called without an active exception", seen on torch 2.13). The next
-generation builds fresh groups under a fresh store prefix.
+Why every blocking call runs on a helper thread: gloo cannot interrupt a blocked wait or
+a group being built (``abort()`` does not wake a waiter on torch 2.13). The main thread
+hands the call to this generation's helper and blocks on an event that either the helper
+(done) or the watcher thread (the generation was aborted: chameleon_runtime.liveness)
+sets, so an abort ends the wait without polling.
+
+Why groups are released by their helper, not leaked: an abandoned group's threads and
+sockets would otherwise pile up with every recovery. Destroying a gloo group is quick
+once nothing waits on it (tested on torch 2.13, peers alive or dead); what may still be
+pending are the messages a drained step posted (chameleon_runtime.step), which complete
+once the peer drains too, releases its own end, or dies. So ``abandon`` queues one last
+job on the helper: wait for those, drop the group, end the thread. Nothing blocks the
+main thread, and after a recovery the survivor holds one group, not one per failure.
+
+Timeouts: a group is built under a short timeout (every member has already arrived: the
+``groups`` agreement, chameleon_runtime.recovery) so a member lost during the build
+cannot hold a helper for long; transfers wait up to ``op_timeout_s`` (torch's default of
+30 minutes), a backstop only: hangs are the launcher's to judge (launcher/watch.py), and a
+healthy step may be long.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import queue
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-ABORT_POLL_S = 0.005
+from chameleon_runtime.liveness import Interrupts, Status
+
+BUILD_TIMEOUT_S = 30.0
+OP_TIMEOUT_S = 1800.0
 
 
 class Aborted(RuntimeError):
-    """The launcher (or a failed peer) ended this generation."""
+    """The launcher ended this generation."""
 
 
 class CommError(RuntimeError):
-    """A transfer or collective failed: a peer died or its connection broke."""
+    """A transfer or group failed: a peer died or its connection broke."""
 
 
-_ABANDONED: list[_Helper] = []
-
-
-def stuck_waits() -> list[str]:
-    """Waits of abandoned generations still blocked (each a thread inside gloo)."""
-    return [h.busy_with for h in _ABANDONED if h.busy_with is not None]
-
-
-def _leak(obj: Any) -> None:
-    """One reference Python never drops, so the object outlives interpreter teardown."""
-    ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
+_LIVE: set[_Helper] = set()
+_LIVE_LOCK = threading.Lock()
 
 
 class _Helper:
-    """One thread that runs blocking ``Work.wait()`` calls, in order."""
+    """One thread that runs blocking calls in order; a ``None`` job ends it."""
 
     def __init__(self, name: str) -> None:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self.busy_with: str | None = None  # what the thread is blocked on, for diagnostics
-        threading.Thread(target=self._loop, name=name, daemon=True).start()
+        self.busy_with: str | None = None  # what it is blocked on, for diagnostics
+        self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        with _LIVE_LOCK:
+            _LIVE.add(self)
+        self.thread.start()
 
     def _loop(self) -> None:
-        while True:
-            work, done, box, what = self._jobs.get()
-            self.busy_with = what
-            try:
-                work.wait()
-            except Exception as exc:  # surfaced on the main thread
-                box.append(exc)
-            self.busy_with = None
-            done.set()
+        try:
+            while (job := self._jobs.get()) is not None:
+                fn, what, done, box = job
+                self.busy_with = what
+                try:
+                    box.append((True, fn()))
+                except Exception as exc:  # surfaced on the main thread
+                    box.append((False, exc))
+                self.busy_with = None
+                done.set()
+        finally:
+            with _LIVE_LOCK:
+                _LIVE.discard(self)
 
-    def submit(self, work: Any, what: str) -> tuple[threading.Event, list]:
+    def submit(self, fn: Callable[[], Any], what: str) -> tuple[threading.Event, list]:
         done, box = threading.Event(), []
-        self._jobs.put((work, done, box, what))
+        self._jobs.put((fn, what, done, box))
         return done, box
+
+    def stop(self) -> None:
+        self._jobs.put(None)
+
+
+def settle(timeout_s: float) -> list[str]:
+    """Wait up to ``timeout_s`` for released generations' helpers to finish; what is
+    still blocked is returned and kept alive past interpreter exit (a group destroyed
+    while a thread of it still runs aborts the process)."""
+    with _LIVE_LOCK:
+        helpers = list(_LIVE)
+    for helper in helpers:
+        helper.thread.join(timeout=timeout_s)
+    stuck = [h for h in helpers if h.thread.is_alive()]
+    for helper in stuck:
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(helper))
+    return [h.busy_with or "?" for h in stuck]
 
 
 def backend_for(device: str) -> str:
@@ -90,133 +119,138 @@ def _make_group(store: dist.Store, rank: int, size: int, timeout: timedelta, dev
 
 
 class Generation:
-    """Groups of one plan generation. ``members`` (global ranks) take part at all:
-    the plan's workers plus survivors that only send weights away; ``workers`` run
-    steps and get the group for step-wide collectives."""
+    """The group of one plan generation, over ``members`` (global ranks): the plan's
+    workers plus survivors that only send layers away."""
 
     def __init__(
         self,
         *,
         store: dist.Store,
+        prefix: str,
         generation: int,
         members: Sequence[int],
-        workers: Sequence[int],
         me: int,
-        buckets: Sequence[tuple[int, ...]],
-        abort: threading.Event,
-        key_prefix: str = "chameleon/0/",
+        interrupts: Interrupts,
+        status: Status,
         device: str = "cpu",
-        timeout_s: float = 120.0,
+        build_timeout_s: float = BUILD_TIMEOUT_S,
+        op_timeout_s: float = OP_TIMEOUT_S,
     ) -> None:
         self.generation = generation
         self.members = list(members)
+        self._index = {rank: i for i, rank in enumerate(self.members)}
         self.me = me
-        self.abort = abort
+        self.interrupts = interrupts
+        self.status = status
         self.device = device
-        timeout = timedelta(seconds=timeout_s)
-        prefix = f"{key_prefix}gen{generation}"
-        self.group = _make_group(
-            dist.PrefixStore(f"{prefix}/all", store),
-            self.members.index(me),
-            len(self.members),
-            timeout,
-            device,
-        )
-        self.workers = sorted(workers)
-        self.step_group = self.group
-        if self.workers != self.members and me in self.workers:
-            self.step_group = _make_group(
-                dist.PrefixStore(f"{prefix}/workers", store),
-                self.workers.index(me),
-                len(self.workers),
-                timeout,
-                device,
-            )
-        # One group per bucket holder set this worker belongs to; only its members build it.
-        self.bucket_groups: dict[tuple[int, ...], Any] = {}
-        for holders in buckets:
-            if me in holders and holders not in self.bucket_groups and len(holders) > 1:
-                key = "-".join(map(str, holders))
-                self.bucket_groups[holders] = _make_group(
-                    dist.PrefixStore(f"{prefix}/bucket/{key}", store),
-                    holders.index(me),
-                    len(holders),
-                    timeout,
-                    device,
-                )
+        self._op_timeout = timedelta(seconds=op_timeout_s)
+        self._pending: list[tuple[Any, torch.Tensor]] = []
+        self._held: list[Any] = []  # the group, owned here and dropped by the helper
+        self._abandoned = False
         self._helper = _Helper(f"comm-gen{generation}")
-        self._pending_sends: list[Any] = []
+        group_store = dist.PrefixStore(prefix, store)
+        timeout = timedelta(seconds=build_timeout_s)
 
-    def _index(self, rank: int) -> int:
-        return self.members.index(rank)
+        def build() -> None:
+            self._held.append(
+                _make_group(group_store, self._index[me], len(self.members), timeout, device)
+            )
 
-    def wait(self, work: Any, what: str = "?") -> None:
-        done, box = self._helper.submit(work, what)
-        while not done.wait(ABORT_POLL_S):
-            if self.abort.is_set():
-                raise Aborted(f"generation {self.generation} aborted")
-        if box:
-            raise CommError(str(box[0]).splitlines()[0][:300])
+        try:
+            self._run(build, "groups", ())
+        except BaseException:
+            self.abandon()  # the helper drops the group if the build still completes
+            raise
+        self.group = self._held[0]
 
-    def _post(self, fn: Any, *args: Any) -> Any:
-        if self.abort.is_set():
+    # -- blocking calls, abortable ---------------------------------------------------------
+
+    def _check(self) -> None:
+        if self.interrupts.aborted(self.generation):
             raise Aborted(f"generation {self.generation} aborted")
+
+    def _run(self, fn: Callable[[], Any], what: str, peers: Sequence[int]) -> Any:
+        self._check()
+        done, box = self._helper.submit(fn, f"{what} {list(peers)}")
+        with self.interrupts.watch(self.generation, done), self.status.waiting(what, tuple(peers)):
+            done.wait()
+        if not box:
+            self._check()
+            raise Aborted(f"generation {self.generation} ended")  # finished meanwhile
+        ok, value = box[0]
+        if not ok:
+            raise CommError(str(value).splitlines()[0][:300])
+        return value
+
+    def _wait(self, work: Any, what: str, peers: Sequence[int]) -> None:
+        self._run(lambda: work.wait(self._op_timeout), what, peers)
+
+    def _post(self, fn: Callable[..., Any], *args: Any) -> Any:
+        self._check()
         try:
             return fn(*args)
         except Exception as exc:  # a broken pair raises at post time
             raise CommError(str(exc).splitlines()[0][:300]) from None
 
+    # -- point to point --------------------------------------------------------------------
+
     def send(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
         """Asynchronous: completes at ``flush_sends`` (the tensor is kept alive till then)."""
-        work = self._post(self.group.send, [tensor.contiguous()], self._index(dst), tag)
-        self._pending_sends.append((work, tensor))
-
-    def send_quietly(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
-        """Post a send even though the generation is aborted, ignoring errors (a dead
-        peer): draining, see chameleon_runtime.step. Kept alive, never waited."""
-        try:
-            work = self.group.send([tensor.contiguous()], self._index(dst), tag)
-        except Exception:
-            return
-        self._pending_sends.append((work, tensor))
-
-    def recv_quietly(self, buffer: torch.Tensor, src: int, tag: int) -> None:
-        """Post a receive that nobody will wait for (draining): it lets the peer's send
-        complete. Kept alive, with its buffer."""
-        try:
-            work = self.group.recv([buffer], self._index(src), tag)
-        except Exception:
-            return
-        self._pending_sends.append((work, buffer))
-
-    def post_recv(self, buffer: torch.Tensor, src: int, tag: int) -> Any:
-        return self._post(self.group.recv, [buffer], self._index(src), tag)
+        tensor = tensor.contiguous()
+        work = self._post(self.group.send, [tensor], self._index[dst], tag)
+        self._pending.append((work, tensor, dst))
 
     def recv(self, buffer: torch.Tensor, src: int, tag: int) -> torch.Tensor:
-        self.wait(self.post_recv(buffer, src, tag), f"recv from {src} tag {tag}")
+        work = self._post(self.group.recv, [buffer], self._index[src], tag)
+        self._wait(work, "recv", (src,))
         return buffer
 
     def flush_sends(self) -> None:
-        pending, self._pending_sends = self._pending_sends, []
-        for work, _tensor in pending:
-            self.wait(work, "send")
+        pending, self._pending = self._pending, []
+        for i, (work, _tensor, dst) in enumerate(pending):
+            try:
+                self._wait(work, "send", (dst,))
+            except BaseException:
+                self._pending = pending[i:]  # still to complete: released with the group
+                raise
 
-    def allreduce(self, tensor: torch.Tensor, holders: tuple[int, ...] | None = None) -> None:
-        """Sum ``tensor`` over a bucket's holders, or over the plan's workers when None."""
-        group = self.step_group if holders is None else self.bucket_groups[holders]
-        self.wait(self._post(group.allreduce, [tensor]), f"allreduce {holders}")
+    def send_quietly(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
+        """Post a send even though the generation is aborted, ignoring errors (a dead
+        peer): draining, see chameleon_runtime.step. Completed when the group is released."""
+        try:
+            work = self.group.send([tensor.contiguous()], self._index[dst], tag)
+        except Exception:
+            return
+        self._pending.append((work, tensor, dst))
+
+    def recv_quietly(self, buffer: torch.Tensor, src: int, tag: int) -> None:
+        """Post a receive nobody waits for (draining): it lets the peer's send complete."""
+        try:
+            work = self.group.recv([buffer], self._index[src], tag)
+        except Exception:
+            return
+        self._pending.append((work, buffer, src))
+
+    # -- the end ---------------------------------------------------------------------------
 
     def abandon(self) -> None:
-        """Drop this generation without destroying anything that might block."""
-        if self._helper in _ABANDONED:
+        """Leave this generation. Its helper finishes what it is blocked on, waits for
+        the messages still posted, drops the group and ends; the caller goes on now."""
+        if self._abandoned:
             return
-        _ABANDONED.append(self._helper)
-        for obj in (
-            self.group,
-            self.step_group,
-            *self.bucket_groups.values(),
-            self._helper,
-            self._pending_sends,
-        ):
-            _leak(obj)
-        self._pending_sends = []
+        self._abandoned = True
+        pending, self._pending = self._pending, []
+        held, timeout = self._held, self._op_timeout
+        self.group = None
+
+        def release() -> None:
+            for work, _tensor, _peer in pending:
+                # Completed, or failed because the peer is gone or released its end first:
+                # over either way.
+                with contextlib.suppress(Exception):
+                    work.wait(timeout)
+            pending.clear()
+            held.clear()  # the last reference: the group is destroyed here
+
+        self._helper.submit(release, "release")
+        self._helper.stop()

@@ -10,15 +10,17 @@
 - ``link_cost``: latency and bandwidth between two workers, by ping-pong.
 
 ``chameleon profile`` runs a training script with CHAMELEON_PROFILE set: the Trainer then
-measures instead of training (``Trainer.profile``) and writes a cost table.
+measures instead of training (``profile_job``) and writes a cost table.
 """
 
 from __future__ import annotations
 
 import copy
+import os
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -147,3 +149,72 @@ def link_cost(
     latency = times[small]
     bandwidth = (large - small) / max(times[large] - times[small], 1e-9)
     return latency, bandwidth
+
+
+def profile_job(trainer: Any, out: Path) -> None:
+    """``chameleon profile``: every worker measures every layer at once (contention
+    included), workers 0 and 1 the link between them, all of them the store; rank 0 writes
+    the per-layer medians as a cost table (atomically). ``trainer`` is connected."""
+    from chameleon_runtime.comm import Generation
+    from planner.costtable import CostTable, LayerCost, LinkCost
+
+    control, rank, world = trainer.control, trainer.rank, trainer.world_size
+    keys = control.keys
+    sample = trainer.batches.inputs(0, 0)
+    trainer.layer_params, trainer.activation_shapes, trainer.layer_names = probe(
+        trainer.factory, trainer.num_layers, sample, seed=trainer.seed
+    )
+    trainer.shard.ensure(0, trainer.num_layers)
+    names = trainer.layer_names
+    for cost in measure(trainer.shard, list(range(trainer.num_layers)), sample, names, reps=5):
+        control.put(keys.profile(f"{rank}/{cost.name}"), cost.model_dump_json())
+    control.agree(0, "profile/start", world)
+    t0 = time.perf_counter()
+    gen = Generation(
+        store=control.store, prefix=keys.profile("groups"), generation=0,
+        members=list(range(world)), me=rank, interrupts=control.interrupts,
+        status=control.status, device=trainer.device,
+    )  # fmt: skip
+    pg_init_s = time.perf_counter() - t0
+    link = link_cost(gen, rank, 1 - rank) if world >= 2 and rank in (0, 1) else None
+    t0 = time.perf_counter()
+    for _ in range(100):
+        control.store.add(keys.profile("ping"), 0)
+    store_rt = (time.perf_counter() - t0) / 100
+    control.agree(0, "profile/done", world)
+    gen.abandon()
+    if rank != 0:
+        return
+    layers = []
+    for i, name in enumerate(names):
+        key = f"{name}.{i}"
+        samples = [
+            LayerCostWire.model_validate_json(control.wait(keys.profile(f"{r}/{key}")))
+            for r in range(world)
+        ]
+        layers.append(
+            LayerCost(
+                name=key,
+                num_params=samples[0].num_params,
+                forward_s=statistics.median(s.forward_s for s in samples),
+                backward_s=statistics.median(s.backward_s for s in samples),
+                optimizer_s=statistics.median(s.optimizer_s for s in samples),
+                activation_bytes=samples[0].activation_bytes,
+                stash_bytes=samples[0].stash_bytes,
+            )
+        )
+    table = CostTable(
+        device=trainer.device,
+        micro_batch_size=trainer.batches.micro_batch_size,
+        concurrent_workers=world,
+        layers=layers,
+        intra_node=LinkCost(bandwidth_gb_per_s=link[1] / 1e9, latency_us=link[0] * 1e6)
+        if link
+        else None,
+        store_round_trip_s=store_rt,
+        pg_init_base_s=pg_init_s,
+    )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(table.model_dump_json(indent=2))
+    os.replace(tmp, out)

@@ -7,7 +7,7 @@ backward receives the output gradient from ``next`` (or starts from the loss) an
 the input gradient to ``prev``. Then each bucket's gradients are exchanged among its
 holders and summed in holder order (bit-identical on every holder), the commit barrier,
 and the optimizer step. Any error or abort leaves the step unapplied on every worker (the
-commit barrier is all-or-none).
+commit is an all-or-none agreement, chameleon_runtime.control).
 
 Everything between workers is point to point, and every message of a step is known up
 front, so an aborted step can be drained: the worker sends zeros for every message it
@@ -27,12 +27,13 @@ from dataclasses import dataclass
 
 import torch
 
-from chameleon_runtime.comm import Generation
+from chameleon_runtime.comm import Aborted, Generation
 from chameleon_runtime.control import Control
 from chameleon_runtime.data import Batches
 from chameleon_runtime.shard import Shard
 from planner.plan import Plan
 from planner.program import Bucket, ComputeOp, OpKind, buckets_of, ops_for, position_in_home
+from planner.protocol import commit_name
 
 BUCKET_TAG = 1_000_000
 
@@ -150,11 +151,15 @@ def run_step(
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     activation_shapes: Sequence[Shape],
     lr: float | None = None,
+    forget: Sequence[str] = (),
 ) -> StepResult:
+    """Run one step; raise Aborted (or CommError) with nothing applied. ``forget``: keys
+    of the previous step, deleted by the last member to reach this step's commit (every
+    member is past that step by then)."""
     ledger = Ledger(part, activation_shapes, shard)
     try:
         return _run(
-            step, part, shard, gen, control, batches, loss_fn, activation_shapes, lr, ledger
+            step, part, shard, gen, control, batches, loss_fn, activation_shapes, lr, ledger, forget
         )
     except BaseException:
         ledger.drain(gen)
@@ -162,7 +167,7 @@ def run_step(
 
 
 def _run(
-    step, part, shard, gen, control, batches, loss_fn, activation_shapes, lr, ledger
+    step, part, shard, gen, control, batches, loss_fn, activation_shapes, lr, ledger, forget
 ) -> StepResult:  # noqa: ANN001
     started = time.perf_counter()
     m_total = part.plan.num_micro_batches
@@ -171,6 +176,7 @@ def _run(
     stash: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     partial_loss = 0.0
     cpu = 0.0
+    keys = control.keys
     for op in part.ops:
         mb = op.micro_batch
         if op.kind is OpKind.FORWARD:
@@ -206,16 +212,20 @@ def _run(
     for bucket in part.buckets:
         _exchange(bucket, part.worker, shard, gen, ledger)
     gen.flush_sends()
+    last_stage = part.last_stage_workers()
     if part.is_last_stage:
-        control.put(f"loss/{gen.generation}/{step}/{part.worker}", partial_loss)
-    control.commit(gen.generation, step, len(part.members))
+        control.put(keys.loss(gen.generation, step, part.worker), repr(partial_loss))
+    agreed = control.agree(gen.generation, commit_name(step), len(part.members))
+    if not agreed.held:
+        raise Aborted(f"generation {gen.generation} aborted at step {step}")
+    if agreed.last:
+        control.forget(list(forget))
     c0 = time.thread_time()
     shard.step(lr)
     cpu += time.thread_time() - c0
     shard.zero_grad()
-    total = sum(
-        control.get(f"loss/{gen.generation}/{step}/{w}") or 0.0 for w in part.last_stage_workers()
-    )
+    losses = control.store.multi_get([keys.loss(gen.generation, step, w) for w in last_stage])
+    total = sum(float(v) for v in losses)
     return StepResult(loss=total, seconds=time.perf_counter() - started, compute_cpu_s=cpu)
 
 

@@ -2,9 +2,10 @@
 carries out the leader's decisions (``launcher.supervisor.decide``).
 
 Every agent runs the same loop; the one hosting the control store is the leader and also
-gathers the job-wide view (failures from every node, finished nodes, heartbeats, waiting
-nodes), decides, and publishes the decision. If the leader's node is lost, the store goes
-with it: the other agents stop their workers and exit (as with torchrun's c10d store).
+takes the job-wide view (launcher/leader.py): failures from every node, finished, lost and
+waiting nodes, in-place recovery; it decides and publishes the decision. If the leader's
+node is lost, the store goes with it: the other agents stop their workers and exit (as
+with torchrun's c10d store).
 """
 
 from __future__ import annotations
@@ -15,24 +16,25 @@ import socket
 import threading
 import time
 import uuid
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from launcher.args import DEFAULT_MTBF_S, RunArgs
 from launcher.events import EventLog
-from launcher.inplace import Coordinator
+from launcher.leader import Leader
 from launcher.local import LocalGroup, RoundSettings, worker_command
 from launcher.rendezvous import RUN_ID_KEY, ControlPlane, NodeInfo, RendezvousError, World, node_key
 from launcher.store import (
     StoreError,
     bind_listener,
     connect_store,
-    get_json,
     host_store,
     put_json,
     serve_store,
 )
-from launcher.supervisor import Action, Failure, FailureKind, RoundView, decide, root_cause
+from launcher.supervisor import Action, Failure, FailureKind
+from launcher.watch import Timeouts as WatchTimeouts
+from launcher.worker_store import WorkerStoreView
 from launcher.workers import Console, Reaper
 
 HEARTBEAT_PERIOD_S = 1.0
@@ -50,48 +52,6 @@ class Outcome:
     reason: str
     failures: list[Failure]
     run_dir: Path
-
-
-class WorkerStoreView:
-    """This round's worker store, seen from an agent: heartbeats and exit requests of the
-    chameleon_runtime workers. The leader reads the store it hosts; other agents connect
-    to it when they first need it."""
-
-    def __init__(self, agent: Agent, world: World) -> None:
-        self._agent = agent
-        self._world = world
-        self._prefix = f"chameleon/{world.attempt}/"  # as chameleon_runtime.control.key_prefix
-        self._client = None
-
-    def _store(self):
-        hosted = (
-            getattr(self._agent, "_worker_store", None)
-            if self._agent.control and self._agent.control.is_leader
-            else None
-        )
-        if hosted is not None:
-            return hosted
-        if self._client is None:
-            self._client = connect_store(
-                self._world.worker_addr, self._world.worker_port, timeout_s=10
-            )
-        return self._client
-
-    def heartbeat(self, rank: int) -> dict | None:
-        try:
-            return get_json(self._store(), f"{self._prefix}hb/{rank}")
-        except Exception:
-            return None
-
-    def ask_exit(self, rank: int, code: int) -> None:
-        put_json(self._store(), f"{self._prefix}exit/{rank}", code)
-
-    def respawn_request(self, rank: int) -> int | None:
-        """How many replacements the leader has asked for this rank (launcher/rejoin.py)."""
-        try:
-            return get_json(self._store(), f"{self._prefix}respawn/{rank}")
-        except Exception:
-            return None
 
 
 class JobError(RuntimeError):
@@ -130,9 +90,9 @@ class Agent:
         self.reaper: Reaper | None = None
         # Leader: the last round's world, and when each node's heartbeat last moved.
         self._last_world: World | None = None
-        self._beat_seen: dict[str, float] = {}
-        self._coordinator: Coordinator | None = None
-        self._aware = False  # every worker runs chameleon_runtime: recover in place
+        self.beat_seen: dict[str, float] = {}
+        self.worker_store = None  # the leader hosts this round's worker store
+        self.started_at: float | None = None  # when this round's workers were spawned
         # --config: the cluster's figures that workers cannot measure (device memory,
         # links, restart cost), read now so that a bad file fails before any worker starts.
         self.planner_cluster = None
@@ -152,6 +112,14 @@ class Agent:
     def _on_signal(self, signum: int, _frame: object) -> None:
         if self._signal is None:
             self._signal = signum
+
+    @property
+    def stop_signal(self) -> int | None:
+        return self._signal
+
+    def record(self, failures: list[Failure]) -> None:
+        """Keep every failure once: the run summary and the root cause read them."""
+        self.failures = self.failures + [f for f in failures if f not in self.failures]
 
     def _install_signals(self) -> None:
         for signum in FORWARDED_SIGNALS:
@@ -179,7 +147,6 @@ class Agent:
 
     def _heartbeat(self, control: ControlPlane) -> None:
         # A separate client: the main thread's store connection is not shared across threads.
-        from launcher.store import connect_store
 
         try:
             store = connect_store(control.addr, control.port, timeout_s=10)
@@ -282,7 +249,7 @@ class Agent:
         timeout = float(self.args.rdzv_conf.get("join_timeout", 600))
         try:
             store = serve_store(control_socket, timeout_s=timeout)
-            self._worker_store = serve_store(worker_socket, timeout_s=timeout)
+            self.worker_store = serve_store(worker_socket, timeout_s=timeout)
         except StoreError as exc:
             group.stop(grace_s=RESTART_GRACE_S)
             raise JobError(str(exc)) from None
@@ -304,7 +271,6 @@ class Agent:
         return control, (world, group)
 
     def _round(self, control: ControlPlane, attempt: int) -> int | Outcome:
-        self._aware = False
         """Run one round; the next attempt's number, or the job's outcome."""
         a = self.args
         host = a.local_addr or socket.gethostname()
@@ -337,8 +303,12 @@ class Agent:
 
     def _start_group(self, world: World, me: NodeInfo) -> LocalGroup:
         a = self.args
-        view = WorkerStoreView(self, world)
-        self._view = view
+        view = WorkerStoreView(
+            world.attempt,
+            world.worker_addr,
+            world.worker_port,
+            hosted=lambda: self.worker_store if self.control and self.control.is_leader else None,
+        )
         group = LocalGroup(
             RoundSettings(
                 attempt=world.attempt,
@@ -356,7 +326,7 @@ class Agent:
                 redirects=a.redirects,
                 tee=a.tee,
                 local_ranks_filter=a.local_ranks_filter,
-                heartbeat_timeout_s=a.heartbeat_timeout_s,
+                watch=WatchTimeouts(a.heartbeat_timeout_s, a.step_timeout_s, a.startup_timeout_s),
                 # This launch's folder, the same for every attempt: a script can keep its
                 # checkpoints there, so a restart resumes and a new launch starts fresh.
                 extra_env={"CHAMELEON_RUN_DIR": str(self.run_dir)},
@@ -366,14 +336,11 @@ class Agent:
             faults=a.faults,
             emit=self.events.emit,
             base_env=dict(os.environ),
-            worker_heartbeat=view.heartbeat,
-            ask_exit=view.ask_exit,
-            respawn_request=view.respawn_request,
+            view=view,
             reaper=self.reaper,
         )
         group.start()
-        self._started_at = time.monotonic()
-        self._coordinator = None
+        self.started_at = time.monotonic()
         return group
 
     def _world(self, control: ControlPlane, attempt: int) -> World | None:
@@ -381,7 +348,7 @@ class Agent:
         timeout = float(a.rdzv_conf.get("join_timeout", 600))
         if control.is_leader:
             # A fresh store for this attempt's workers (see launcher/store.py for why).
-            self._worker_store = host_store(control.addr, 0, timeout_s=timeout)
+            self.worker_store = host_store(control.addr, 0, timeout_s=timeout)
             try:
                 world = control.form_world(
                     attempt,
@@ -389,7 +356,7 @@ class Agent:
                     max_nodes=a.max_nodes,
                     static_ranks=a.rdzv_backend == "static" and not a.standalone,
                     worker_addr=control.addr,
-                    worker_port=self._worker_store.port,
+                    worker_port=self.worker_store.port,
                     last_call_s=float(a.rdzv_conf.get("last_call_timeout", 1.0)),
                     timeout_s=timeout,
                 )
@@ -427,7 +394,7 @@ class Agent:
                 for f in self.failures
             ):
                 continue
-            silent_since = self._beat_seen.get(node.key, time.time())
+            silent_since = self.beat_seen.get(node.key, time.time())
             self.events.emit(
                 "node_lost",
                 node=node.node_rank,
@@ -448,18 +415,16 @@ class Agent:
                 self.failures.append(failure)
 
     def _monitor(self, control: ControlPlane, world: World, group: LocalGroup) -> int | Outcome:
-        a = self.args
         keys = [n.key for n in world.nodes]
-        beats = {k: (control.beats(k), time.monotonic()) for k in keys}
         for k in keys:
-            self._beat_seen.setdefault(k, time.time())
-        lost: set[str] = set()
+            self.beat_seen.setdefault(k, time.time())
+        leader = Leader(self, control, world, group) if control.is_leader else None
         reported_done = False
         next_sync = 0.0
         while True:
-            recovering = self._coordinator is not None and self._coordinator.recovering
+            recovering = leader is not None and leader.recovering
             # While a recovery is under way every millisecond counts: poll fast.
-            time.sleep(RECOVERY_POLL_S if recovering else a.monitor_interval_s)
+            time.sleep(RECOVERY_POLL_S if recovering else self.args.monitor_interval_s)
             try:
                 # Local processes every interval; the store (remote reports, decisions)
                 # at once when something happened here, else every SYNC_PERIOD_S: on a
@@ -480,8 +445,11 @@ class Agent:
                 ):
                     continue
                 next_sync = time.monotonic() + SYNC_PERIOD_S
-                if control.is_leader:
-                    self._lead(control, world, keys, beats, lost)
+                if leader is not None:
+                    leader.lead()
+                else:
+                    for rank, reason in control.kill_requests(world.attempt):
+                        group.kill_hung(rank, reason)
                 decision = control.decision(world.attempt)
             except (StoreError, RuntimeError) as exc:
                 if control.is_leader:
@@ -503,145 +471,15 @@ class Agent:
                 outcome = self._interrupted(group)
             else:
                 group.stop(
-                    grace_s=RESTART_GRACE_S if decision["exit_code"] else a.shutdown_timeout_s
+                    grace_s=RESTART_GRACE_S if decision["exit_code"] else self.args.shutdown_timeout_s
                 )
                 outcome = self._finish(decision["exit_code"], decision["reason"])
-            if control.is_leader:
+            if leader is not None:
+                lost = leader.lost
                 control.wait_acknowledged(
                     world.attempt, [k for k in keys if k not in lost], timeout_s=5.0
                 )
             return outcome
-
-    def _lead(
-        self, control: ControlPlane, world: World, keys: list[str], beats: dict, lost: set[str]
-    ) -> None:
-        a = self.args
-        now = time.monotonic()
-        for node in world.nodes:
-            if node.key == control.key or node.key in lost:
-                continue
-            count = control.beats(node.key)
-            if count != beats[node.key][0]:
-                beats[node.key] = (count, now)
-                self._beat_seen[node.key] = time.time()
-            elif now - beats[node.key][1] >= a.heartbeat_timeout_s:
-                lost.add(node.key)
-                silent_since = time.time() - (now - beats[node.key][1])
-                self.events.emit(
-                    "node_lost",
-                    node=node.node_rank,
-                    host=node.host,
-                    silent_s=now - beats[node.key][1],
-                )
-                for local in range(node.nproc):
-                    failure = Failure(
-                        rank=node.rank_offset + local,
-                        node=node.node_rank,
-                        kind=FailureKind.NODE_LOST,
-                        attempt=world.attempt,
-                        failed_at=silent_since,
-                        detected_at=time.time(),
-                        message=f"agent on {node.host} stopped heartbeating",
-                    )
-                    self.events.emit("failure", **failure.to_json())
-                    control.report_failure(failure)
-        if control.decision(world.attempt) is not None:
-            return
-        failures = control.failures(world.attempt)
-        failures, restart_reason = self._recover_in_place(world, failures)
-        waiting = len(control.joined(world.attempt + 1))
-        view = RoundView(
-            attempt=world.attempt,
-            restarts_used=self.restarts_used,
-            max_restarts=a.max_restarts,
-            min_nodes=a.min_nodes,
-            max_nodes=a.max_nodes,
-            nodes=len(world.nodes),
-            nodes_lost=len(lost),
-            nodes_done=control.done(world.attempt, [k for k in keys if k not in lost]),
-            nodes_waiting=waiting,
-            failures=tuple(failures),
-            stop_signal=self._signal,
-        )
-        decision = decide(view)
-        if restart_reason is not None and decision.action is Action.RESTART:
-            decision = replace(decision, reason=f"{restart_reason}; {decision.reason}")
-        if decision.action is Action.CONTINUE:
-            return
-        self.failures = self.failures + [f for f in failures if f not in self.failures]
-        if decision.counts_as_restart:
-            self.restarts_used += 1
-        cause = root_cause(failures)
-        self.events.emit(
-            "decision",
-            attempt=world.attempt,
-            action=decision.action.value,
-            reason=decision.reason,
-            exit_code=decision.exit_code,
-            policy="restart" if decision.action is Action.RESTART else None,
-            root_rank=cause.rank if cause else None,
-        )
-        control.decide(
-            world.attempt,
-            {
-                "action": decision.action.value,
-                "reason": decision.reason,
-                "exit_code": decision.exit_code,
-            },
-        )
-
-    def _recover_in_place(
-        self, world: World, failures: list[Failure]
-    ) -> tuple[list[Failure], str | None]:
-        """For chameleon_runtime workers: hand failures to the in-place coordinator. Returns
-        the failures the ordinary decision should still see (none while recovering in
-        place; all of them when the coordinator falls back to a restart) and why."""
-        coordinator = self._coordinator
-        if coordinator is None:
-            store = getattr(self, "_worker_store", None)
-            if store is None:
-                return failures, None
-            coordinator = Coordinator(
-                store=store,
-                world_size=world.world_size,
-                emit=self.events.emit,
-                policy=self.args.policy,
-                mtbf_s=self.mtbf_s,
-                cluster=self.planner_cluster,
-                started_at=getattr(self, "_started_at", None),
-                max_rejoins=self.args.max_rejoins,
-                ready_timeout_s=self.args.heartbeat_timeout_s,
-                workers_per_node=world.nodes[0].nproc,
-                num_nodes=len(world.nodes),
-                nodes_per_host=max(
-                    sum(1 for m in world.nodes if m.host == n.host) for n in world.nodes
-                ),
-                attempt=world.attempt,
-            )
-            self._coordinator = coordinator
-        if not self._aware:
-            try:
-                self._aware = coordinator.all_aware()
-            except Exception:
-                return failures, None
-            if not self._aware:
-                return failures, None
-            self.events.emit("in_place_enabled", attempt=world.attempt, world_size=world.world_size)
-        # A rank can fail more than once (its replacement may fail too): go by failure.
-        new = [f for f in failures if (f.rank, f.detected_at) not in coordinator.reported]
-        if new:
-            coordinator.reported |= {(f.rank, f.detected_at) for f in new}
-            self.failures = self.failures + [f for f in new if f not in self.failures]
-            coordinator.on_failures(
-                {f.rank for f in new},
-                gone={f.rank for f in new if f.kind is FailureKind.NODE_LOST},
-            )
-        else:
-            coordinator.calibrate_now_if_due()
-        outcome = coordinator.tick()
-        if outcome.restart:
-            return failures, outcome.reason
-        return [], None
 
     def _interrupted(self, group: LocalGroup) -> Outcome:
         signum = self._signal or signal.SIGTERM

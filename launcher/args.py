@@ -142,7 +142,21 @@ def _parser() -> _Parser:
         *_both("--heartbeat-timeout"),
         type=float,
         default=30.0,
-        help="seconds without progress before a worker or node counts as hung or lost",
+        help="liveness: seconds without a heartbeat before a worker or node counts as hung or "
+        "lost (chameleon_runtime workers beat every second, whatever their steps take)",
+    )
+    add(
+        *_both("--step-timeout"),
+        default="auto",
+        help="progress: seconds a chameleon_runtime worker may go without completing a step; "
+        "auto = 10x the slowest completed step, never under 60",
+    )
+    add(
+        *_both("--startup-timeout"),
+        type=float,
+        default=600.0,
+        help="progress before the first step (imports, model build, checkpoint load) and "
+        "while checkpointing",
     )
     add(
         "--events",
@@ -153,7 +167,8 @@ def _parser() -> _Parser:
         *_both("--inject-fault"),
         action="append",
         default=[],
-        help="kill|hang|exit:rank=R,at=SECONDS|step=N[,code=C][,attempt=A] (repeatable)",
+        help="kill|hang|exit:rank=R,at=SECONDS|step=N|phase=collect|plan|groups|migrate|confirm"
+        "[,recovery=N][,after_ms=MS][,code=C][,attempt=A] (repeatable)",
     )
     add(
         *_both("--max-rejoins"),
@@ -223,6 +238,8 @@ class RunArgs:
     local_addr: str | None
     shutdown_timeout_s: float
     heartbeat_timeout_s: float
+    step_timeout_s: float | None  # None: automatic
+    startup_timeout_s: float
     max_rejoins: int
     events: str | None
     faults: tuple[FaultSpec, ...]
@@ -302,8 +319,18 @@ def parse_run_args(argv: list[str]) -> RunArgs:
         raise ArgsError("--max-restarts must be >= 0")
     if ns.max_rejoins < 0:
         raise ArgsError("--max-rejoins must be 0 or more")
-    if ns.monitor_interval <= 0 or ns.heartbeat_timeout <= 0:
-        raise ArgsError("--monitor-interval and --heartbeat-timeout must be positive")
+    if ns.monitor_interval <= 0 or ns.heartbeat_timeout <= 0 or ns.startup_timeout <= 0:
+        raise ArgsError(
+            "--monitor-interval, --heartbeat-timeout and --startup-timeout must be positive"
+        )
+    step_timeout = None
+    if ns.step_timeout != "auto":
+        try:
+            step_timeout = float(ns.step_timeout)
+        except ValueError:
+            raise ArgsError(f"--step-timeout must be auto or seconds, got {ns.step_timeout!r}") from None
+        if step_timeout <= 0:
+            raise ArgsError("--step-timeout must be positive")
     if ns.run_path and not os.path.isabs(ns.training_script):
         raise ArgsError("--run-path needs the training script as an absolute path")
     min_nodes, max_nodes = _nnodes(ns.nnodes)
@@ -362,6 +389,8 @@ def parse_run_args(argv: list[str]) -> RunArgs:
         local_addr=ns.local_addr,
         shutdown_timeout_s=shutdown,
         heartbeat_timeout_s=ns.heartbeat_timeout,
+        step_timeout_s=step_timeout,
+        startup_timeout_s=ns.startup_timeout,
         max_rejoins=ns.max_rejoins,
         events=ns.events,
         faults=faults,

@@ -1,15 +1,22 @@
-"""Fault injection: kill, hang or exit a chosen rank at a chosen time or step.
+"""Fault injection: kill, hang or exit a chosen rank at a chosen time, step or moment of a
+recovery.
 
-    --inject-fault kill:rank=3,at=5         SIGKILL rank 3, 5 s after its workers start
-    --inject-fault hang:rank=2,step=10      SIGSTOP rank 2 once it reports step 10
-    --inject-fault exit:rank=1,at=4,code=7  rank 1 exits with code 7 (chameleon workers;
-                                            a plain script gets SIGTERM instead)
-    --inject-fault kill:rank=3,recovery=1   SIGKILL rank 3 while it recovers from the
-                                            first failure (chameleon workers)
+    --inject-fault kill:rank=3,at=5             SIGKILL rank 3, 5 s after its workers start
+    --inject-fault hang:rank=2,step=10          SIGSTOP rank 2 once it has run step 10
+    --inject-fault exit:rank=1,at=4,code=7      rank 1 exits with code 7 (chameleon workers;
+                                                a plain script gets SIGTERM instead)
+    --inject-fault kill:rank=3,recovery=1       SIGKILL rank 3 during the first in-place
+                                                recovery (any phase)
+    --inject-fault kill:rank=3,phase=migrate    SIGKILL rank 3 while it moves layers in the
+                                                first recovery (recovery=N for the N-th)
+    --inject-fault kill:rank=3,phase=plan,after_ms=20
+                                                ...20 ms after the planning began
 
-``attempt=N`` (default 0) picks the restart attempt the fault applies to, so a restarted
-job is not killed again. Step-based faults need workers that report steps (scripts using
-chameleon_runtime); the launcher says so if a plain script never reports one.
+Phases: ``collect`` (survivors answer the abort), ``plan`` (the planner works), ``confirm``
+(the plan is applied), and within it, as the rank itself reports them, ``groups`` (it
+builds the new groups) and ``migrate`` (it moves layers). ``attempt=N`` (default 0) picks
+the restart attempt, so a restarted job is not killed again. Step and phase faults need
+workers that report (scripts using chameleon_runtime).
 """
 
 from __future__ import annotations
@@ -17,6 +24,11 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from enum import StrEnum
+
+from planner.protocol import RecoveryPhase, WorkerStatus
+
+PHASES = ("collect", "plan", "confirm", "groups", "migrate")
+_WORKER_PHASES = ("groups", "migrate")  # reported by the rank itself, within confirm
 
 
 class FaultKind(StrEnum):
@@ -32,6 +44,8 @@ class FaultSpec:
     at_s: float | None = None
     step: int | None = None
     recovery: int | None = None  # during the N-th in-place recovery
+    phase: str | None = None  # ...in this phase of it
+    after_ms: float = 0.0  # ...this long after the phase began
     code: int = 1
     attempt: int = 0
 
@@ -41,33 +55,44 @@ class FaultSpec:
         elif self.step is not None:
             when = f"at step {self.step}"
         else:
-            when = f"during recovery {self.recovery}"
+            when = f"during recovery {self.recovery or 1}"
+            if self.phase:
+                when += f", phase {self.phase}"
+            if self.after_ms:
+                when += f" + {self.after_ms:g} ms"
         return f"{self.kind.value} rank {self.rank} {when} (attempt {self.attempt})"
 
 
 _SPEC = re.compile(r"^(kill|hang|exit):(.+)$")
+_KEYS = ("rank", "at", "step", "recovery", "phase", "after_ms", "code", "attempt")
 
 
 def parse_fault(text: str) -> FaultSpec:
     match = _SPEC.match(text.strip())
     if not match:
         raise ValueError(
-            f"expected KIND:rank=R,at=SECONDS or KIND:rank=R,step=N with KIND kill, hang or exit; got {text!r}"
+            "expected KIND:rank=R,at=SECONDS|step=N|phase=PHASE with KIND kill, hang or exit; "
+            f"got {text!r}"
         )
     fields: dict[str, str] = {}
     for part in match.group(2).split(","):
         if "=" not in part:
             raise ValueError(f"expected key=value in {text!r}, got {part!r}")
         key, value = (x.strip() for x in part.split("=", 1))
-        if key not in ("rank", "at", "step", "recovery", "code", "attempt"):
-            raise ValueError(
-                f"unknown key {key!r} in {text!r} (rank, at, step, recovery, code, attempt)"
-            )
+        if key not in _KEYS:
+            raise ValueError(f"unknown key {key!r} in {text!r} ({', '.join(_KEYS)})")
         fields[key] = value
     if "rank" not in fields:
         raise ValueError(f"{text!r} names no rank")
-    if sum(k in fields for k in ("at", "step", "recovery")) != 1:
-        raise ValueError(f"{text!r} needs exactly one of at=SECONDS, step=N or recovery=N")
+    whens = sum(k in fields for k in ("at", "step")) + int("phase" in fields or "recovery" in fields)
+    if whens != 1:
+        raise ValueError(
+            f"{text!r} needs exactly one of at=SECONDS, step=N or phase=PHASE / recovery=N"
+        )
+    if "phase" in fields and fields["phase"] not in PHASES:
+        raise ValueError(f"phase must be one of {', '.join(PHASES)}, in {text!r}")
+    if "after_ms" in fields and not ("phase" in fields or "recovery" in fields):
+        raise ValueError(f"after_ms goes with phase= or recovery=, in {text!r}")
     try:
         spec = FaultSpec(
             kind=FaultKind(match.group(1)),
@@ -75,17 +100,83 @@ def parse_fault(text: str) -> FaultSpec:
             at_s=float(fields["at"]) if "at" in fields else None,
             step=int(fields["step"]) if "step" in fields else None,
             recovery=int(fields["recovery"]) if "recovery" in fields else None,
+            phase=fields.get("phase"),
+            after_ms=float(fields.get("after_ms", "0")),
             code=int(fields.get("code", "1")),
             attempt=int(fields.get("attempt", "0")),
         )
     except ValueError:
         raise ValueError(
-            f"rank, step, code and attempt must be integers and at a number, in {text!r}"
+            f"rank, step, recovery, code and attempt must be integers, at and after_ms numbers, "
+            f"in {text!r}"
         ) from None
     if (
         spec.rank < 0
         or (spec.at_s is not None and spec.at_s < 0)
         or (spec.step is not None and spec.step < 0)
+        or (spec.recovery is not None and spec.recovery < 1)
+        or spec.after_ms < 0
     ):
-        raise ValueError(f"rank, at and step must not be negative, in {text!r}")
+        raise ValueError(f"rank, at, step and after_ms must not be negative, recovery >= 1, in {text!r}")
     return spec
+
+
+class Injector:
+    """Which of a node's faults are due now. A phase fault is armed when its phase is
+    first seen and fires ``after_ms`` later, whatever the phase is by then."""
+
+    def __init__(self, faults: list[FaultSpec]) -> None:
+        self.pending = list(faults)
+        self._armed: dict[int, float] = {}  # index in pending -> when armed
+
+    def due(
+        self,
+        now: float,
+        *,
+        since_start_s: float,
+        status: dict[int, WorkerStatus],
+        phase: RecoveryPhase | None,
+    ) -> list[FaultSpec]:
+        due = []
+        for spec in list(self.pending):
+            if not self._armed_at(spec, now, since_start_s, status.get(spec.rank), phase):
+                continue
+            if now - self._armed[id(spec)] >= spec.after_ms / 1e3:
+                self.pending.remove(spec)
+                self._armed.pop(id(spec), None)
+                due.append(spec)
+        return due
+
+    def _armed_at(
+        self,
+        spec: FaultSpec,
+        now: float,
+        since_start_s: float,
+        status: WorkerStatus | None,
+        phase: RecoveryPhase | None,
+    ) -> bool:
+        if id(spec) in self._armed:
+            return True
+        if spec.at_s is not None:
+            hit = since_start_s >= spec.at_s
+        elif spec.step is not None:
+            hit = status is not None and status.step > spec.step
+        else:
+            hit = phase is not None and phase.recovery == (spec.recovery or 1)
+            if spec.phase in _WORKER_PHASES:
+                hit = hit and phase.phase == "confirm" and status is not None
+                hit = hit and status.phase == spec.phase
+            elif spec.phase is not None:
+                hit = hit and phase.phase == spec.phase
+            else:
+                hit = hit and phase.phase != "running"
+        if hit:
+            self._armed[id(spec)] = now
+        return hit
+
+    def steps_pending(self) -> list[FaultSpec]:
+        return [f for f in self.pending if f.step is not None]
+
+    def watches_status(self) -> bool:
+        """Whether a pending fault needs the workers' statuses read."""
+        return any(f.step is not None or f.phase in _WORKER_PHASES for f in self.pending)

@@ -3,9 +3,10 @@
 Detection, per worker, every monitor interval:
 - crash: the process exited non-zero or by a signal (polled, so within one interval);
 - hang: psutil shows it stopped, zombie or in uninterruptible sleep for longer than the
-  heartbeat timeout, or (workers using chameleon_runtime) its heartbeat in the store went
-  stale for that long. A hung worker is SIGKILLed at once so that its peers' collectives
-  fail fast instead of waiting out the backend timeout.
+  heartbeat timeout, or (workers using chameleon_runtime) its own heartbeat stopped
+  moving, or never started (launcher/watch.py). A hung worker is SIGKILLed at once so
+  that its peers' collectives fail fast instead of waiting out the backend timeout.
+  Whether a worker gets anywhere (progress) is the leader's to judge, job-wide.
 """
 
 from __future__ import annotations
@@ -20,9 +21,13 @@ from pathlib import Path
 import psutil
 
 from launcher.environment import WorkerIdentity, worker_env
-from launcher.faults import FaultKind, FaultSpec
+from launcher.faults import FaultKind, FaultSpec, Injector
 from launcher.supervisor import Failure, FailureKind
+from launcher.watch import Liveness
+from launcher.watch import Timeouts as WatchTimeouts
+from launcher.worker_store import WorkerStoreView
 from launcher.workers import Console, Reaper, Worker, signal_worker, start_worker, stop_workers
+from planner.protocol import RecoveryPhase
 
 HANG_CHECK_PERIOD_S = 0.5  # psutil and heartbeat reads; crashes are polled every interval
 _BAD_STATUSES = {
@@ -68,7 +73,7 @@ class RoundSettings:
     redirects: dict[int, int]
     tee: dict[int, int]
     local_ranks_filter: frozenset[int] | None
-    heartbeat_timeout_s: float
+    watch: WatchTimeouts
     extra_env: dict[str, str] = field(default_factory=dict)
 
 
@@ -82,9 +87,7 @@ class LocalGroup:
         faults: Sequence[FaultSpec],
         emit: Callable[..., object],
         base_env: dict[str, str],
-        worker_heartbeat: Callable[[int], dict | None] | None = None,
-        ask_exit: Callable[[int, int], None] | None = None,
-        respawn_request: Callable[[int], int | None] | None = None,
+        view: WorkerStoreView | None = None,
         reaper: Reaper | None = None,
     ) -> None:
         self.s = settings
@@ -92,22 +95,23 @@ class LocalGroup:
         self.console = console
         self.emit = emit
         self.base_env = base_env
-        self.worker_heartbeat = worker_heartbeat
-        self.ask_exit = ask_exit
-        self.respawn_request = respawn_request
+        self.view = view
         self.respawned: dict[int, int] = {}  # rank -> replacements started
         self.reaper = reaper
         self.workers: dict[int, Worker] = {}
         self.finished: set[int] = set()
         self.failed: dict[int, Failure] = {}
         self._bad_since: dict[int, float] = {}
-        self._last_step: dict[int, tuple[object, float]] = {}
-        self._faults = [
-            f for f in faults if f.attempt == settings.attempt and self._is_local(f.rank)
-        ]
+        self._liveness = Liveness(settings.watch)
+        self._runtime = False  # a worker of this node posted a chameleon_runtime status
+        self._injector = Injector(
+            [f for f in faults if f.attempt == settings.attempt and self._is_local(f.rank)]
+        )
         self._fault_times: dict[int, float] = {}
+        self._hung: dict[int, str] = {}  # ranks the leader found stalled -> why
         self._next_hang_check = 0.0
         self._started_at = 0.0
+        self._phase: RecoveryPhase | None = None  # the leader's, when it is this process
         self.started: dict = {}  # what the "workers_started" event reports
 
     def _is_local(self, rank: int) -> bool:
@@ -168,10 +172,10 @@ class LocalGroup:
         """Start replacements the leader asked for (launcher/rejoin.py): the same rank and
         environment, plus CHAMELEON_JOIN, in this attempt. A chameleon_runtime worker
         started so joins the running job as a spare instead of starting it."""
-        if self.respawn_request is None:
+        if self.view is None:
             return
         for rank in sorted(self.failed):
-            wanted = self.respawn_request(rank)
+            wanted = self.view.respawn_request(rank)
             if not wanted or wanted <= self.respawned.get(rank, 0):
                 continue
             self.respawned[rank] = wanted
@@ -179,8 +183,6 @@ class LocalGroup:
             self.workers[rank] = worker
             del self.failed[rank]
             self._bad_since.pop(rank, None)
-            # The old process's heartbeat is still in the store: time the new one from now.
-            self._last_step[rank] = (object(), time.time())
             self.emit(
                 "worker_respawned", rank=rank, attempt=self.s.attempt, count=wanted, pid=worker.pid
             )
@@ -194,7 +196,8 @@ class LocalGroup:
     def poll(self) -> list[Failure]:
         """New failures since the last poll (crashes, hangs), after injecting due faults."""
         now = time.time()
-        self._inject(now)
+        statuses = self._statuses(now)
+        self._inject(now, statuses)
         if self.failed:
             self._respawn_requested()
         new: list[Failure] = []
@@ -203,9 +206,9 @@ class LocalGroup:
                 continue
             code = worker.poll()
             if code is None:
-                hang = (
-                    self._hang_reason(rank, worker, now) if now >= self._next_hang_check else None
-                )
+                hang = self._hung.pop(rank, None)
+                if hang is None and now >= self._next_hang_check:
+                    hang = self._hang_reason(rank, worker, statuses.get(rank), now)
                 if hang is not None:
                     signal_worker(worker, signal.SIGKILL)
                     new.append(self._failure(rank, worker, FailureKind.HANG, now, None, hang))
@@ -215,12 +218,39 @@ class LocalGroup:
                 continue
             kind = FailureKind.SIGNAL if code < 0 else FailureKind.EXIT
             message = _last_error_line(worker, any_line=kind is FailureKind.EXIT)
+            if rank in self._hung:  # killed on the leader's word: it hung
+                kind, message = FailureKind.HANG, self._hung.pop(rank)
             new.append(self._failure(rank, worker, kind, now, code, message))
         if now >= self._next_hang_check:
             self._next_hang_check = now + HANG_CHECK_PERIOD_S
         for failure in new:
             self.failed[failure.rank] = failure
         return new
+
+    def kill_hung(self, rank: int, reason: str) -> None:
+        """The leader found ``rank`` stalled (launcher/watch.py): kill it now; the next poll
+        reports it as hung, with the reason."""
+        worker = self.workers.get(rank)
+        if worker is None or rank in self.failed or rank in self.finished:
+            return
+        self._hung[rank] = reason
+        signal_worker(worker, signal.SIGKILL)
+
+    def on_recovery_phase(self, phase: RecoveryPhase) -> None:
+        """The leader's recovery phase, from the coordinator in this process: faults due
+        at its start fire now, before the phase's work begins."""
+        self._phase = phase
+        now = time.time()
+        self._inject(now, self._statuses(now) if self._injector.watches_status() else {})
+
+    def _statuses(self, now: float) -> dict:
+        """This node's workers' statuses: for the hang check every half second, and at
+        every poll while a fault waits for a step or a worker's phase."""
+        if self.view is None or not (now >= self._next_hang_check or self._injector.watches_status()):
+            return {}
+        statuses = self.view.statuses(sorted(self.workers))
+        self._runtime = self._runtime or bool(statuses)
+        return statuses
 
     def _failure(
         self,
@@ -247,45 +277,31 @@ class LocalGroup:
             log_file=str(logs[-1]) if logs else None,
         )
 
-    def _hang_reason(self, rank: int, worker: Worker, now: float) -> str | None:
-        timeout = self.s.heartbeat_timeout_s
+    def _hang_reason(self, rank: int, worker: Worker, status, now: float) -> str | None:  # noqa: ANN001
+        timeout = self.s.watch.heartbeat_s
         try:
-            status = psutil.Process(worker.pid).status()
+            state = psutil.Process(worker.pid).status()
         except psutil.NoSuchProcess:
             return None
-        if status in _BAD_STATUSES:
+        if state in _BAD_STATUSES:
             since = self._bad_since.setdefault(rank, now)
             if now - since >= timeout:
-                return f"process {status} for {now - since:.1f} s"
+                return f"process {state} for {now - since:.1f} s"
         else:
             self._bad_since.pop(rank, None)
-        if self.worker_heartbeat is not None:
-            beat = self.worker_heartbeat(rank)
-            if beat is not None:
-                seen = self._last_step.get(rank)
-                if seen is None or seen[0] != beat.get("count"):
-                    self._last_step[rank] = (beat.get("count"), now)
-                elif now - seen[1] >= timeout:
-                    return f"no heartbeat for {now - seen[1]:.1f} s (step {beat.get('step')})"
-        return None
+        if not self._runtime:
+            return None  # a plain script: its process state is all there is to watch
+        return self._liveness.judge(rank, worker.pid, worker.started_at, status, now)
 
-    def _inject(self, now: float) -> None:
-        for fault in list(self._faults):
-            due = False
-            beat = self.worker_heartbeat(fault.rank) if self.worker_heartbeat is not None else None
-            if fault.at_s is not None:
-                due = now - self._started_at >= fault.at_s
-            elif fault.step is not None:
-                due = beat is not None and beat.get("step", -1) >= fault.step
-            else:
-                due = (
-                    beat is not None
-                    and beat.get("state") == "recovering"
-                    and beat.get("gen", 0) + 1 >= (fault.recovery or 1)
-                )
-            if not due:
-                continue
-            self._faults.remove(fault)
+    def _inject(self, now: float, statuses: dict) -> None:
+        phase = self._phase
+        if phase is None and self.view is not None and self._injector.pending:
+            phase = self.view.recovery_phase() if any(
+                f.phase or f.recovery for f in self._injector.pending
+            ) else None
+        for fault in self._injector.due(
+            now, since_start_s=now - self._started_at, status=statuses, phase=phase
+        ):
             worker = self.workers.get(fault.rank)
             if worker is None or worker.poll() is not None:
                 continue
@@ -294,31 +310,32 @@ class LocalGroup:
             elif fault.kind is FaultKind.HANG:
                 signal_worker(worker, signal.SIGSTOP)
             else:
-                self._request_exit(fault, worker)
+                self._request_exit(fault, worker, statuses.get(fault.rank))
             self._fault_times[fault.rank] = now
+            status = statuses.get(fault.rank)
             self.emit(
                 "fault_injected",
                 rank=fault.rank,
                 kind=fault.kind.value,
                 attempt=self.s.attempt,
                 detail=fault.describe(),
+                worker_phase=status.phase if status is not None else None,
+                recovery_phase=phase.phase if phase is not None else None,
             )
 
-    def _request_exit(self, fault: FaultSpec, worker: Worker) -> None:
-        """A chameleon worker exits with the asked code (it polls for the request); a plain
-        script cannot be asked, so it gets SIGTERM."""
-        if (
-            self.ask_exit is not None
-            and self.worker_heartbeat is not None
-            and self.worker_heartbeat(fault.rank)
-        ):
+    def _request_exit(self, fault: FaultSpec, worker: Worker, status) -> None:  # noqa: ANN001
+        """A chameleon worker exits with the asked code (its watcher hears it at once); a
+        plain script cannot be asked, so it gets SIGTERM."""
+        if self.view is not None and status is None:
+            status = self.view.statuses([fault.rank]).get(fault.rank)
+        if self.view is not None and status is not None and status.pid == worker.pid:
             self.emit("exit_requested", rank=fault.rank, code=fault.code)
-            self.ask_exit(fault.rank, fault.code)
+            self.view.ask_exit(fault.rank, fault.code, worker.pid)
         else:
             signal_worker(worker, signal.SIGTERM)
 
     def pending_step_faults(self) -> list[FaultSpec]:
-        return [f for f in self._faults if f.step is not None]
+        return self._injector.steps_pending()
 
     def stop(self, *, signum: int = signal.SIGTERM, grace_s: float) -> None:
         stop_workers(

@@ -1,10 +1,10 @@
 """Replacements for failed workers of a chameleon_runtime job, while it keeps training.
 
-A worker dies but its node lives (a crash, a kill, a hang we killed): once the job has
-recovered without it, the leader asks that node's agent to start the rank again, by
-writing ``respawn/<rank>`` (a count) in the worker store. The new process starts as a
-spare: it loads no checkpoint and holds no layer, announces itself with ``join/<rank>``
-(the same count) and waits. The coordinator then weighs the job with it against the job
+A worker dies but its node lives (a crash, a kill, a hang we killed): the leader asks that
+node's agent to start the rank again, by writing ``respawn/<rank>`` (a count) in the worker
+store. The new process starts as a spare: it loads no checkpoint and holds no layer,
+announces itself to the leader (``Joined`` with the same count, planner.protocol) and
+waits. The coordinator then weighs the job with it against the job
 without it, and when the gain over the expected time to the next failure pays for the
 move, re-partitions over everyone (the newcomer receives its layers from their holders,
 as in any re-partition). Otherwise it stays a spare that a later recovery may use.
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
 
 # Grow only when the expected throughput until the next failure improves by this much.
 GROW_MARGIN = 0.01
@@ -30,10 +29,10 @@ class Rejoins:
     waiting: set[int] = field(default_factory=set)  # asked, not yet announced
 
     def request(
-        self, ranks: Iterable[int], *, gone: set[int], put: Callable[[str, Any], None]
+        self, ranks: Iterable[int], *, gone: set[int], put: Callable[[int, int], None]
     ) -> list[int]:
         """Ask for replacements of ``ranks`` (those whose node is not ``gone`` and that
-        have budget left); returns the ranks asked for."""
+        have budget left): ``put(rank, count)``. Returns the ranks asked for."""
         asked = []
         for rank in sorted(ranks):
             count = self.requested.get(rank, 0)
@@ -41,18 +40,9 @@ class Rejoins:
                 continue
             self.requested[rank] = count + 1
             self.waiting.add(rank)
-            put(f"respawn/{rank}", count + 1)
+            put(rank, count + 1)
             asked.append(rank)
         return asked
-
-    def announced(self, get: Callable[[str], Any]) -> list[int]:
-        """Replacements that have started and announced themselves."""
-        out = []
-        for rank in sorted(self.waiting):
-            note = get(f"join/{rank}")
-            if note is not None and note.get("count") == self.requested[rank]:
-                out.append(rank)
-        return out
 
     def forget(self, ranks: Iterable[int]) -> None:
         self.waiting.difference_update(ranks)

@@ -13,11 +13,14 @@ A round (one attempt of the workers):
 - agents report failures (``r<a>/fail/<i>``) and finished nodes (``r<a>/done/<key>``);
   the leader publishes its decision as ``r<a>/decision``;
 - heartbeats: ``hb/<key>`` counts up every second; the leader watches the counts change
-  on its own clock (no clock skew between hosts).
+  on its own clock (no clock skew between hosts);
+- the leader asks an agent to kill a worker it blamed for a stall through the queue
+  ``r<a>/kill/<key>``.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import time
@@ -258,6 +261,19 @@ class ControlPlane:
             pending = [k for k in pending if self.get(f"r{attempt}/ack/{k}") is None]
             if pending:
                 time.sleep(0.05)
+
+    def request_kill(self, attempt: int, key: str, rank: int, reason: str) -> None:
+        """Leader: ask the agent ``key`` to kill ``rank`` as hung (a stall it was blamed
+        for, launcher/watch.py)."""
+        self.store.queue_push(self._k(f"r{attempt}/kill/{key}"), json.dumps([rank, reason]))
+
+    def kill_requests(self, attempt: int) -> list[tuple[int, str]]:
+        name = self._k(f"r{attempt}/kill/{self.key}")
+        out = []
+        for _ in range(self.store.queue_len(name)):
+            rank, reason = json.loads(self.store.queue_pop(name, block=False))
+            out.append((int(rank), str(reason)))
+        return out
 
     def beat(self) -> None:
         self.add(f"hb/{self.key}", 1)

@@ -147,7 +147,8 @@ def decide(view: RoundView) -> Decision:
             counts_as_restart=True,
             next_nodes=next_nodes,
         )
-    if view.nodes_done == view.nodes:
+    # Nodes lost and recovered from in place are not waited for: they will not finish.
+    if view.nodes_done and view.nodes_done == view.nodes - view.nodes_lost:
         return Decision(Action.FINISH, "all workers finished", exit_code=0)
     if view.nodes_waiting and view.nodes < view.max_nodes:
         grown = min(view.nodes + view.nodes_waiting, view.max_nodes)

@@ -3,7 +3,8 @@
 import pytest
 
 from launcher.args import ArgsError, parse_run_args, run_help
-from launcher.faults import FaultKind, parse_fault
+from launcher.faults import FaultKind, Injector, parse_fault
+from planner.protocol import RecoveryPhase, WorkerStatus
 
 
 def test_both_spellings_and_torchrun_defaults():
@@ -59,8 +60,12 @@ def test_redirects_and_tee_formats():
         (["-r", "9", "t.py"], "--redirects must be"),
         (
             ["--inject-fault", "kill:rank=1", "t.py"],
-            "exactly one of at=SECONDS, step=N or recovery=N",
+            "exactly one of at=SECONDS, step=N or phase=PHASE / recovery=N",
         ),
+        (["--inject-fault", "kill:rank=1,phase=lunch", "t.py"], "phase must be one of"),
+        (["--inject-fault", "kill:rank=1,at=2,after_ms=5", "t.py"], "after_ms goes with"),
+        (["--step-timeout", "soon", "t.py"], "--step-timeout must be auto or seconds"),
+        (["--startup-timeout", "0", "t.py"], "must be positive"),
     ],
 )
 def test_bad_arguments_name_the_problem(argv, message):
@@ -73,15 +78,45 @@ def test_fault_specs():
     assert (f.kind, f.rank, f.at_s, f.step, f.attempt) == (FaultKind.KILL, 3, 5.0, None, 0)
     g = parse_fault("exit:rank=1,step=10,code=7,attempt=1")
     assert (g.kind, g.step, g.code, g.attempt) == (FaultKind.EXIT, 10, 7, 1)
+    h = parse_fault("kill:rank=2,phase=migrate,recovery=2,after_ms=50")
+    assert (h.phase, h.recovery, h.after_ms) == ("migrate", 2, 50.0)
     for bad in (
         "explode:rank=1,at=1",
         "kill:at=1",
         "kill:rank=x,at=1",
         "kill:rank=1,at=1,step=2",
         "kill:rank=1,when=2",
+        "kill:rank=1,phase=plan,step=3",
+        "kill:rank=1,recovery=0",
     ):
         with pytest.raises(ValueError):
             parse_fault(bad)
+
+
+def _phase(phase, recovery=1):
+    return RecoveryPhase(recovery=recovery, phase=phase, generation=1)
+
+
+def _status(phase, step=3):
+    return WorkerStatus(pid=1, beat=1, phase=phase, generation=1, step=step, progress=step)
+
+
+def test_phase_faults_fire_in_their_phase_of_their_recovery_after_their_delay():
+    plan = parse_fault("kill:rank=1,phase=plan,after_ms=50")
+    groups = parse_fault("kill:rank=2,phase=groups,recovery=2")
+    step = parse_fault("hang:rank=3,step=4")
+    injector = Injector([plan, groups, step])
+    due = injector.due
+    assert due(0.0, since_start_s=0, status={}, phase=_phase("collect")) == []
+    assert due(1.0, since_start_s=1, status={}, phase=_phase("plan")) == []  # armed
+    assert due(1.049, since_start_s=1, status={}, phase=_phase("confirm")) == []
+    assert due(1.05, since_start_s=1, status={}, phase=_phase("confirm")) == [plan]
+    worker = {2: _status("groups")}
+    assert due(2.0, since_start_s=2, status=worker, phase=_phase("confirm")) == []  # recovery 1
+    assert due(3.0, since_start_s=3, status=worker, phase=_phase("confirm", 2)) == [groups]
+    assert due(4.0, since_start_s=4, status={3: _status("train", step=4)}, phase=None) == []
+    assert due(4.1, since_start_s=4, status={3: _status("train", step=5)}, phase=None) == [step]
+    assert injector.pending == []
 
 
 def test_help_lists_torchrun_and_chameleon_flags():

@@ -1,0 +1,218 @@
+"""A worker's two background threads: the heartbeat, which says it is alive and what it is
+doing, and the watcher, which hears the launcher's messages at once.
+
+Why a heartbeat thread and not a heartbeat after each step: liveness and progress are
+different questions. A step, a checkpoint or an evaluation may take minutes; the thread
+keeps beating through it (every ``HEARTBEAT_PERIOD_S``, and at once when the main thread
+changes phase), so the launcher's liveness timeout only catches a process that is gone or
+frozen (SIGSTOP, a dead interpreter), and its progress timeouts (launcher/watch.py) judge
+the steps. The status also says what the worker waits on, so that when one worker stalls,
+the launcher blames it and not the peers that wait for it.
+
+Why a watcher blocked on a mailbox queue (``TCPStore.queue_pop``) and not polling: an abort
+reaches the worker the moment the launcher sends it, at no cost to the store in between.
+On an abort it wakes every wait of that generation (``Interrupts``) and poisons the
+agreement the main thread is blocked in (chameleon_runtime.control), so no wait outlives
+its generation. An exit request (fault injection) ends the process from this thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from planner.protocol import MAILBOX, Abort, Exit, Finish, Keys, Stop, WaitingOn, WorkerStatus
+
+HEARTBEAT_PERIOD_S = 1.0
+# The watcher's connection waits for the next message as long as the job runs.
+FOREVER = timedelta(days=365)
+
+
+def _count(path: str) -> int | None:
+    try:
+        return len(os.listdir(path))
+    except OSError:
+        return None
+
+
+class Status:
+    """What this worker is doing, written by the main thread and published by the
+    heartbeat thread (the only writer of the status key)."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self._fields: dict[str, Any] = {
+            "pid": os.getpid(),
+            "beat": 0,
+            "phase": "startup",
+            "generation": 0,
+            "step": 0,
+            "progress": 0,
+        }
+        self._changed = threading.Condition()
+        self._dirty = False
+
+    def update(self, *, publish: bool = True, **fields: Any) -> None:
+        """Change fields; ``publish`` wakes the heartbeat thread to write them now (phase
+        changes must reach the launcher at once: fault injection and the blame chain
+        read them)."""
+        with self._changed:
+            self._fields.update(fields)
+            if publish:
+                self._dirty = True
+                self._changed.notify()
+
+    @contextlib.contextmanager
+    def waiting(self, what: str, peers: tuple[int, ...] = (), name: str = "") -> Iterator[None]:
+        """Mark a blocking wait (not published by itself: a wait is worth reporting only
+        when it lasts, and the next beat does that)."""
+        with self._changed:
+            before = self._fields.get("waiting_on")
+            self._fields["waiting_on"] = WaitingOn(what=what, peers=list(peers), name=name)
+        try:
+            yield
+        finally:
+            with self._changed:
+                self._fields["waiting_on"] = before
+
+    def get(self, name: str) -> Any:
+        with self._changed:
+            return self._fields.get(name)
+
+    def _next(self, timeout_s: float) -> WorkerStatus:
+        with self._changed:
+            if not self._dirty:
+                self._changed.wait(timeout_s)
+            self._dirty = False
+            self._fields["beat"] += 1
+            fields = dict(self._fields)
+        fields["fds"] = _count("/proc/self/fd")
+        fields["threads"] = _count("/proc/self/task")
+        return WorkerStatus(**fields)
+
+    def wake(self) -> None:
+        with self._changed:
+            self._dirty = True
+            self._changed.notify()
+
+
+class Heartbeat:
+    """Publishes ``Status`` to ``status/<rank>`` every period and on every change."""
+
+    def __init__(self, addr: str, port: int, keys: Keys, status: Status) -> None:
+        self._store = dist.TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=60))
+        self._key = keys.status(status.rank)
+        self._status = status
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            snapshot = self._status._next(HEARTBEAT_PERIOD_S)
+            if self._stop.is_set():
+                return
+            try:
+                self._store.set(self._key, snapshot.model_dump_json(exclude_none=True))
+            except Exception:
+                return  # the store is gone: the launcher is ending this worker
+
+    def close(self) -> None:
+        self._stop.set()
+        self._status.wake()
+        self._thread.join(timeout=5.0)
+
+
+class Interrupts:
+    """Events to set when the generation they belong to is aborted: a wait registers one
+    and blocks on it instead of polling."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._events: set[tuple[int, threading.Event]] = set()
+        self.aborted_upto = -1  # every generation up to this one is aborted
+        self.finished: int | None = None
+
+    @contextlib.contextmanager
+    def watch(self, generation: int, event: threading.Event) -> Iterator[None]:
+        with self._lock:
+            self._events.add((generation, event))
+            if self.aborted_upto >= generation or self.finished is not None:
+                event.set()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._events.discard((generation, event))
+
+    def aborted(self, generation: int) -> bool:
+        return self.aborted_upto >= generation
+
+    def _abort(self, generation: int) -> None:
+        with self._lock:
+            self.aborted_upto = max(self.aborted_upto, generation)
+            for gen, event in self._events:
+                if gen <= generation:
+                    event.set()
+
+    def _finish(self, step: int) -> None:
+        with self._lock:
+            self.finished = step
+            for _gen, event in self._events:
+                event.set()
+
+
+class Watcher:
+    """Pops this worker's mailbox and acts: ``Abort`` wakes the generation's waits and
+    calls ``on_abort`` (which poisons a pending agreement), ``Exit`` ends the process,
+    ``Finish`` wakes a spare, ``Stop`` ends the thread."""
+
+    def __init__(
+        self,
+        addr: str,
+        port: int,
+        keys: Keys,
+        rank: int,
+        interrupts: Interrupts,
+        on_abort: Callable[[dist.Store, int], None],
+    ) -> None:
+        self._store = dist.TCPStore(addr, port, is_master=False, timeout=FOREVER)
+        self._key = keys.mailbox(rank)
+        self._interrupts = interrupts
+        self._on_abort = on_abort
+        self._thread = threading.Thread(target=self._run, name="mailbox", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        me = os.getpid()
+        while True:
+            try:
+                raw = self._store.queue_pop(self._key, block=True)
+            except Exception:
+                return  # the store is gone: the launcher is ending this worker
+            message = MAILBOX.validate_json(raw)
+            if isinstance(message, Abort):
+                self._interrupts._abort(message.generation)
+                self._on_abort(self._store, message.generation)
+            elif isinstance(message, Exit) and message.pid == me:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(message.code)
+            elif isinstance(message, Finish):
+                self._interrupts._finish(message.step)
+            elif isinstance(message, Stop) and message.pid == me:
+                return
+
+    def close(self, store: dist.Store) -> None:
+        """Stop the thread through the mailbox and join it: a thread still inside a store
+        call when the interpreter finalizes aborts the process."""
+        with contextlib.suppress(Exception):
+            store.queue_push(self._key, Stop(pid=os.getpid()).model_dump_json())
+        self._thread.join(timeout=5.0)

@@ -1,0 +1,217 @@
+"""The worker's side of a recovery: leave a generation, report what it holds, and carry
+out the launcher's next plan. Mixed into ``Trainer`` (chameleon_runtime.trainer).
+
+A plan is applied in four steps, each of which a new failure may interrupt:
+
+1. ``groups``: an all-or-none agreement that every member of the new generation is here,
+   then its process group is built (so a build never waits for a member that is gone);
+2. ``migrate``: layers move from their holders to the workers that lack them, in the
+   planner's colouring rounds; each layer's header (shapes, optimizer-state keys) travels
+   through gloo ahead of its tensors, so a migration leaves no key in the store;
+3. ``migrated``: an all-or-none agreement that every transfer completed. Only when it
+   holds does any worker import what it received or free what it gave away: a receiver
+   that did not finish holds nothing new, a sender frees nothing before every transfer
+   is confirmed, and holders never disagree;
+4. ``Applied`` to the leader, and training goes on from the step the plan names.
+
+Whatever interrupts it, the worker reports ``Ready`` again, with the generation it left,
+the last one it applied and what it really holds, and waits for the next plan.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from typing import TYPE_CHECKING
+
+import torch
+
+from chameleon_runtime.comm import Aborted, CommError, Generation
+from chameleon_runtime.shard import Shard
+from chameleon_runtime.step import MyPart
+from planner.protocol import Applied, Joined, Ready
+from planner.wire import PlanMessage
+
+if TYPE_CHECKING:
+    from chameleon_runtime.control import Control
+    from planner.plan import Plan
+
+# Migration tags sit above the step's (2 per micro-batch) and the buckets' (1,000,000 +):
+# transfer n, its k-th layer, its j-th message (0 size, 1 header, then the tensors).
+MIGRATION_TAG = 1 << 30
+TRANSFER_STRIDE = 100_000
+LAYER_STRIDE = 1_000
+
+
+def _migration_tag(transfer: int, layer: int, message: int) -> int:
+    return MIGRATION_TAG + transfer * TRANSFER_STRIDE + layer * LAYER_STRIDE + message
+
+
+class RecoveryMixin:
+    """Recovery for ``Trainer``; the attributes below are the trainer's."""
+
+    rank: int
+    control: Control
+    shard: Shard
+    device: str
+    layer_params: list[int]
+    generation: int
+    applied: int  # the last generation whose migration this worker completed
+    plan: Plan
+    part: MyPart | None
+    gen: Generation | None
+    step: int
+    recoveries: int
+
+    # -- generations ---------------------------------------------------------------------
+
+    def _enter(self, generation: int, plan: Plan, members: list[int]) -> None:
+        """Agree that every member is here, then build the generation's group."""
+        self.generation, self.plan = generation, plan
+        self.control.status.update(phase="groups", generation=generation)
+        if not self.control.agree(generation, "groups", len(members)).held:
+            raise Aborted(f"generation {generation} aborted before its groups were built")
+        self.gen = Generation(
+            store=self.control.store,
+            prefix=self.control.keys.groups(generation),
+            generation=generation,
+            members=members,
+            me=self.rank,
+            interrupts=self.control.interrupts,
+            status=self.control.status,
+            device=self.device,
+        )
+        self.part = (
+            MyPart.of(plan, self.rank, self.layer_params) if self.rank in plan.stage_of else None
+        )
+
+    def _leave(self) -> None:
+        if self.gen is not None:
+            self.gen.abandon()
+            self.gen = None
+
+    # -- recovery ------------------------------------------------------------------------
+
+    def _recover(self, reason: str) -> None:
+        """Discard the step in progress and carry out the launcher's next plan."""
+        left = self.generation
+        self._leave()
+        self.shard.zero_grad()
+        while True:
+            self.control.status.update(phase="ready", generation=left)
+            self.control.tell_leader(
+                Ready(
+                    rank=self.rank,
+                    pid=os.getpid(),
+                    after=left,
+                    applied=self.applied,
+                    # A spare's step is stale (it ran none): the holders' step is current.
+                    step=None if self.part is None else self.step,
+                    held=self.shard.held(),
+                    reason=reason[:200],
+                )
+            )
+            message = self.control.next_plan(left)
+            try:
+                self._apply(message)
+                self.recoveries += 1
+                self.control.status.update(recoveries=self.recoveries)
+                return
+            except (Aborted, CommError) as exc:  # a failure during the recovery itself
+                self._leave()
+                left, reason = message.generation, str(exc)
+
+    def _apply(self, message: PlanMessage) -> None:
+        plan = message.plan.to_plan()
+        members = sorted(set(plan.workers) | {t.src for t in message.transfers})
+        if self.rank not in members:  # neither used nor needed: a spare from now on
+            self.generation, self.plan, self.part = message.generation, plan, None
+            # What it held is not needed by this plan and goes stale with its next step:
+            # give the memory back. (Should this plan be abandoned, the launcher sees
+            # that this worker no longer holds its old stage and plans accordingly.)
+            self.shard.keep_only(0, 0)
+            self.step = message.resume_step
+            self.control.status.update(phase="spare", generation=message.generation)
+            return
+        if self.part is not None and message.resume_step != self.step:
+            raise RuntimeError(
+                f"plan resumes at step {message.resume_step}, this worker is at {self.step}"
+            )
+        self._enter(message.generation, plan, members)
+        self.control.status.update(phase="migrate")
+        received = self._migrate(message)
+        if not self.control.agree(message.generation, "migrated", len(members)).held:
+            raise Aborted(f"generation {message.generation} aborted during its migration")
+        # Every transfer is confirmed: only now replace and free state.
+        for header, tensors in received:
+            self.shard.import_layer(header, tensors)
+        if self.rank in plan.stage_of:
+            stage = plan.stage_of[self.rank]
+            self.shard.ensure(stage.first_layer, stage.end_layer)  # no-op unless a bug
+            self.shard.keep_only(stage.first_layer, stage.end_layer)
+        else:
+            self.shard.keep_only(0, 0)
+        self.applied = message.generation
+        self.step = message.resume_step
+        self.control.status.update(phase="train", step=self.step)
+        self.control.tell_leader(Applied(rank=self.rank, generation=message.generation))
+
+    def _migrate(self, message: PlanMessage) -> list[tuple[dict, list[torch.Tensor]]]:
+        """Send and receive layer state, round by round (a worker takes part in one
+        transfer per round)."""
+        assert self.gen is not None
+        gen = self.gen
+        received = []
+        for r in sorted({t.round for t in message.transfers}):
+            for n, t in enumerate(message.transfers):
+                if t.round != r or self.rank not in (t.src, t.dst):
+                    continue
+                for k, layer in enumerate(range(t.first_layer, t.end_layer)):
+                    if t.src == self.rank:
+                        header, tensors = self.shard.export_layer(layer)
+                        blob = bytearray(json.dumps(header).encode())
+                        gen.send(torch.tensor([len(blob)]), t.dst, _migration_tag(n, k, 0))
+                        gen.send(torch.frombuffer(blob, dtype=torch.uint8), t.dst, _migration_tag(n, k, 1))
+                        for j, tensor in enumerate(tensors):
+                            gen.send(tensor, t.dst, _migration_tag(n, k, 2 + j))
+                    else:
+                        size = gen.recv(torch.zeros(1, dtype=torch.int64), t.src, _migration_tag(n, k, 0))
+                        blob = gen.recv(torch.empty(int(size), dtype=torch.uint8), t.src, _migration_tag(n, k, 1))
+                        header = json.loads(blob.numpy().tobytes())
+                        tensors = Shard.empty_tensors(header)
+                        for j, tensor in enumerate(tensors):
+                            gen.recv(tensor, t.src, _migration_tag(n, k, 2 + j))
+                        received.append((header, tensors))
+            gen.flush_sends()
+        return received
+
+    # -- spares and replacements ---------------------------------------------------------
+
+    def _join(self, count: int) -> None:
+        """A replacement started by the launcher while the job trains (launcher/rejoin.py):
+        take the current generation as a spare, holding nothing, and announce it. The
+        launcher decides whether to re-partition with us; until then we idle."""
+        message = self.control.latest_plan()
+        self.generation, self.plan, self.part = message.generation, message.plan.to_plan(), None
+        self.step = message.resume_step  # stale until a plan takes us in
+        keys = self.control.keys
+        # An abort or the end that came before this process listened: act on it now.
+        if self.control.get(keys.abort(message.generation)) is not None:
+            self.control.interrupts._abort(message.generation)
+        finished = self.control.get(keys.finished)
+        if finished is not None:
+            self.control.interrupts._finish(int(finished))
+        self.control.status.update(phase="spare", generation=message.generation)
+        self.control.tell_leader(Joined(rank=self.rank, count=count, generation=message.generation))
+
+    def _idle(self, steps: int) -> None:
+        """A live worker the plan does not use: wait, heartbeating, until a new plan is
+        coming (an abort of this generation) or training is over."""
+        event = threading.Event()
+        with self.control.interrupts.watch(self.generation, event):
+            event.wait()
+        if self.control.interrupts.finished is not None:
+            self.step = max(steps, self.control.interrupts.finished + 1)
+        else:
+            self._recover("a new plan")

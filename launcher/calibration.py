@@ -1,0 +1,247 @@
+"""The planner's view of a running chameleon_runtime job: the costs its workers measured at
+start (``JobDescription``), on the launch's topology, fitted to the steps they measure
+while training, so that the planner's estimate of the running plan is its measured step.
+
+Workers with a device each: one factor on every layer's time, so that the critical path
+is the measured step (communication and the commit do not scale with it: iterate to the
+fixed point).
+
+Workers sharing a host's cores (CPU), from their own CPU accounting: layer times become CPU
+times (a worker that has a core runs at that speed), each worker's CPU beyond its layers
+is its overhead, and the host bound is all of it over the host's cores. A step slower
+than that bound waits on messages: on a busy host a message's wake-up costs far more than
+the link's latency, so the latency that makes the running plan's critical path the
+measured step is fitted (a pipeline with many hops pays it often, data parallelism
+rarely). Where waiting cannot explain the step (no messages) or the bound already exceeds
+it (the host is busier than its workers: the launcher, a replacement starting), the host
+is taken to keep busy only the cores it was measured to keep busy.
+
+The model is fitted once per generation, after its steps settle; the planner's search is
+warmed up at the same time, so a failure pays for neither.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+from planner.protocol import WorkerStatus
+
+CALIBRATION_ROUNDS = 4
+DEFAULT_RESTART_S = 10.0  # before a start-up was measured (a --config gives its own)
+# A layout this much faster than the launched one is worth a note in the run summary.
+LAYOUT_HINT_SPEEDUP = 1.1
+
+
+def waiting(job: Any, extra_s: float) -> Any:
+    """``job`` with ``extra_s`` added to every message's latency."""
+    if extra_s == 0.0:
+        return job
+    cluster = job.cluster
+    slower = {
+        name: replace(link, latency_s=link.latency_s + extra_s)
+        for name, link in (("intra_node", cluster.intra_node), ("inter_node", cluster.inter_node))
+    }
+    return replace(job, cluster=replace(cluster, **slower))
+
+
+def scaled(job: Any, k: float) -> Any:
+    """``job`` with every layer's compute times multiplied by ``k``."""
+    if k == 1.0:
+        return job
+    layers = tuple(
+        replace(
+            x, forward_s=x.forward_s * k, backward_s=x.backward_s * k, optimizer_s=x.optimizer_s * k
+        )
+        for x in job.model.layers
+    )
+    return replace(job, model=replace(job.model, layers=layers))
+
+
+def fit_wait(job: Any, plan: Any, measured: float, rounds: int = 30) -> float | None:
+    """The extra latency per message that makes ``plan``'s estimate ``measured`` (the
+    estimate grows with it), or None where none does: the estimate without any is
+    already there, or no amount of waiting reaches it."""
+    from planner.estimate import estimate
+
+    def predicted(extra: float) -> float:
+        return estimate(waiting(job, extra), plan).step_s
+
+    low, high = 0.0, measured
+    if predicted(low) >= measured or predicted(high) < measured:
+        return None
+    for _ in range(rounds):
+        mid = (low + high) / 2
+        low, high = (mid, high) if predicted(mid) < measured else (low, mid)
+    return (low + high) / 2
+
+
+@dataclass
+class JobModel:
+    emit: Callable[..., object]
+    mtbf_s: float
+    num_nodes: int
+    workers_per_node: int
+    nodes_per_host: int = 1
+    restart_s: float | None = None  # a checkpoint restart: measured start-up (None: not yet)
+    cluster: Any = None  # planner.workload.Cluster from --config
+    description: Any = None  # planner.wire.JobDescription, once the workers published it
+    factor: float | None = None
+    host: tuple[float, float, float] | None = None  # cores, overhead per worker, message wait
+    wait_s: float = 0.0  # the last message wait a fit could determine
+    measured_s: float | None = None
+    _search: Any = None
+
+    def measured_step_s(self, statuses: Mapping[int, WorkerStatus], generation: int) -> float | None:
+        """The median step time the generation's workers report over their recent steps."""
+        times = [
+            s.mean_step_s or s.step_s
+            for s in statuses.values()
+            if s.step_s and s.generation == generation and s.phase == "train"
+        ]
+        return statistics.median(times) if times else None
+
+    def job(self, current: Any, statuses: Mapping[int, WorkerStatus], generation: int) -> Any:
+        """The described job, fitted (once per ``refit``) to the measured steps."""
+        measured = self.measured_step_s(statuses, generation)
+        if measured is not None:
+            self.measured_s = measured
+        job = self.description.to_job(
+            num_nodes=self.num_nodes,
+            workers_per_node=self.workers_per_node,
+            mtbf_s=self.mtbf_s,
+            step_s=self.measured_s or 1.0,
+            restart_s=self.restart_s if self.restart_s is not None else DEFAULT_RESTART_S,
+            cluster=self.cluster,
+            nodes_per_host=self.nodes_per_host,
+        )
+        if self.factor is None:
+            if measured is None:
+                return job
+            self._fit(job, current, statuses, generation, measured)
+        job = scaled(job, self.factor)
+        if self.host is not None:
+            cores, overhead, wait = self.host
+            job = replace(
+                job, cluster=replace(job.cluster, host_cores=cores, worker_overhead_s=overhead)
+            )
+            job = waiting(job, wait)
+        return job
+
+    def refit(self) -> None:
+        """Fit again at the next ``job`` (a new generation's steps have settled)."""
+        self.factor, self.host = None, None
+
+    def _fit(
+        self,
+        job: Any,
+        current: Any,
+        statuses: Mapping[int, WorkerStatus],
+        generation: int,
+        measured: float,
+    ) -> None:
+        from planner.cost import CostModel
+        from planner.estimate import estimate, worker_compute_s
+
+        beats = {
+            w: s
+            for w in current.workers
+            if (s := statuses.get(w)) and s.cpu_s and s.compute_cpu_s and s.generation == generation
+        }
+        compute = worker_compute_s(current, CostModel(job))
+        modelled = sum(compute.get(w, 0.0) for w in beats)
+        if job.cluster.host_cores and beats and modelled > 0:
+            cpu = [s.mean_cpu_s or s.cpu_s for s in beats.values()]
+            compute_cpu = [s.mean_compute_cpu_s or s.compute_cpu_s for s in beats.values()]
+            self.factor = sum(compute_cpu) / modelled
+            overhead = max(
+                0.0, statistics.mean(c - k for c, k in zip(cpu, compute_cpu, strict=True))
+            )
+            cores = job.cluster.host_cores
+            fitted = replace(
+                scaled(job, self.factor), cluster=replace(job.cluster, worker_overhead_s=overhead)
+            )
+            wait = fit_wait(fitted, current, measured)
+            if wait is None:
+                # Keep what an earlier plan with more messages showed of waiting: a data
+                # parallel step that the host bounds says nothing about it.
+                hosts = -(-self.num_nodes // max(1, self.nodes_per_host))
+                busy = sum(cpu) * len(current.workers) / len(beats) / measured / hosts
+                cores, wait = busy, self.wait_s
+            self.wait_s = wait
+            self.host = (cores, overhead, wait)
+        else:
+            alone = replace(job, cluster=replace(job.cluster, host_cores=None))
+            k = 1.0
+            for _ in range(CALIBRATION_ROUNDS):
+                predicted = estimate(scaled(alone, k), current).step_s
+                if predicted <= 0:
+                    break
+                k *= measured / predicted
+            self.factor = k
+        host = self.host
+        self.emit(
+            "calibrated",
+            measured_step_s=measured,
+            estimated_step_s=estimate(job, current).step_s,
+            factor=self.factor,
+            host_cores=host[0] if host else None,
+            worker_overhead_s=host[1] if host else None,
+            message_wait_s=host[2] if host else None,
+        )
+
+    def search(self, job: Any) -> Any:
+        from planner.search import Search
+
+        if self._search is None or self._search.job != job:
+            self._search = Search(job).warm_up()
+        return self._search
+
+    def hint_layout(self, job: Any, current: Any) -> None:
+        """Say so when the planner knows a clearly faster layout on the same workers than
+        the one the script asked for: after a failure it may pick that layout, and the run
+        then goes faster than before, which would otherwise look like a bug. (Changing the
+        layout of a healthy job unasked is left to the user.)"""
+        from planner.estimate import estimate
+
+        launched = estimate(job, current).step_s
+        best = self.search(job).propose(current, current.workers)
+        if best and best[0].estimate.step_s < launched / LAYOUT_HINT_SPEEDUP:
+            self.emit(
+                "layout_hint",
+                launched_step_s=launched,
+                best_step_s=best[0].estimate.step_s,
+                label=best[0].label,
+                pipelines=[list(p) for p in best[0].plan.pipelines],
+            )
+
+    def growth(self, job: Any, current: Any, alive: list[int]) -> tuple[float, float, float, str] | None:
+        """(step now, step with every live worker, transition, label) when moving to the
+        best layout over every live worker pays before the next failure, else None."""
+        from launcher.rejoin import worth_growing
+        from planner.policy import reparallelize_candidates
+
+        search = self.search(job)
+        proposals = search.propose(current, alive)[:1]
+        if not proposals:
+            return None
+        (best,) = reparallelize_candidates(search, proposals, current, alive, search_s=0.0)
+        if best.estimate is None or best.plan is None:
+            return None
+        current_s = search.estimate(current).step_s
+        if not worth_growing(
+            current_s=current_s,
+            grown_s=best.estimate.step_s,
+            transition_s=best.transition.total_s,
+            mtbf_s=self.mtbf_s,
+        ):
+            return None
+        return current_s, best.estimate.step_s, best.transition.total_s, best.label
+
+    def since_checkpoint_s(self, resume_step: int, job: Any) -> float:
+        """The work a checkpoint restart would redo, at the measured pace."""
+        every = self.description.checkpoint_interval_steps
+        step_s = job.training.checkpoint_interval_s / max(1, every)
+        return (resume_step % every) * step_s if every else resume_step * step_s

@@ -1,0 +1,556 @@
+"""The in-place recovery coordinator: the I/O shell around the state machine of
+launcher/recovery.py, run by the leader agent for a chameleon_runtime job.
+
+Each tick it turns what happened into events (failures from the agents, the workers'
+``Ready``/``Applied``/``Joined`` messages popped from the leader's inbox queue, the
+planner's answer, the passing of time), asks ``recovery.decide`` what to do, and does it:
+publish aborts and plans, kill what did not answer, emit events, delete the keys of
+generations no worker reads any more. The planner runs on a thread of its own, so
+failures keep being seen while it works.
+
+While the job trains it reads every worker's status once a second (one ``multi_get``):
+step events, the model's calibration (launcher/calibration.py), replacements to admit or
+take in (launcher/rejoin.py), and the progress watch that blames a stalled worker
+(launcher/watch.py).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from typing import Any
+
+from launcher import recovery as rc
+from launcher.calibration import JobModel
+from launcher.rejoin import Rejoins
+from launcher.supervisor import Failure, FailureKind
+from launcher.watch import Progress
+from launcher.watch import Timeouts as WatchTimeouts
+from planner.protocol import (
+    INBOX,
+    Abort,
+    Applied,
+    Joined,
+    Keys,
+    Ready,
+    RecoveryPhase,
+    WorkerStatus,
+    encode,
+)
+
+SNAPSHOT_PERIOD_S = 1.0
+# The model is fitted to each generation once its steps settle (a generation's first
+# steps pay for warm-up): chameleon_runtime.pace leaves 2 out and averages over 8.
+CALIBRATE_AFTER_STEPS = 6
+# Steps after which those means cover only steps run after a replacement's start-up,
+# which competed for the host: the layout with it is judged then.
+SETTLE_STEPS = 10
+
+
+@dataclass(frozen=True)
+class InPlaceOutcome:
+    """What the coordinator asks of the agent: nothing, or a restart (with why)."""
+
+    restart: bool = False
+    reason: str = ""
+
+
+@dataclass
+class _Planning:
+    generation: int
+    start: rc.StartPlanning
+    future: Future
+
+
+class Coordinator:
+    def __init__(
+        self,
+        *,
+        store: Any,
+        attempt: int,
+        world_size: int,
+        emit: Callable[..., object],
+        kill: Callable[[list[int], str], None],
+        model: JobModel,
+        policy: str = "auto",
+        timeouts: rc.Timeouts | None = None,
+        watch: WatchTimeouts | None = None,
+        max_rejoins: int = 0,
+        started_at: float | None = None,
+        on_phase: Callable[[RecoveryPhase], None] | None = None,
+    ) -> None:
+        self.store = store
+        self.keys = Keys(attempt)
+        self.attempt = attempt
+        self.world_size = world_size
+        self.emit = emit
+        self.kill = kill
+        self.model = model
+        self.policy = policy
+        self.progress = Progress(watch or WatchTimeouts())
+        # A survivor may be mid-step when an abort comes: it has the step timeout to answer.
+        self.timeouts = replace(
+            timeouts or rc.Timeouts(), collect_s=self.progress.step_timeout_s()
+        )
+        self.rejoins = Rejoins(max_rejoins)
+        self.started_at = started_at
+        self.on_phase = on_phase
+        self.state: rc.State | None = None
+        self.plans: dict[int, Any] = {}  # generation -> PlanMessage (published or planned)
+        self.gone: set[int] = set()  # ranks whose node is lost: never replaced
+        self.failures: list[Failure] = []
+        self._fatal: str | None = None
+        self._planner = ThreadPoolExecutor(1, thread_name_prefix="planner")
+        self._planning: _Planning | None = None
+        self._statuses: dict[int, WorkerStatus] = {}
+        self._has_status: set[int] = set()
+        self._next_snapshot = 0.0
+        self._last_step_event = (-1, 0.0)
+        self._gen_start = 0
+        self._calibrated = -1
+        self._announced: dict[int, int] = {}  # replacement rank -> generation it joined
+        self._joined: list[int] = []  # admitted replacements, their growth not judged yet
+        self._settle_until = 0
+        self._top_step = -1
+        self._first_step_pending = False
+
+    # -- the agent's interface -----------------------------------------------------------
+
+    @property
+    def recovering(self) -> bool:
+        """In a recovery, or waiting for the first step after one (the agent polls fast
+        then: the first good step is what a recovery is measured by)."""
+        return self.state is not None and (self.state.recovering or self._first_step_pending)
+
+    def all_aware(self) -> bool:
+        return self.store.check([self.keys.aware(r) for r in range(self.world_size)])
+
+    def on_failures(self, failures: list[Failure]) -> None:
+        """Workers died, hung or were lost with their node."""
+        new = [f for f in failures if f not in self.failures]
+        if not new:
+            return
+        self.failures += new
+        ranks = {f.rank for f in new}
+        self.gone |= {f.rank for f in new if f.kind is FailureKind.NODE_LOST}
+        self.rejoins.forget(ranks)
+        for rank in ranks:
+            self._announced.pop(rank, None)
+        if self.state is None and not self._start():
+            self._fatal = f"ranks {sorted(ranks)} failed before training started"
+            return
+        if self.state is not None and self.state.phase is rc.Phase.RUNNING:
+            self._note_progress(self._snapshot(time.monotonic()))  # the step a restart loses
+        self._apply(rc.Failed(frozenset(ranks), _reason(new)))
+        asked = self.rejoins.request(ranks, gone=self.gone, put=self._put_respawn)
+        if asked:
+            self.emit("respawn_requested", attempt=self.attempt, ranks=asked)
+
+    def tick(self) -> InPlaceOutcome:
+        if self._fatal is not None:
+            return InPlaceOutcome(restart=True, reason=self._fatal)
+        if self.state is None and not self._start():
+            return InPlaceOutcome()
+        for raw in self._inbox():
+            message = INBOX.validate_json(raw)
+            if isinstance(message, Ready):
+                report = rc.Report(
+                    message.after, message.applied, message.step, tuple(message.held), message.reason
+                )
+                self._apply(rc.ReadyReported(message.rank, report))
+            elif isinstance(message, Applied):
+                self._apply(rc.AppliedReported(message.rank, message.generation))
+            elif isinstance(message, Joined) and self.rejoins.requested.get(message.rank) == message.count:
+                self.rejoins.forget([message.rank])
+                self._announced[message.rank] = message.generation
+        if self._planning is not None and self._planning.future.done():
+            self._apply(self._planned(self._planning))
+        now = time.monotonic()
+        if self.state.phase is rc.Phase.RUNNING and (
+            now >= self._next_snapshot or self._first_step_pending
+        ):
+            self._next_snapshot = now + SNAPSHOT_PERIOD_S
+            self._while_running(self._snapshot(now), now)
+        self._apply(rc.Tick())
+        if self.state.phase is rc.Phase.ENDED:
+            return InPlaceOutcome(restart=True, reason=self._fatal or "restart")
+        return InPlaceOutcome()
+
+    def close(self) -> None:
+        self._planner.shutdown(wait=False, cancel_futures=True)
+
+    # -- the state machine ---------------------------------------------------------------
+
+    def _start(self) -> bool:
+        """The state machine starts from generation 0, once its chief published it."""
+        from planner.wire import PlanMessage
+
+        if not self.store.check([self.keys.plan(0)]):
+            return False
+        first = PlanMessage.model_validate_json(self.store.get(self.keys.plan(0)))
+        self.plans[0] = first
+        plan = first.plan.to_plan()
+        self.state = rc.State.initial(
+            world=frozenset(range(self.world_size)),
+            layout={s.worker: (s.first_layer, s.end_layer) for s in plan.stages},
+            resume_step=first.resume_step,
+            timeouts=self.timeouts,
+        )
+        self._gen_start = first.resume_step
+        self.emit("resumed", attempt=self.attempt, resume_step=first.resume_step)
+        return True
+
+    def _apply(self, event: rc.Event) -> None:
+        assert self.state is not None
+        self.state, actions = rc.decide(self.state, event, time.monotonic())
+        for action in actions:
+            self._do(action)
+
+    def _do(self, action: rc.Action) -> None:
+        if isinstance(action, rc.Abort):
+            self._abort(action)
+        elif isinstance(action, rc.StartPlanning):
+            self._start_planning(action)
+        elif isinstance(action, rc.Publish):
+            self._publish(action)
+        elif isinstance(action, rc.Kill):
+            self.emit("unresponsive", attempt=self.attempt, ranks=list(action.ranks), reason=action.reason)
+            self.kill(list(action.ranks), action.reason)
+        elif isinstance(action, rc.Restart):
+            self._fatal = action.reason
+            self.emit("abandoned", attempt=self.attempt, reason=action.reason, reached_step=action.reached)
+        elif isinstance(action, rc.Recovered):
+            self._recovered(action)
+        elif isinstance(action, rc.Forget):
+            self._forget(action.below)
+        elif isinstance(action, rc.PhaseChanged):
+            phase = RecoveryPhase(
+                recovery=action.recovery, phase=action.phase.value, generation=action.generation
+            )
+            self.store.set(self.keys.phase, encode(phase))
+            if self.on_phase is not None:
+                self.on_phase(phase)
+        elif isinstance(action, rc.Note):
+            self.emit(action.name, attempt=self.attempt, **action.fields)
+
+    def _abort(self, action: rc.Abort) -> None:
+        message = encode(Abort(generation=action.generation, reason=action.reason))
+        self.store.set(self.keys.abort(action.generation), message)
+        assert self.state is not None
+        # Everyone who may be listening: live workers and replacements on their way.
+        for rank in sorted(self.state.live | self.rejoins.waiting | set(self._announced)):
+            self.store.queue_push(self.keys.mailbox(rank), message)
+        self.emit(
+            "abort",
+            attempt=self.attempt,
+            generation=action.generation,
+            recovery=action.recovery,
+            ranks=list(action.lost),
+            reason=action.reason,
+            last_step=self._top_step,
+        )
+
+    def _publish(self, action: rc.Publish) -> None:
+        message = self.plans[action.generation]
+        self.store.set(self.keys.plan(action.generation), message.model_dump_json())
+        self.store.set(self.keys.latest, str(action.generation))
+        self.store.set(self.keys.next(action.after), str(action.generation))
+
+    def _recovered(self, action: rc.Recovered) -> None:
+        message = self.plans[action.generation]
+        fields = {
+            "generation": action.generation,
+            "policy": message.policy,
+            "resume_step": action.resume_step,
+            "steps_lost": action.steps_lost,
+            "reached_step": action.resume_step + action.steps_lost,
+            "duration_s": action.duration_s,
+        }
+        if action.joined:
+            self.emit("rejoined", ranks=list(action.joined), taken_in=True, **fields)
+        else:
+            self.emit("recovered", **fields)
+        self._gen_start = action.resume_step
+        self._last_step_event = (action.resume_step - 1, 0.0)
+        self._first_step_pending = True
+
+    def _forget(self, below: int) -> None:
+        """Delete every key of generations before ``below``; no worker reads them again."""
+        gen_prefix = self.keys.prefix + "g"
+        for key in self.store.list_keys():
+            if key.startswith(gen_prefix):
+                number = key[len(gen_prefix) :].split("/", 1)[0]
+                if number.isdigit() and int(number) < below:
+                    self.store.delete_key(key)
+        for g in [g for g in self.plans if 0 < g < below]:
+            del self.plans[g]
+
+    def _put_respawn(self, rank: int, count: int) -> None:
+        self.store.set(self.keys.respawn(rank), str(count))
+
+    def _inbox(self) -> list[bytes]:
+        n = self.store.queue_len(self.keys.inbox)
+        return [self.store.queue_pop(self.keys.inbox, block=False) for _ in range(n)]
+
+    # -- planning (the planner runs on its own thread) ------------------------------------
+
+    def _described(self) -> bool:
+        """Whether the model has the workers' description of the job (read once)."""
+        if self.model.description is None and self.store.check([self.keys.job]):
+            from planner.wire import JobDescription
+
+            raw = self.store.get(self.keys.job)
+            self.model.description = JobDescription.model_validate_json(raw)
+        return self.model.description is not None
+
+    def _start_planning(self, start: rc.StartPlanning) -> None:
+        if not self._described():
+            failed: Future = Future()
+            failed.set_exception(RuntimeError("the workers had not described the job yet"))
+            self._planning = _Planning(start.generation, start, failed)
+            return
+        base = self.plans[start.base]
+        current = base.plan.to_plan()
+        job = self.model.job(current, self._statuses, start.base)
+        self._planning = _Planning(
+            start.generation, start, self._planner.submit(self._plan, start, current, job)
+        )
+
+    def _plan(self, start: rc.StartPlanning, current: Any, job: Any) -> dict:
+        from planner.policy import Policy
+        from planner.selection import decide
+
+        forced = None if self.policy == "auto" else Policy(self.policy)
+        if start.joining:
+            forced = Policy.REPARALLELIZE  # taking replacements in: only a re-partition can
+        t0 = time.perf_counter()
+        decision = decide(
+            job,
+            current,
+            list(start.failed),
+            policy=forced,
+            mtbf_s=self.model.mtbf_s,
+            since_checkpoint_s=self.model.since_checkpoint_s(start.resume_step, job),
+            # A restart brings back every rank whose node lives.
+            spares=[r for r in start.failed if r not in self.gone],
+            idle=list(start.idle),
+            search=self.model.search(job),
+        )
+        return {"decision": decision, "job": job, "search_ms": (time.perf_counter() - t0) * 1e3}
+
+    def _planned(self, planning: _Planning) -> rc.Planned:
+        from planner.policy import Policy
+        from planner.wire import PlanMessage
+
+        self._planning = None
+        start = planning.start
+        try:
+            result = planning.future.result()
+        except Exception as exc:  # nothing to plan with, or a planner bug: never wedge
+            return rc.Planned(start.generation, restart=True, reason=f"no plan: {exc}")
+        decision, job = result["decision"], result["job"]
+        candidates = {
+            c.policy.value: {
+                "feasible": c.feasible,
+                "reason": c.reason,
+                "step_s": c.estimate.step_s if c.estimate else None,
+                "peak_memory_bytes": c.estimate.peak_memory_bytes if c.estimate else None,
+                "transition_s": c.transition.total_s if c.feasible else None,
+                "score": decision.score(job, c) if c.feasible else None,
+            }
+            for c in decision.candidates
+        }
+        basis = {
+            "memory_limit_bytes": job.cluster.device_memory_bytes,
+            "mtbf_s": self.model.mtbf_s,
+            "restart_s": job.cluster.restart_s,
+            "candidates": candidates,
+            "search_ms": result["search_ms"],
+            "failed": list(start.failed),
+            "generation": start.generation,
+        }
+        chosen = decision.chosen
+        if chosen is None or chosen.plan is None or chosen.policy is Policy.RESTART:
+            self.emit("plan_chosen", policy="restart", **basis)
+            why = "the planner chose restart" if chosen is not None else "no in-place policy is feasible"
+            return rc.Planned(start.generation, restart=True, reason=why)
+        message = PlanMessage.build(
+            generation=start.generation,
+            policy=chosen.policy.value,
+            resume_step=start.resume_step,
+            plan=chosen.plan,
+            migration=chosen.migration,
+            estimated_step_s=chosen.estimate.step_s if chosen.estimate else None,
+        )
+        self.plans[start.generation] = message
+        why = f"ranks {list(start.joining)} rejoin" if start.joining else f"ranks {list(start.failed)} failed"
+        self.emit(
+            "decision",
+            attempt=self.attempt,
+            generation=start.generation,
+            action="recover",
+            policy=chosen.policy.value,
+            reason=f"{why}; {chosen.policy.value}: {chosen.label}",
+            exit_code=0,
+        )
+        first = self.plans[0].plan.to_plan()
+        self.emit(
+            "plan_chosen",
+            policy=chosen.policy.value,
+            label=chosen.label,
+            resume_step=start.resume_step,
+            estimated_step_s=chosen.estimate.step_s if chosen.estimate else None,
+            failure_free_step_s=self.model.search(job).estimate(first).step_s,
+            before_step_s=decision.baseline.step_s,
+            calibration=self.model.factor,
+            transition_s=chosen.transition.total_s,
+            moved_bytes=chosen.migration.num_bytes,
+            transfers=len(message.transfers),
+            joined=list(start.joining),
+            **basis,
+        )
+        members = frozenset(chosen.plan.workers) | {t.src for t in message.transfers}
+        layout = {s.worker: (s.first_layer, s.end_layer) for s in chosen.plan.stages}
+        return rc.Planned(
+            start.generation, layout=layout, members=members, transition_s=chosen.transition.total_s
+        )
+
+    # -- while the job trains ------------------------------------------------------------
+
+    def _snapshot(self, now: float) -> dict[int, WorkerStatus]:
+        """Every live worker's status, in one round trip (those that posted one)."""
+        assert self.state is not None
+        live = sorted(self.state.live)
+        for rank in live:
+            if rank not in self._has_status and self.store.check([self.keys.status(rank)]):
+                self._has_status.add(rank)
+        ranks = [r for r in live if r in self._has_status]
+        values = self.store.multi_get([self.keys.status(r) for r in ranks]) if ranks else []
+        self._statuses = {r: WorkerStatus.model_validate_json(v) for r, v in zip(ranks, values, strict=True)}
+        return self._statuses
+
+    def _note_progress(self, statuses: dict[int, WorkerStatus]) -> None:
+        steps = [s.step - 1 for s in statuses.values() if s.phase in ("train", "checkpoint")]
+        if steps:
+            self._top_step = max(self._top_step, max(steps))
+
+    def _while_running(self, statuses: dict[int, WorkerStatus], now: float) -> None:
+        state = self.state
+        assert state is not None
+        self._note_progress(statuses)
+        top = self._top_step
+        self._described()
+        last, at = self._last_step_event
+        if top > last and (now - at >= 1.0 or last < self._gen_start):
+            chief = statuses.get(min(state.live)) if state.live else None
+            self.emit(
+                "step",
+                step=top,
+                generation=state.generation,
+                store_keys=self.store.num_keys(),
+                rank=min(state.live) if chief else None,
+                fds=chief.fds if chief else None,
+                threads=chief.threads if chief else None,
+            )
+            self._last_step_event = (top, now)
+            self._first_step_pending = False
+        if self.started_at is not None and self.model.restart_s is None and top >= 0:
+            self.model.restart_s = now - self.started_at  # a restart costs this start-up
+        collect_s = self.progress.step_timeout_s()  # a survivor may be mid-step at an abort
+        if collect_s != self.timeouts.collect_s:
+            self.set_timeouts(replace(self.timeouts, collect_s=collect_s))
+        self._calibrate_if_due(statuses, top)
+        self._admit(statuses, top)
+        self.progress.observe(statuses, now)
+        stalls = self.progress.stalled(statuses, now)
+        if stalls:
+            from launcher.watch import blame
+
+            for rank, why in blame(statuses, stalls).items():
+                self.emit("stalled", attempt=self.attempt, rank=rank, reason=why)
+                self.kill([rank], why)
+
+    def _calibrate_if_due(self, statuses: dict[int, WorkerStatus], top: int) -> None:
+        state = self.state
+        if (
+            self.model.description is None
+            or self.rejoins.waiting  # a replacement starting competes for the host
+            or self._calibrated == state.generation
+            or top < self._gen_start + CALIBRATE_AFTER_STEPS
+        ):
+            return
+        self._calibrated = state.generation
+        self.model.refit()
+        current = self.plans[state.generation].plan.to_plan()
+        job = self.model.job(current, statuses, state.generation)
+        self.model.search(job)  # warm the search up for the next failure
+        if state.generation == 0:
+            self.model.hint_layout(job, current)
+
+    def _admit(self, statuses: dict[int, WorkerStatus], top: int) -> None:
+        """Replacements up as spares of this generation join the live set; once their
+        start-up stops competing for the host, they are taken into the plan if it pays."""
+        state = self.state
+        spares = {
+            r
+            for r in self._announced
+            if (s := self._spare_status(r)) is not None and s.generation == state.generation
+        }
+        if spares:
+            for rank in spares:
+                del self._announced[rank]
+            self._apply(rc.Admit(frozenset(spares)))
+            self._joined = sorted(set(self._joined) | spares)
+            self._settle_until = top + SETTLE_STEPS
+        joined = self._joined
+        if not joined or top < self._settle_until or self.rejoins.waiting:
+            return
+        self._joined = []
+        self._grow(joined, statuses)
+
+    def _spare_status(self, rank: int) -> WorkerStatus | None:
+        if not self.store.check([self.keys.status(rank)]):
+            return None
+        status = WorkerStatus.model_validate_json(self.store.get(self.keys.status(rank)))
+        return status if status.phase == "spare" else None
+
+    def _grow(self, joined: list[int], statuses: dict[int, WorkerStatus]) -> None:
+        """Take ``joined`` into the plan when the planner finds that it pays; never under a
+        forced reroute (the user asked to keep the layout) or restart."""
+        state = self.state
+        growth = None
+        if self.policy in ("auto", "reparallelize") and self.model.description is not None:
+            self._calibrated = -1
+            self._calibrate_if_due(statuses, self._top_step)
+            current = self.plans[state.generation].plan.to_plan()
+            job = self.model.job(current, statuses, state.generation)
+            growth = self.model.growth(job, current, sorted(state.live))
+        if growth is None:
+            self.emit("rejoined", attempt=self.attempt, ranks=joined, taken_in=False)
+            return
+        current_s, grown_s, transition_s, label = growth
+        self.emit(
+            "rejoin",
+            attempt=self.attempt,
+            generation=state.generation,
+            ranks=joined,
+            step_s=current_s,
+            estimated_step_s=grown_s,
+            transition_s=transition_s,
+            label=label,
+        )
+        self._apply(rc.Grow(frozenset(joined)))
+
+    def set_timeouts(self, timeouts: rc.Timeouts) -> None:
+        self.timeouts = timeouts
+        if self.state is not None:
+            self.state = replace(self.state, timeouts=timeouts)
+
+
+def _reason(failures: list[Failure]) -> str:
+    from launcher.supervisor import describe
+
+    first = min(failures, key=lambda f: (f.failed_at, f.detected_at, f.rank))
+    return f"rank {first.rank} {describe(first)}"

@@ -1,0 +1,190 @@
+"""The leader agent's job-wide duties for one round, on top of what every agent does:
+watch the other agents' heartbeats and count a silent node's ranks as failed, hand
+failures of a chameleon_runtime job to the in-place coordinator (launcher/coordinator.py),
+route its kill requests to the node that runs the rank, and take the round's decision
+(``launcher.supervisor.decide``) for everything the coordinator does not recover in place.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from launcher.calibration import JobModel
+from launcher.coordinator import Coordinator
+from launcher.rendezvous import ControlPlane, World
+from launcher.supervisor import Action, Failure, FailureKind, RoundView, decide, root_cause
+from launcher.watch import Timeouts as WatchTimeouts
+
+if TYPE_CHECKING:
+    from launcher.agent import Agent
+    from launcher.local import LocalGroup
+
+
+class Leader:
+    def __init__(self, agent: Agent, control: ControlPlane, world: World, group: LocalGroup) -> None:
+        self.agent = agent
+        self.control = control
+        self.world = world
+        self.group = group
+        now = time.monotonic()
+        self.keys = [n.key for n in world.nodes]
+        self.beats = {k: (control.beats(k), now) for k in self.keys}
+        self.lost: set[str] = set()
+        self.coordinator: Coordinator | None = None
+        self.aware = False  # every worker runs chameleon_runtime: recover in place
+
+    @property
+    def recovering(self) -> bool:
+        return self.coordinator is not None and self.coordinator.recovering
+
+    def lead(self) -> None:
+        """One look at the job: lost nodes, in-place recovery, the round's decision."""
+        a, control, world = self.agent.args, self.control, self.world
+        self._watch_nodes()
+        if control.decision(world.attempt) is not None:
+            return
+        failures, restart_reason = self._recover_in_place(control.failures(world.attempt))
+        view = RoundView(
+            attempt=world.attempt,
+            restarts_used=self.agent.restarts_used,
+            max_restarts=a.max_restarts,
+            min_nodes=a.min_nodes,
+            max_nodes=a.max_nodes,
+            nodes=len(world.nodes),
+            nodes_lost=len(self.lost),
+            nodes_done=control.done(world.attempt, [k for k in self.keys if k not in self.lost]),
+            nodes_waiting=len(control.joined(world.attempt + 1)),
+            failures=tuple(failures),
+            stop_signal=self.agent.stop_signal,
+        )
+        decision = decide(view)
+        if restart_reason is not None and decision.action is Action.RESTART:
+            decision = replace(decision, reason=f"{restart_reason}; {decision.reason}")
+        if decision.action is Action.CONTINUE:
+            return
+        self.agent.record(failures)
+        if decision.counts_as_restart:
+            self.agent.restarts_used += 1
+        cause = root_cause(failures)
+        self.agent.events.emit(
+            "decision",
+            attempt=world.attempt,
+            action=decision.action.value,
+            reason=decision.reason,
+            exit_code=decision.exit_code,
+            policy="restart" if decision.action is Action.RESTART else None,
+            root_rank=cause.rank if cause else None,
+        )
+        control.decide(
+            world.attempt,
+            {
+                "action": decision.action.value,
+                "reason": decision.reason,
+                "exit_code": decision.exit_code,
+            },
+        )
+        if self.coordinator is not None:
+            self.coordinator.close()
+
+    def _watch_nodes(self) -> None:
+        """An agent whose heartbeat count stops moving for --heartbeat-timeout is lost
+        (read on the leader's clock: no clock skew); its ranks failed with it."""
+        now = time.monotonic()
+        for node in self.world.nodes:
+            if node.key == self.control.key or node.key in self.lost:
+                continue
+            count = self.control.beats(node.key)
+            if count != self.beats[node.key][0]:
+                self.beats[node.key] = (count, now)
+                self.agent.beat_seen[node.key] = time.time()
+                continue
+            silent = now - self.beats[node.key][1]
+            if silent < self.agent.args.heartbeat_timeout_s:
+                continue
+            self.lost.add(node.key)
+            self.agent.events.emit("node_lost", node=node.node_rank, host=node.host, silent_s=silent)
+            for local in range(node.nproc):
+                failure = Failure(
+                    rank=node.rank_offset + local,
+                    node=node.node_rank,
+                    kind=FailureKind.NODE_LOST,
+                    attempt=self.world.attempt,
+                    failed_at=time.time() - silent,
+                    detected_at=time.time(),
+                    message=f"agent on {node.host} stopped heartbeating",
+                )
+                self.agent.events.emit("failure", **failure.to_json())
+                self.control.report_failure(failure)
+
+    def _coordinator(self) -> Coordinator | None:
+        if self.coordinator is None:
+            agent, world = self.agent, self.world
+            store = agent.worker_store
+            if store is None:
+                return None
+            a = agent.args
+            watch = WatchTimeouts(a.heartbeat_timeout_s, a.step_timeout_s, a.startup_timeout_s)
+            model = JobModel(
+                emit=agent.events.emit,
+                mtbf_s=agent.mtbf_s,
+                num_nodes=len(world.nodes),
+                workers_per_node=world.nodes[0].nproc,
+                nodes_per_host=max(
+                    sum(1 for m in world.nodes if m.host == n.host) for n in world.nodes
+                ),
+                cluster=agent.planner_cluster,
+            )
+            self.coordinator = Coordinator(
+                store=store,
+                attempt=world.attempt,
+                world_size=world.world_size,
+                emit=agent.events.emit,
+                kill=self._kill,
+                model=model,
+                policy=a.policy,
+                watch=watch,
+                max_rejoins=a.max_rejoins,
+                started_at=agent.started_at,
+                on_phase=self.group.on_recovery_phase,
+            )
+        return self.coordinator
+
+    def _recover_in_place(self, failures: list[Failure]) -> tuple[list[Failure], str | None]:
+        """For chameleon_runtime workers: hand failures to the in-place coordinator. Returns
+        the failures the ordinary decision should still see (none while recovering in
+        place; all of them when the coordinator falls back to a restart) and why."""
+        coordinator = self._coordinator()
+        if coordinator is None:
+            return failures, None
+        if not self.aware:
+            try:
+                self.aware = coordinator.all_aware()
+            except Exception:
+                return failures, None
+            if not self.aware:
+                return failures, None
+            self.agent.events.emit(
+                "in_place_enabled", attempt=self.world.attempt, world_size=self.world.world_size
+            )
+        self.agent.record(failures)
+        coordinator.on_failures(failures)
+        outcome = coordinator.tick()
+        if outcome.restart:
+            return failures, outcome.reason
+        return [], None
+
+    def _kill(self, ranks: list[int], reason: str) -> None:
+        """Kill ranks as hung wherever they run (the coordinator's verdict)."""
+        for rank in ranks:
+            node = next(
+                (n for n in self.world.nodes if n.rank_offset <= rank < n.rank_offset + n.nproc),
+                None,
+            )
+            if node is None:
+                continue
+            if node.key == self.control.key:
+                self.group.kill_hung(rank, reason)
+            elif node.key not in self.lost:
+                self.control.request_kill(self.world.attempt, node.key, rank, reason)

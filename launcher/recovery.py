@@ -1,0 +1,491 @@
+"""In-place recovery as a state machine: ``decide(state, event, now) -> (state, actions)``.
+
+Pure: no store, no clock, no planner. The coordinator (launcher/coordinator.py) feeds it
+events (failures, workers' reports, the planner's answers, the passing of time) and carries
+out the actions it returns. Tests walk it through event sequences.
+
+A recovery goes through three phases, each with a deadline, and any of them survives a
+new failure:
+
+- COLLECT: the running generation is aborted; every live worker answers with ``Ready``:
+  the step it is at, the last generation it applied and the layers it holds. A worker
+  lost meanwhile is dropped from the wait. At the deadline, workers that did not answer
+  are killed as hung and the others go on without them.
+- PLAN: the planner works (off the coordinator's thread) from what the survivors really
+  hold: the layout of the newest generation any of them applied (an agreement is
+  all-or-none, so all of that generation's members applied it), less every worker that
+  is gone or no longer holds its stage there. A failure meanwhile starts planning again.
+- CONFIRM: the plan is published as a new generation; it is recovered once every member
+  has applied it. A member lost (or failing to apply it) meanwhile: that generation is
+  aborted in turn, and COLLECT starts again from what the survivors hold.
+
+Generation numbers only move forward: every plan computed gets a fresh one, published
+or not, so no key of an abandoned generation is ever read as a later one's. Recoveries
+that end without a new failure and without a step applied (a deadline, a plan a worker
+could not apply) are counted; past ``max_futile`` in a row the job restarts instead of
+looping.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from enum import StrEnum
+from types import MappingProxyType
+
+Layout = Mapping[int, tuple[int, int]]  # worker -> [first, end) layers of its stage
+
+
+class Phase(StrEnum):
+    RUNNING = "running"
+    COLLECT = "collect"
+    PLAN = "plan"
+    CONFIRM = "confirm"
+    ENDED = "ended"  # handed to a checkpoint restart
+
+
+@dataclass(frozen=True)
+class Report:
+    """A worker's ``Ready`` (planner.protocol)."""
+
+    after: int  # the generation it left
+    applied: int  # the last generation it applied
+    step: int | None  # the next step it would run; None for a spare
+    held: tuple[int, ...]
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    collect_s: float = 60.0  # every survivor answers an abort (a compute in flight ends)
+    plan_s: float = 120.0
+    confirm_s: float = 60.0  # groups built, layers moved, agreed (plus 3x the estimate)
+    max_futile: int = 3
+
+
+def _frozen(d: Mapping) -> Mapping:
+    return MappingProxyType(dict(d))
+
+
+@dataclass(frozen=True)
+class State:
+    phase: Phase
+    generation: int  # the newest published generation
+    confirmed: int  # the newest generation every member applied
+    members: frozenset[int]  # members of ``generation``: its workers and transfer sources
+    live: frozenset[int]  # ranks that answer: members and spares
+    layouts: Mapping[int, Layout]  # of ``confirmed`` and newer published generations
+    next_id: int  # the next generation number to hand out
+    timeouts: Timeouts = field(default_factory=Timeouts)
+    aborted: int = -1  # the generation being left (COLLECT, PLAN)
+    reports: Mapping[int, Report] = field(default_factory=lambda: _frozen({}))
+    confirmations: frozenset[int] = frozenset()
+    planning: int | None = None  # the generation number of the plan being computed
+    deadline: float | None = None
+    recovery: int = 0  # recoveries started in this attempt
+    joining: frozenset[int] = frozenset()  # replacements being taken in (a growth)
+    resume_step: int = 0  # where the current (or last) recovery resumes
+    reached: int = 0  # the most steps any report showed applied, this recovery
+    futile: int = 0  # plans in a row with no step applied and no worker lost before them
+    failures: int = 0  # failure events handled so far
+    failures_planned: int = 0  # ``failures`` when the last plan was started
+    started_at: float = 0.0  # when the current recovery began
+
+    @classmethod
+    def initial(
+        cls, *, world: frozenset[int], layout: Layout, resume_step: int, timeouts: Timeouts
+    ) -> State:
+        return cls(
+            phase=Phase.RUNNING,
+            generation=0,
+            confirmed=0,
+            members=frozenset(layout),
+            live=world,
+            layouts=_frozen({0: _frozen(layout)}),
+            next_id=1,
+            timeouts=timeouts,
+            resume_step=resume_step,
+        )
+
+    @property
+    def recovering(self) -> bool:
+        return self.phase in (Phase.COLLECT, Phase.PLAN, Phase.CONFIRM)
+
+
+# -- events ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Failed:
+    ranks: frozenset[int]
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class ReadyReported:
+    rank: int
+    report: Report
+
+
+@dataclass(frozen=True)
+class AppliedReported:
+    rank: int
+    generation: int
+
+
+@dataclass(frozen=True)
+class Planned:
+    """The planner's answer for generation ``generation``: a plan (its layout, members
+    and estimated transition), or a restart with its reason."""
+
+    generation: int
+    restart: bool = False
+    reason: str = ""
+    layout: Layout | None = None
+    members: frozenset[int] = frozenset()
+    transition_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class Tick:
+    pass
+
+
+@dataclass(frozen=True)
+class Grow:
+    """Replacements (spares already live) are worth taking into the plan."""
+
+    ranks: frozenset[int]
+
+
+@dataclass(frozen=True)
+class Admit:
+    """Replacements that are up as spares of the current generation."""
+
+    ranks: frozenset[int]
+
+
+Event = Failed | ReadyReported | AppliedReported | Planned | Tick | Grow | Admit
+
+# -- actions ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Abort:
+    generation: int
+    reason: str
+    recovery: int
+    lost: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class StartPlanning:
+    """Plan generation ``generation`` from the layout of ``base``: ``failed`` are its
+    workers that are gone or no longer hold their stage, ``idle`` live workers that hold
+    nothing it needs; ``joining`` replacements to take in (a growth)."""
+
+    generation: int
+    base: int
+    failed: tuple[int, ...]
+    idle: tuple[int, ...]
+    resume_step: int
+    reached: int
+    joining: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Publish:
+    generation: int
+    after: int  # the generation its workers are leaving
+
+
+@dataclass(frozen=True)
+class Kill:
+    ranks: tuple[int, ...]
+    reason: str
+
+
+@dataclass(frozen=True)
+class Restart:
+    reason: str
+    reached: int
+
+
+@dataclass(frozen=True)
+class Recovered:
+    generation: int
+    resume_step: int
+    steps_lost: int  # measured: the most steps any survivor applied, less the resume step
+    joined: tuple[int, ...]
+    duration_s: float
+
+
+@dataclass(frozen=True)
+class Forget:
+    """Every key of generations before ``below`` may go: no worker reads them again."""
+
+    below: int
+
+
+@dataclass(frozen=True)
+class PhaseChanged:
+    phase: Phase
+    recovery: int
+    generation: int
+
+
+@dataclass(frozen=True)
+class Note:
+    """An event for the log that changes nothing (a spare lost, a stale message)."""
+
+    name: str
+    fields: Mapping[str, object]
+
+
+Action = Abort | StartPlanning | Publish | Kill | Restart | Recovered | Forget | PhaseChanged | Note
+
+Result = tuple[State, list[Action]]
+
+
+# -- the function ----------------------------------------------------------------------------
+
+
+def decide(state: State, event: Event, now: float) -> Result:
+    if state.phase is Phase.ENDED:
+        return state, []
+    if isinstance(event, Failed):
+        return _failed(state, event, now)
+    if isinstance(event, ReadyReported):
+        return _ready(state, event, now)
+    if isinstance(event, AppliedReported):
+        return _applied(state, event, now)
+    if isinstance(event, Planned):
+        return _planned(state, event, now)
+    if isinstance(event, Grow):
+        return _grow(state, event, now)
+    if isinstance(event, Admit):
+        if state.phase is not Phase.RUNNING:
+            return state, []  # offered again once the recovery is over
+        new = event.ranks - state.live
+        return replace(state, live=state.live | new), [Note("admitted", {"ranks": sorted(new)})]
+    return _tick(state, now)
+
+
+def _begin(state: State, now: float, *, reason: str, lost: frozenset[int]) -> Result:
+    """Abort the newest generation and collect the survivors' reports."""
+    recovery = state.recovery + (0 if state.recovering else 1)
+    state = replace(
+        state,
+        phase=Phase.COLLECT,
+        aborted=state.generation,
+        reports=_frozen({}),
+        confirmations=frozenset(),
+        planning=None,
+        deadline=now + state.timeouts.collect_s,
+        recovery=recovery,
+        started_at=state.started_at if state.recovering else now,
+    )
+    actions: list[Action] = [
+        Abort(state.generation, reason, recovery, tuple(sorted(lost))),
+        PhaseChanged(Phase.COLLECT, recovery, state.generation),
+    ]
+    return _collected(state, now, actions)
+
+
+def _failed(state: State, event: Failed, now: float) -> Result:
+    lost = event.ranks & state.live
+    if not lost:
+        return state, []  # not ours: already handled, or a replacement not yet admitted
+    state = replace(
+        state, live=state.live - lost, joining=frozenset(), failures=state.failures + 1
+    )
+    reports = {r: v for r, v in state.reports.items() if r not in lost}
+    reason = event.reason or f"ranks {sorted(lost)} failed"
+    if state.phase is Phase.RUNNING:
+        if not lost & state.members:  # spares run no step: nothing to abort
+            return state, [Note("spare_lost", {"ranks": sorted(lost)})]
+        return _begin(state, now, reason=reason, lost=lost)
+    if state.phase is Phase.CONFIRM:
+        if not lost & state.members:
+            return state, [Note("spare_lost", {"ranks": sorted(lost)})]
+        return _begin(state, now, reason=reason, lost=lost)
+    state = replace(state, reports=_frozen(reports), planning=None)
+    if state.phase is Phase.PLAN:  # the plan in flight counted on them: plan again
+        return _plan(replace(state, phase=Phase.COLLECT), now, [])
+    return _collected(state, now, [])
+
+
+def _ready(state: State, event: ReadyReported, now: float) -> Result:
+    rank, report = event.rank, event.report
+    if rank not in state.live:
+        return state, []
+    if state.phase in (Phase.RUNNING, Phase.CONFIRM):
+        if report.after >= state.generation and rank in state.members:
+            # A member left the generation by itself: a broken transfer, or a plan it
+            # could not apply. Abort it for everyone and start from the reports.
+            begun, actions = _begin(
+                state, now, reason=report.reason or f"rank {rank} left", lost=frozenset()
+            )
+            return _collected(_with_report(begun, rank, report), now, actions)
+        return state, []
+    if state.phase is Phase.COLLECT and report.after >= state.aborted:
+        return _collected(_with_report(state, rank, report), now, [])
+    return state, []  # stale: an answer to an earlier abort
+
+
+def _with_report(state: State, rank: int, report: Report) -> State:
+    return replace(state, reports=_frozen({**state.reports, rank: report}))
+
+
+def _collected(state: State, now: float, actions: list[Action]) -> Result:
+    """Plan once every live worker has answered."""
+    if state.phase is Phase.COLLECT and state.live <= set(state.reports):
+        return _plan(state, now, actions)
+    return state, actions
+
+
+def _plan(state: State, now: float, actions: list[Action]) -> Result:
+    reports = state.reports
+    base = max((r.applied for r in reports.values()), default=state.confirmed)
+    layout = state.layouts.get(base)
+    if layout is None or not reports:
+        return _restart(state, "no worker that held state survived", actions)
+    holders = {
+        w
+        for w, (first, end) in layout.items()
+        if w in reports and reports[w].held == tuple(range(first, end))
+    }
+    steps = {reports[w].step for w in holders}
+    reached = max((r.step for r in reports.values() if r.step is not None), default=0)
+    reached = max(reached, state.reached if state.recovering else 0)
+    if not holders:
+        return _restart(replace(state, reached=reached), "no worker that held state survived", actions)
+    if len(steps) != 1:
+        return _restart(
+            replace(state, reached=reached),
+            f"survivors disagree on the step to resume ({sorted(s for s in steps if s is not None)})",
+            actions,
+        )
+    resume = steps.pop()
+    assert resume is not None
+    # Futile: nothing applied since the last plan, and no worker lost to explain it.
+    futile = 0 if resume > state.resume_step else state.futile
+    if resume <= state.resume_step and state.failures == state.failures_planned:
+        futile += 1
+    if futile > state.timeouts.max_futile:
+        return _restart(
+            replace(state, reached=reached),
+            f"{futile} recoveries in a row made no progress ({_why(reports)})",
+            actions,
+        )
+    generation = state.next_id
+    state = replace(
+        state,
+        phase=Phase.PLAN,
+        planning=generation,
+        next_id=generation + 1,
+        deadline=now + state.timeouts.plan_s,
+        resume_step=resume,
+        reached=reached,
+        futile=futile,
+        failures_planned=state.failures,
+    )
+    start = StartPlanning(
+        generation=generation,
+        base=base,
+        failed=tuple(sorted(w for w in layout if w not in holders)),
+        idle=tuple(sorted(r for r in reports if r not in holders)),
+        resume_step=resume,
+        reached=reached,
+        joining=tuple(sorted(state.joining)),
+    )
+    return state, [*actions, PhaseChanged(Phase.PLAN, state.recovery, generation), start]
+
+
+def _planned(state: State, event: Planned, now: float) -> Result:
+    if state.phase is not Phase.PLAN or event.generation != state.planning:
+        return state, []  # an answer nobody waits for any more
+    if event.restart or event.layout is None:
+        return _restart(state, event.reason or "the planner chose restart")
+    keep = {g: v for g, v in state.layouts.items() if g >= state.confirmed}
+    state = replace(
+        state,
+        phase=Phase.CONFIRM,
+        generation=event.generation,
+        members=event.members,
+        layouts=_frozen({**keep, event.generation: _frozen(event.layout)}),
+        planning=None,
+        confirmations=frozenset(),
+        deadline=now + state.timeouts.confirm_s + 3 * event.transition_s,
+    )
+    return state, [
+        Publish(event.generation, after=state.aborted),
+        PhaseChanged(Phase.CONFIRM, state.recovery, event.generation),
+    ]
+
+
+def _applied(state: State, event: AppliedReported, now: float) -> Result:
+    if state.phase is not Phase.CONFIRM or event.generation != state.generation:
+        return state, []
+    state = replace(state, confirmations=state.confirmations | {event.rank})
+    if not state.members <= state.confirmations:
+        return state, []
+    recovered = Recovered(
+        generation=state.generation,
+        resume_step=state.resume_step,
+        steps_lost=state.reached - state.resume_step,
+        joined=tuple(sorted(state.joining)),
+        duration_s=now - state.started_at,
+    )
+    state = replace(
+        state,
+        phase=Phase.RUNNING,
+        confirmed=state.generation,
+        layouts=_frozen({state.generation: state.layouts[state.generation]}),
+        reports=_frozen({}),
+        joining=frozenset(),
+        deadline=None,
+    )
+    return state, [
+        recovered,
+        Forget(below=state.generation),
+        PhaseChanged(Phase.RUNNING, state.recovery, state.generation),
+    ]
+
+
+def _grow(state: State, event: Grow, now: float) -> Result:
+    ranks = event.ranks & state.live
+    if state.phase is not Phase.RUNNING or not ranks:
+        return state, []
+    state = replace(state, joining=frozenset(ranks))
+    return _begin(state, now, reason=f"ranks {sorted(ranks)} rejoin", lost=frozenset())
+
+
+def _tick(state: State, now: float) -> Result:
+    if state.deadline is None or now < state.deadline:
+        return state, []
+    waited = state.timeouts
+    if state.phase is Phase.COLLECT:
+        missing = state.live - set(state.reports)
+        state = replace(state, live=state.live - missing)
+        kill = Kill(
+            tuple(sorted(missing)),
+            f"did not answer the abort of generation {state.aborted} within {waited.collect_s:g} s",
+        )
+        return _collected(state, now, [kill])
+    if state.phase is Phase.PLAN:
+        return _restart(state, f"no plan within {waited.plan_s:g} s")
+    # CONFIRM: a member is still building, moving or waiting: start over from what is held
+    return _begin(
+        state, now, reason=f"generation {state.generation} was not applied in time", lost=frozenset()
+    )
+
+
+def _why(reports: Mapping[int, Report]) -> str:
+    reasons = sorted({r.reason for r in reports.values() if r.reason})
+    return "; ".join(reasons)[:300] or "no reason given"
+
+
+def _restart(state: State, reason: str, actions: list[Action] | None = None) -> Result:
+    state = replace(state, phase=Phase.ENDED, deadline=None, planning=None)
+    return state, [*(actions or []), Restart(reason, state.reached)]

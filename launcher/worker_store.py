@@ -1,0 +1,65 @@
+"""One attempt's worker store, seen from an agent: the chameleon_runtime workers' statuses,
+fault-injection exit requests, replacement requests and the leader's recovery phase, all
+through ``planner.protocol``. The leader reads the store it hosts; other agents connect to
+it the first time they need it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from launcher.store import connect_store
+from planner.protocol import Exit, Keys, RecoveryPhase, WorkerStatus, encode
+
+
+class WorkerStoreView:
+    def __init__(
+        self, attempt: int, addr: str, port: int, hosted: Callable[[], Any | None]
+    ) -> None:
+        self.keys = Keys(attempt)
+        self._addr, self._port = addr, port
+        self._hosted = hosted  # the leader's own store, None on other agents
+        self._client: Any = None
+        self._known: set[int] = set()  # ranks that have posted a status
+
+    def _store(self) -> Any:
+        hosted = self._hosted()
+        if hosted is not None:
+            return hosted
+        if self._client is None:
+            self._client = connect_store(self._addr, self._port, timeout_s=10)
+        return self._client
+
+    def statuses(self, ranks: Sequence[int]) -> dict[int, WorkerStatus]:
+        """The statuses of ``ranks`` that have one, in one round trip once all posted."""
+        try:
+            store = self._store()
+            for rank in ranks:
+                if rank not in self._known and store.check([self.keys.status(rank)]):
+                    self._known.add(rank)
+            known = [r for r in ranks if r in self._known]
+            values = store.multi_get([self.keys.status(r) for r in known]) if known else []
+        except Exception:
+            return {}
+        return {r: WorkerStatus.model_validate_json(v) for r, v in zip(known, values, strict=True)}
+
+    def ask_exit(self, rank: int, code: int, pid: int) -> None:
+        self._store().queue_push(self.keys.mailbox(rank), encode(Exit(code=code, pid=pid)))
+
+    def respawn_request(self, rank: int) -> int | None:
+        """How many replacements the leader has asked for this rank (launcher/rejoin.py)."""
+        try:
+            store = self._store()
+            key = self.keys.respawn(rank)
+            return int(store.get(key)) if store.check([key]) else None
+        except Exception:
+            return None
+
+    def recovery_phase(self) -> RecoveryPhase | None:
+        try:
+            store = self._store()
+            if not store.check([self.keys.phase]):
+                return None
+            return RecoveryPhase.model_validate_json(store.get(self.keys.phase))
+        except Exception:
+            return None

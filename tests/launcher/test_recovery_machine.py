@@ -1,0 +1,271 @@
+"""The recovery state machine (launcher/recovery.py), walked through event sequences: a
+failure in every phase, two at once, the leader's own workers, a replacement joining
+mid-recovery, deadlines, and generations that only move forward."""
+
+from launcher.recovery import (
+    Abort,
+    Admit,
+    AppliedReported,
+    Failed,
+    Forget,
+    Grow,
+    Kill,
+    Phase,
+    Planned,
+    Publish,
+    ReadyReported,
+    Recovered,
+    Report,
+    Restart,
+    StartPlanning,
+    State,
+    Tick,
+    Timeouts,
+    decide,
+)
+
+# Two pipelines of two stages: workers 0, 1 and 2, 3; layers 0-1 and 2-3.
+LAYOUT = {0: (0, 2), 1: (2, 4), 2: (0, 2), 3: (2, 4)}
+TIMEOUTS = Timeouts(collect_s=10, plan_s=20, confirm_s=30, max_futile=2)
+
+
+def start(world=4, layout=LAYOUT):
+    return State.initial(
+        world=frozenset(range(world)), layout=layout, resume_step=0, timeouts=TIMEOUTS
+    )
+
+
+def ready(rank, *, after, applied=0, step=5, held=None, layout=LAYOUT):
+    if held is None:
+        held = tuple(range(*layout[rank])) if rank in layout else ()
+    return ReadyReported(rank, Report(after, applied, step, tuple(held)))
+
+
+def run(state, *events, now=0.0):
+    """Feed events in order; every action returned."""
+    actions = []
+    for event in events:
+        state, out = decide(state, event, now)
+        actions += out
+    return state, actions
+
+
+def of(actions, kind):
+    return [a for a in actions if isinstance(a, kind)]
+
+
+def planned(generation, layout, extra_members=()):
+    return Planned(generation, layout=layout, members=frozenset(layout) | set(extra_members))
+
+
+THREE = {0: (0, 2), 1: (2, 4), 2: (0, 4)}  # worker 2 alone holds everything
+
+
+def test_a_failure_is_aborted_collected_planned_published_and_confirmed():
+    s, actions = run(start(), Failed(frozenset({3})))
+    (abort,) = of(actions, Abort)
+    assert (abort.generation, abort.lost, s.phase) == (0, (3,), Phase.COLLECT)
+    s, actions = run(s, ready(0, after=0), ready(1, after=0))
+    assert actions == [] and s.phase is Phase.COLLECT  # worker 2 has not answered yet
+    s, actions = run(s, ready(2, after=0))
+    (plan,) = of(actions, StartPlanning)
+    assert (plan.generation, plan.base, plan.failed, plan.idle, plan.resume_step) == (
+        1, 0, (3,), (), 5,
+    )  # fmt: skip
+    s, actions = run(s, planned(1, THREE))
+    assert of(actions, Publish) == [Publish(1, after=0)] and s.phase is Phase.CONFIRM
+    s, actions = run(s, AppliedReported(0, 1), AppliedReported(1, 1))
+    assert not of(actions, Recovered)
+    s, actions = run(s, AppliedReported(2, 1))
+    (done,) = of(actions, Recovered)
+    assert (done.generation, done.resume_step, done.steps_lost) == (1, 5, 0)
+    assert of(actions, Forget) == [Forget(below=1)]
+    assert (s.phase, s.confirmed, s.live) == (Phase.RUNNING, 1, frozenset({0, 1, 2}))
+
+
+def test_a_failure_during_collect_is_no_longer_waited_for():
+    s, _ = run(start(), Failed(frozenset({3})), ready(0, after=0), ready(1, after=0))
+    s, actions = run(s, Failed(frozenset({2})))
+    (plan,) = of(actions, StartPlanning)
+    assert plan.failed == (2, 3) and s.phase is Phase.PLAN  # pipeline 0 holds every layer
+
+
+def test_a_failure_while_planning_plans_again_under_a_new_generation():
+    s, _ = run(start(), Failed(frozenset({3})), *(ready(r, after=0) for r in (0, 1, 2)))
+    assert s.planning == 1
+    s, actions = run(s, Failed(frozenset({2})))
+    (plan,) = of(actions, StartPlanning)
+    assert (plan.generation, plan.failed) == (2, (2, 3))
+    s, actions = run(s, planned(1, THREE))  # the answer nobody waits for any more
+    assert actions == [] and s.phase is Phase.PLAN
+    s, actions = run(s, planned(2, {0: (0, 2), 1: (2, 4)}))
+    assert of(actions, Publish) == [Publish(2, after=0)]
+
+
+def test_a_failure_while_a_plan_is_applied_aborts_it_and_starts_from_what_is_held():
+    s, _ = run(start(), Failed(frozenset({3})), *(ready(r, after=0) for r in (0, 1, 2)))
+    s, _ = run(s, planned(1, THREE))
+    s, actions = run(s, Failed(frozenset({0})))  # groups, migration: all of CONFIRM
+    (abort,) = of(actions, Abort)
+    assert abort.generation == 1 and s.phase is Phase.COLLECT and s.aborted == 1
+    # The migration's agreement did not hold: both still hold generation 0's stages.
+    s, actions = run(s, ready(1, after=1), ready(2, after=1))
+    (plan,) = of(actions, StartPlanning)
+    assert (plan.generation, plan.base, plan.failed) == (2, 0, (0, 3))
+
+
+def test_after_a_plan_everyone_applied_the_next_plan_starts_from_it():
+    s, _ = run(start(), Failed(frozenset({3})), *(ready(r, after=0) for r in (0, 1, 2)))
+    s, _ = run(s, planned(1, THREE))
+    s, _ = run(s, Failed(frozenset({0})))  # lost after the migration's agreement held
+    s, actions = run(
+        s, ready(1, after=1, applied=1, layout=THREE), ready(2, after=1, applied=1, layout=THREE)
+    )
+    (plan,) = of(actions, StartPlanning)
+    assert (plan.base, plan.failed) == (1, (0,))
+
+
+def test_a_member_that_cannot_apply_a_plan_aborts_it():
+    s, _ = run(start(), Failed(frozenset({3})), *(ready(r, after=0) for r in (0, 1, 2)))
+    s, _ = run(s, planned(1, THREE))
+    s, actions = run(s, ready(2, after=1))  # its group could not be built, say
+    assert of(actions, Abort)[0].generation == 1 and s.phase is Phase.COLLECT
+    s, actions = run(s, ready(0, after=1), ready(1, after=1))
+    assert of(actions, StartPlanning)[0].generation == 2
+
+
+def test_two_failures_at_once():
+    s, actions = run(start(), Failed(frozenset({1, 3})))
+    assert of(actions, Abort)[0].lost == (1, 3)
+    s, actions = run(s, ready(0, after=0), ready(2, after=0))
+    assert of(actions, StartPlanning)[0].failed == (1, 3)
+
+
+def test_the_loss_of_the_leaders_own_workers_is_recovered_like_any_other():
+    # Ranks 0 and 1 run under the leader agent; pipeline 1 (ranks 2, 3) holds every layer.
+    s, actions = run(start(), Failed(frozenset({0, 1})), ready(2, after=0), ready(3, after=0))
+    (plan,) = of(actions, StartPlanning)
+    assert plan.failed == (0, 1) and s.phase is Phase.PLAN
+
+
+def test_a_replacement_joining_mid_recovery_is_admitted_once_it_is_over():
+    s, _ = run(start(), Failed(frozenset({3})))
+    s, actions = run(s, Admit(frozenset({3})))  # rank 3's replacement is up already
+    assert actions == [] and 3 not in s.live
+    s, actions = run(s, ready(3, after=0, held=()))  # nobody waits for its answer
+    assert actions == [] and 3 not in s.reports
+    s, _ = run(s, *(ready(r, after=0) for r in (0, 1, 2)))
+    s, _ = run(s, planned(1, THREE), *(AppliedReported(r, 1) for r in (0, 1, 2)))
+    s, actions = run(s, Admit(frozenset({3})))
+    assert 3 in s.live and actions
+
+
+def test_a_survivor_that_never_answers_is_killed_at_the_collect_deadline():
+    s, _ = run(start(), Failed(frozenset({3})), ready(0, after=0), ready(1, after=0))
+    s, actions = run(s, Tick(), now=9.0)
+    assert actions == []
+    s, actions = run(s, Tick(), now=10.0)
+    (kill,) = of(actions, Kill)
+    assert kill.ranks == (2,)
+    assert of(actions, StartPlanning)[0].failed == (2, 3)
+
+
+def test_no_plan_within_the_deadline_restarts():
+    s, _ = run(start(), Failed(frozenset({3})), *(ready(r, after=0) for r in (0, 1, 2)))
+    s, actions = run(s, Tick(), now=20.0)
+    assert of(actions, Restart) and s.phase is Phase.ENDED
+    assert run(s, Failed(frozenset({0})))[1] == []  # over: the restart path owns the job
+
+
+def test_a_plan_not_applied_in_time_is_abandoned_for_a_new_one():
+    s, _ = run(start(), Failed(frozenset({3})), *(ready(r, after=0) for r in (0, 1, 2)))
+    s, _ = run(s, Planned(1, layout=THREE, members=frozenset(THREE), transition_s=1.0))
+    s, actions = run(s, Tick(), now=32.9)
+    assert actions == []
+    s, actions = run(s, Tick(), now=33.0)  # 30 s + 3x the estimated transition
+    assert of(actions, Abort)[0].generation == 1 and s.phase is Phase.COLLECT
+
+
+def test_generation_numbers_only_move_forward():
+    s = start(world=6, layout={r: (0, 4) for r in range(6)})  # six replicas
+    layout = dict(s.layouts[0])
+    numbers = []
+    events = [Failed(frozenset({5}))]
+    for gen, lost in ((1, 4), (2, 3), (3, 2)):
+        alive = [r for r in range(6) if r < lost + 1]
+        events += [ready(r, after=gen - 1, applied=gen - 1, layout=layout) for r in alive]
+        layout = {r: (0, 4) for r in alive}
+        events += [Failed(frozenset({lost}))]
+    for event in events:
+        s, actions = decide(s, event, 0.0)
+        numbers += [a.generation for a in actions if isinstance(a, StartPlanning | Publish)]
+    assert numbers == sorted(set(numbers))
+
+
+def test_survivors_that_disagree_on_the_step_restart():
+    s, actions = run(
+        start(), Failed(frozenset({3})), ready(0, after=0, step=3), ready(1, after=0, step=4),
+        ready(2, after=0, step=3),
+    )  # fmt: skip
+    (restart,) = of(actions, Restart)
+    assert "disagree" in restart.reason and restart.reached == 4
+
+
+def test_a_spare_reports_no_step_and_its_death_aborts_nothing():
+    s = start(world=5)  # rank 4 is a spare
+    s, actions = run(s, Failed(frozenset({4})))
+    assert not of(actions, Abort) and s.phase is Phase.RUNNING and 4 not in s.live
+    s, actions = run(s, Failed(frozenset({3})), *(ready(r, after=0) for r in (0, 1, 2)))
+    assert of(actions, StartPlanning)[0].idle == ()
+
+
+def test_a_worker_that_no_longer_holds_its_stage_is_planned_as_lost_and_idle():
+    s, _ = run(start(), Failed(frozenset({3})))
+    s, actions = run(s, ready(0, after=0), ready(1, after=0, held=()), ready(2, after=0))
+    (plan,) = of(actions, StartPlanning)
+    assert plan.failed == (1, 3) and plan.idle == (1,)
+
+
+def test_the_steps_lost_are_measured_from_the_reports():
+    # Worker 1 is not a holder any more but says it applied step 7: whatever the layout,
+    # the recovery resumes at the holders' 6 and reports one step lost.
+    s, actions = run(
+        start(), Failed(frozenset({3})), ready(0, after=0, step=6),
+        ready(1, after=0, step=7, held=()), ready(2, after=0, step=6),
+        planned(1, {0: (0, 2), 2: (2, 4)}), AppliedReported(0, 1), AppliedReported(2, 1),
+    )  # fmt: skip
+    (done,) = of(actions, Recovered)
+    assert (done.resume_step, done.steps_lost) == (6, 1)
+
+
+def test_stale_answers_are_ignored():
+    s, _ = run(start(), Failed(frozenset({3})), *(ready(r, after=0) for r in (0, 1, 2)))
+    s, _ = run(s, planned(1, THREE), Failed(frozenset({2})))
+    s, actions = run(s, ready(0, after=0))  # its answer to the first abort, late
+    assert actions == [] and 0 not in s.reports
+
+
+def test_recoveries_that_get_nowhere_end_in_a_restart():
+    s, _ = run(start(), Failed(frozenset({3})), *(ready(r, after=0) for r in (0, 1, 2)))
+    gen = 1
+    for _ in range(TIMEOUTS.max_futile + 1):
+        s, _ = run(s, planned(gen, THREE))
+        s, actions = run(s, ready(2, after=gen), ready(0, after=gen), ready(1, after=gen))
+        gen += 1
+        if of(actions, Restart):
+            break
+    assert "made no progress" in of(actions, Restart)[0].reason
+
+
+def test_a_growth_takes_replacements_in_and_a_failure_cancels_it():
+    s, _ = run(start(world=5), Admit(frozenset({4})))
+    s, actions = run(s, Grow(frozenset({4})))
+    assert "rejoin" in of(actions, Abort)[0].reason
+    s, actions = run(s, *(ready(r, after=0) for r in (0, 1, 2, 3)), ready(4, after=0))
+    assert of(actions, StartPlanning)[0].joining == (4,)
+    grown = {0: (0, 2), 1: (2, 4), 2: (0, 2), 3: (2, 3), 4: (3, 4)}
+    s, actions = run(s, planned(1, grown), *(AppliedReported(r, 1) for r in range(5)))
+    assert of(actions, Recovered)[0].joined == (4,)
+    # A failure during the next growth makes it a recovery again: nobody joins.
+    s, _ = run(s, Admit(frozenset({4})), Grow(frozenset({4})), Failed(frozenset({3})))
+    assert s.joining == frozenset()
