@@ -3,8 +3,8 @@ doing, and the watcher, which hears the launcher's messages at once.
 
 Why a heartbeat thread and not a heartbeat after each step: liveness and progress are
 different questions. A step, a checkpoint or an evaluation may take minutes; the thread
-keeps beating through it (every ``HEARTBEAT_PERIOD_S``, and at once when the main thread
-changes phase), so the launcher's liveness timeout only catches a process that is gone or
+keeps beating through it (every ``HEARTBEAT_PERIOD_S``, at most a second, and at once
+when the main thread changes phase), so the launcher's liveness timeout only catches a process that is gone or
 frozen (SIGSTOP, a dead interpreter), and its progress timeouts (launcher/watch.py) judge
 the steps. The status also says what the worker waits on, so that when one worker stalls,
 the launcher blames it and not the peers that wait for it.
@@ -30,7 +30,8 @@ import torch.distributed as dist
 
 from planner.protocol import MAILBOX, Abort, Exit, Finish, Keys, Stop, WaitingOn, WorkerStatus
 
-HEARTBEAT_PERIOD_S = 1.0
+# The launcher sets the period from its --heartbeat-timeout (launcher/watch.py).
+HEARTBEAT_PERIOD_S = float(os.environ.get("CHAMELEON_HEARTBEAT_S", "1.0"))
 # The watcher's connection waits for the next message as long as the job runs.
 FOREVER = timedelta(days=365)
 

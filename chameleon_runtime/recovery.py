@@ -106,8 +106,9 @@ class RecoveryMixin:
                     pid=os.getpid(),
                     after=left,
                     applied=self.applied,
-                    # A spare's step is stale (it ran none): the holders' step is current.
-                    step=None if self.part is None else self.step,
+                    # A worker holding nothing (a spare, a replacement) ran no step: its
+                    # step is stale. Whoever holds layers holds them as of its step.
+                    step=self.step if self.shard.held() else None,
                     held=self.shard.held(),
                     reason=reason[:200],
                 )
@@ -134,7 +135,7 @@ class RecoveryMixin:
             self.step = message.resume_step
             self.control.status.update(phase="spare", generation=message.generation)
             return
-        if self.part is not None and message.resume_step != self.step:
+        if self.shard.held() and message.resume_step != self.step:
             raise RuntimeError(
                 f"plan resumes at step {message.resume_step}, this worker is at {self.step}"
             )

@@ -303,6 +303,7 @@ class Agent:
 
     def _start_group(self, world: World, me: NodeInfo) -> LocalGroup:
         a = self.args
+        watch = WatchTimeouts(a.heartbeat_timeout_s, a.step_timeout_s, a.startup_timeout_s)
         view = WorkerStoreView(
             world.attempt,
             world.worker_addr,
@@ -326,10 +327,14 @@ class Agent:
                 redirects=a.redirects,
                 tee=a.tee,
                 local_ranks_filter=a.local_ranks_filter,
-                watch=WatchTimeouts(a.heartbeat_timeout_s, a.step_timeout_s, a.startup_timeout_s),
-                # This launch's folder, the same for every attempt: a script can keep its
-                # checkpoints there, so a restart resumes and a new launch starts fresh.
-                extra_env={"CHAMELEON_RUN_DIR": str(self.run_dir)},
+                watch=watch,
+                extra_env={
+                    # This launch's folder, the same for every attempt: a script can keep
+                    # its checkpoints there, so a restart resumes and a new launch starts
+                    # fresh.
+                    "CHAMELEON_RUN_DIR": str(self.run_dir),
+                    "CHAMELEON_HEARTBEAT_S": f"{watch.beat_period_s:g}",
+                },
             ),
             self.command,
             console=self.console,

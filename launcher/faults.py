@@ -11,6 +11,8 @@ recovery.
                                                 first recovery (recovery=N for the N-th)
     --inject-fault kill:rank=3,phase=plan,after_ms=20
                                                 ...20 ms after the planning began
+    --inject-fault kill:rank=any,phase=groups   SIGKILL whichever rank of this node is the
+                                                first seen building groups
 
 Phases: ``collect`` (survivors answer the abort), ``plan`` (the planner works), ``confirm``
 (the plan is applied), and within it, as the rank itself reports them, ``groups`` (it
@@ -22,7 +24,7 @@ workers that report (scripts using chameleon_runtime).
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 
 from planner.protocol import RecoveryPhase, WorkerStatus
@@ -37,10 +39,13 @@ class FaultKind(StrEnum):
     EXIT = "exit"
 
 
+ANY = -1  # rank=any: the lowest rank of this node in the fault's phase (or alive)
+
+
 @dataclass(frozen=True)
 class FaultSpec:
     kind: FaultKind
-    rank: int
+    rank: int  # or ANY
     at_s: float | None = None
     step: int | None = None
     recovery: int | None = None  # during the N-th in-place recovery
@@ -60,7 +65,8 @@ class FaultSpec:
                 when += f", phase {self.phase}"
             if self.after_ms:
                 when += f" + {self.after_ms:g} ms"
-        return f"{self.kind.value} rank {self.rank} {when} (attempt {self.attempt})"
+        who = "any rank" if self.rank == ANY else f"rank {self.rank}"
+        return f"{self.kind.value} {who} {when} (attempt {self.attempt})"
 
 
 _SPEC = re.compile(r"^(kill|hang|exit):(.+)$")
@@ -96,7 +102,7 @@ def parse_fault(text: str) -> FaultSpec:
     try:
         spec = FaultSpec(
             kind=FaultKind(match.group(1)),
-            rank=int(fields["rank"]),
+            rank=ANY if fields["rank"] == "any" else int(fields["rank"]),
             at_s=float(fields["at"]) if "at" in fields else None,
             step=int(fields["step"]) if "step" in fields else None,
             recovery=int(fields["recovery"]) if "recovery" in fields else None,
@@ -107,11 +113,12 @@ def parse_fault(text: str) -> FaultSpec:
         )
     except ValueError:
         raise ValueError(
-            f"rank, step, recovery, code and attempt must be integers, at and after_ms numbers, "
+            f"rank (or any), step, recovery, code and attempt must be integers, at and after_ms "
+            "numbers, "
             f"in {text!r}"
         ) from None
     if (
-        spec.rank < 0
+        spec.rank < ANY
         or (spec.at_s is not None and spec.at_s < 0)
         or (spec.step is not None and spec.step < 0)
         or (spec.recovery is not None and spec.recovery < 1)
@@ -125,9 +132,10 @@ class Injector:
     """Which of a node's faults are due now. A phase fault is armed when its phase is
     first seen and fires ``after_ms`` later, whatever the phase is by then."""
 
-    def __init__(self, faults: list[FaultSpec]) -> None:
+    def __init__(self, faults: list[FaultSpec], ranks: list[int]) -> None:
         self.pending = list(faults)
-        self._armed: dict[int, float] = {}  # index in pending -> when armed
+        self.ranks = ranks  # this node's
+        self._armed: dict[int, tuple[float, int]] = {}  # id(spec) -> when armed, on which rank
 
     def due(
         self,
@@ -136,27 +144,35 @@ class Injector:
         since_start_s: float,
         status: dict[int, WorkerStatus],
         phase: RecoveryPhase | None,
+        alive: set[int] | None = None,
     ) -> list[FaultSpec]:
+        """The faults due now, each with its rank resolved (``any`` becomes a rank)."""
         due = []
         for spec in list(self.pending):
-            if not self._armed_at(spec, now, since_start_s, status.get(spec.rank), phase):
-                continue
-            if now - self._armed[id(spec)] >= spec.after_ms / 1e3:
+            candidates = [spec.rank] if spec.rank != ANY else [
+                r for r in self.ranks if alive is None or r in alive
+            ]
+            if id(spec) not in self._armed:
+                for rank in candidates:
+                    if self._hit(spec, since_start_s, status.get(rank), phase):
+                        self._armed[id(spec)] = (now, rank)
+                        break
+                else:
+                    continue
+            armed_at, rank = self._armed[id(spec)]
+            if now - armed_at >= spec.after_ms / 1e3:
                 self.pending.remove(spec)
-                self._armed.pop(id(spec), None)
-                due.append(spec)
+                del self._armed[id(spec)]
+                due.append(replace(spec, rank=rank))
         return due
 
-    def _armed_at(
-        self,
+    @staticmethod
+    def _hit(
         spec: FaultSpec,
-        now: float,
         since_start_s: float,
         status: WorkerStatus | None,
         phase: RecoveryPhase | None,
     ) -> bool:
-        if id(spec) in self._armed:
-            return True
         if spec.at_s is not None:
             hit = since_start_s >= spec.at_s
         elif spec.step is not None:
@@ -170,8 +186,6 @@ class Injector:
                 hit = hit and phase.phase == spec.phase
             else:
                 hit = hit and phase.phase != "running"
-        if hit:
-            self._armed[id(spec)] = now
         return hit
 
     def steps_pending(self) -> list[FaultSpec]:

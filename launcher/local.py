@@ -21,7 +21,7 @@ from pathlib import Path
 import psutil
 
 from launcher.environment import WorkerIdentity, worker_env
-from launcher.faults import FaultKind, FaultSpec, Injector
+from launcher.faults import ANY, FaultKind, FaultSpec, Injector
 from launcher.supervisor import Failure, FailureKind
 from launcher.watch import Liveness
 from launcher.watch import Timeouts as WatchTimeouts
@@ -104,8 +104,14 @@ class LocalGroup:
         self._bad_since: dict[int, float] = {}
         self._liveness = Liveness(settings.watch)
         self._runtime = False  # a worker of this node posted a chameleon_runtime status
+        ranks = list(range(settings.rank_offset, settings.rank_offset + settings.nproc))
         self._injector = Injector(
-            [f for f in faults if f.attempt == settings.attempt and self._is_local(f.rank)]
+            [
+                f
+                for f in faults
+                if f.attempt == settings.attempt and (f.rank == ANY or self._is_local(f.rank))
+            ],
+            ranks,
         )
         self._fault_times: dict[int, float] = {}
         self._hung: dict[int, str] = {}  # ranks the leader found stalled -> why
@@ -183,6 +189,7 @@ class LocalGroup:
             self.workers[rank] = worker
             del self.failed[rank]
             self._bad_since.pop(rank, None)
+            self._fault_times.pop(rank, None)  # its predecessor's, not its own
             self.emit(
                 "worker_respawned", rank=rank, attempt=self.s.attempt, count=wanted, pid=worker.pid
             )
@@ -299,8 +306,11 @@ class LocalGroup:
             phase = self.view.recovery_phase() if any(
                 f.phase or f.recovery for f in self._injector.pending
             ) else None
+        alive = {
+            r for r, w in self.workers.items() if r not in self.failed and r not in self.finished
+        }
         for fault in self._injector.due(
-            now, since_start_s=now - self._started_at, status=statuses, phase=phase
+            now, since_start_s=now - self._started_at, status=statuses, phase=phase, alive=alive
         ):
             worker = self.workers.get(fault.rank)
             if worker is None or worker.poll() is not None:

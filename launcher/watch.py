@@ -38,6 +38,11 @@ class Timeouts:
     step_s: float | None = None  # None: automatic
     startup_s: float = 600.0
 
+    @property
+    def beat_period_s(self) -> float:
+        """How often workers beat: several beats fit in the timeout, at most one a second."""
+        return min(1.0, self.heartbeat_s / 4)
+
     def step_timeout(self, slowest_step_s: float) -> float:
         if self.step_s is not None:
             return self.step_s
@@ -55,6 +60,8 @@ class Liveness:
         self, rank: int, pid: int, started_at: float, status: WorkerStatus | None, now: float
     ) -> str | None:
         """Why the worker ``pid`` (spawned at ``started_at``) counts as hung, or None."""
+        if status is not None and status.pid == pid and status.phase == "done":
+            return None  # finished: it stops beating, and what its script does next is its own
         if status is not None and status.pid == pid:
             seen = self._seen.get(rank)
             if seen is None or seen[:2] != (pid, status.beat):

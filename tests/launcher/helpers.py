@@ -35,17 +35,21 @@ def env() -> dict[str, str]:
     return e
 
 
+_env = env  # ``start`` takes an ``env`` argument of its own
+
+
 def run(*args: str, cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run(
         chameleon_cmd(*args), cwd=cwd, env=env(), capture_output=True, text=True, timeout=timeout
     )
 
 
-def start(*args: str, cwd: Path, log: Path) -> subprocess.Popen:
+def start(*args: str, cwd: Path, log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
     out = open(log, "w")  # noqa: SIM115 - the process owns it
     return subprocess.Popen(
-        chameleon_cmd(*args), cwd=cwd, env=env(), stdout=out, stderr=subprocess.STDOUT
-    )
+        chameleon_cmd(*args), cwd=cwd, env={**_env(), **(env or {})}, stdout=out,
+        stderr=subprocess.STDOUT,
+    )  # fmt: skip
 
 
 def events(path: Path) -> list[dict]:

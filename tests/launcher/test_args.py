@@ -105,7 +105,7 @@ def test_phase_faults_fire_in_their_phase_of_their_recovery_after_their_delay():
     plan = parse_fault("kill:rank=1,phase=plan,after_ms=50")
     groups = parse_fault("kill:rank=2,phase=groups,recovery=2")
     step = parse_fault("hang:rank=3,step=4")
-    injector = Injector([plan, groups, step])
+    injector = Injector([plan, groups, step], ranks=[0, 1, 2, 3])
     due = injector.due
     assert due(0.0, since_start_s=0, status={}, phase=_phase("collect")) == []
     assert due(1.0, since_start_s=1, status={}, phase=_phase("plan")) == []  # armed
@@ -117,6 +117,14 @@ def test_phase_faults_fire_in_their_phase_of_their_recovery_after_their_delay():
     assert due(4.0, since_start_s=4, status={3: _status("train", step=4)}, phase=None) == []
     assert due(4.1, since_start_s=4, status={3: _status("train", step=5)}, phase=None) == [step]
     assert injector.pending == []
+
+
+def test_any_rank_is_the_first_seen_in_the_phase():
+    spec = parse_fault("kill:rank=any,phase=migrate")
+    injector = Injector([spec], ranks=[4, 5, 6])
+    statuses = {4: _status("groups"), 5: _status("spare"), 6: _status("migrate")}
+    (due,) = injector.due(0.0, since_start_s=0, status=statuses, phase=_phase("confirm"))
+    assert due.rank == 6 and "any rank" in spec.describe()
 
 
 def test_help_lists_torchrun_and_chameleon_flags():

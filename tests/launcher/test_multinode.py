@@ -189,3 +189,51 @@ def test_an_agent_of_another_run_id_is_refused(tmp_path):
     finally:
         host.kill()
         host.wait()
+
+
+@pytest.mark.slow
+def test_a_lost_node_recovered_in_place_lets_the_job_end(tmp_path):
+    # Two agents of two runtime workers each; node 1's agent is SIGKILLed mid-run (its
+    # workers die with it). Node 0 recovers in place, trains to the end with the weights
+    # of a failure-free run, and exits 0 (before: its launcher never ended).
+    import psutil
+
+    from tests.runtime.test_liveness import MLP, run_mlp
+    from tests.runtime.test_recovery import dumps
+
+    _, _, reference = run_mlp(tmp_path, "ref", workers=4, steps=60, args=("--stages", "1"))
+    port = free_port()
+    common = [
+        "run", "--nnodes", "2", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+        "--master-port", str(port), "--heartbeat-timeout", "2",
+    ]  # fmt: skip
+    args = [MLP, "--steps", "60", "--stages", "1", "--dump", str(tmp_path / "dump")]
+    slow = {"MLP_STEP_SLEEP_S": "0.1"}
+    node1 = start(*common, "--node-rank", "1", *args, cwd=tmp_path, log=tmp_path / "n1.log", env=slow)
+    log0 = tmp_path / "n0.jsonl"
+    node0 = start(
+        *common, "--node-rank", "0", "--events", str(log0), *args, cwd=tmp_path,
+        log=tmp_path / "n0.log", env=slow,
+    )  # fmt: skip
+    deadline = time.monotonic() + 90
+    while not any(e["event"] == "step" and e["step"] >= 15 for e in events(log0)):
+        assert time.monotonic() < deadline and node0.poll() is None
+        time.sleep(0.05)
+    node1.kill()
+    node1.wait()
+    assert node0.wait(timeout=60) == 0, (tmp_path / "n0.log").read_text()[-3000:]
+    evs = events(log0)
+    assert [e["node"] for e in evs if e["event"] == "node_lost"] == [1]
+    assert [e["attempt"] for e in evs if e["event"] == "workers_started"] == [0]  # in place
+    finish = [e for e in evs if e["event"] == "decision" and e["action"] == "finish"]
+    assert finish and finish[-1]["exit_code"] == 0
+    leftovers = [
+        p for p in psutil.process_iter(["cmdline"])
+        if str(tmp_path) in " ".join(p.info["cmdline"] or [])
+    ]  # fmt: skip
+    assert leftovers == []
+    checks, _losses = dumps(tmp_path)
+    assert sorted(checks) == sorted(reference)
+    for layer, values in checks.items():
+        assert max(values) == min(values)
+        assert values[0] == pytest.approx(reference[layer][0], rel=1e-5)

@@ -162,20 +162,28 @@ def test_two_failures_in_sequence(tmp_path, reference):
     assert all(r["steps_lost"] == 0 for r in recoveries(evs))
 
 
-def test_a_failure_during_a_recovery(tmp_path, reference):
+@pytest.mark.parametrize("phase", ["collect", "plan", "groups", "migrate", "confirm"])
+def test_a_second_failure_in_any_phase_of_a_recovery_is_recovered_in_place(
+    tmp_path, reference, phase
+):
+    # Rank 5 dies; in the given phase of that recovery another worker dies: rank 1 for the
+    # leader's phases, whichever worker reports building groups or moving layers for the
+    # worker's own. A re-partition, so that layers move.
+    second = "1" if phase in ("collect", "plan", "confirm") else "any"
     checks, losses, evs = train(
-        tmp_path,
-        "during",
-        "--inject-fault",
-        "kill:rank=5,step=3",
-        "--inject-fault",
-        "kill:rank=1,recovery=1",
-        workers=6,
-    )
+        tmp_path, phase, "--policy", "reparallelize", "--max-restarts", "0",
+        "--inject-fault", "kill:rank=5,step=3",
+        "--inject-fault", f"kill:rank={second},phase={phase}", workers=6,
+    )  # fmt: skip
     assert_same_training(reference, checks, losses)
-    chosen = [e for e in evs if e["event"] == "plan_chosen"]
-    assert sorted(chosen[-1]["failed"]) == [1, 5]
-    assert recoveries(evs)[-1]["steps_lost"] == 0
+    faults = [e for e in evs if e["event"] == "fault_injected"]
+    assert len(faults) == 2, "the second fault never fired"
+    seen = faults[1]["worker_phase"] if second == "any" else faults[1]["recovery_phase"]
+    assert seen == phase
+    assert [e["attempt"] for e in evs if e["event"] == "workers_started"] == [0]  # in place
+    (recovered,) = recoveries(evs)
+    # Steps lost, measured: the most steps any survivor applied, less the resume step.
+    assert recovered["steps_lost"] == recovered["reached_step"] - recovered["resume_step"] == 0
 
 
 def test_exit_fault_on_a_runtime_worker_uses_its_code(tmp_path, reference):

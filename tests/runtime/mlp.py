@@ -1,0 +1,72 @@
+"""A tiny MLP on chameleon_runtime for the liveness, bounded-state and multi-node tests:
+
+    chameleon run --nproc-per-node 2 tests/runtime/mlp.py --steps 50 [--dump PREFIX]
+
+Behaviour the tests need, from the environment (nothing of it is a product feature):
+    MLP_STEP_SLEEP_S      every step sleeps this long first (a slow, healthy step)
+    MLP_STALL_RANK/STEP   that rank blocks forever before that step (a stalled worker)
+    MLP_JOIN_SLEEP_S      a replacement (CHAMELEON_JOIN set) sleeps this long before
+                          importing the runtime (a slow start-up)
+"""
+
+import argparse
+import json
+import os
+import time
+
+if os.environ.get("CHAMELEON_JOIN") and os.environ.get("MLP_JOIN_SLEEP_S"):
+    time.sleep(float(os.environ["MLP_JOIN_SLEEP_S"]))
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.nn import functional as F  # noqa: E402
+
+import chameleon_runtime as cr  # noqa: E402
+
+SLEEP_S = float(os.environ.get("MLP_STEP_SLEEP_S", "0"))
+STALL = (int(os.environ.get("MLP_STALL_RANK", "-1")), int(os.environ.get("MLP_STALL_STEP", "-1")))
+RANK = int(os.environ.get("RANK", "0"))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--stages", type=int, default=1)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--global-batch", type=int, default=8)
+    parser.add_argument("--dump", default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randn(8, generator=g), torch.randint(0, 4, (), generator=g)) for _ in range(256)]
+
+    def layer(i: int) -> nn.Module:
+        return nn.Linear(8, 4) if i == args.layers - 1 else nn.Sequential(nn.Linear(8, 8), nn.Tanh())
+
+    def lr_at(step: int) -> float:  # called once per step, before it: the test hooks
+        if (RANK, step) == STALL:
+            time.sleep(10**6)
+        if SLEEP_S:
+            time.sleep(SLEEP_S)
+        return 0.05
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    trainer = cr.Trainer(
+        layers=layer,
+        num_layers=args.layers,
+        loss_fn=F.cross_entropy,
+        optimizer=lambda params: torch.optim.SGD(params, lr=0.05),
+        dataset=data,
+        global_batch_size=args.global_batch,
+        micro_batch_size=2,
+        pipeline_stages=args.stages if world % args.stages == 0 else 1,
+        lr_schedule=lr_at,
+    )
+    result = trainer.fit(args.steps)
+    if args.dump:
+        with open(f"{args.dump}.rank{RANK}.json", "w") as f:
+            json.dump({"checksums": trainer.checksums(), "losses": result.losses}, f)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,45 @@
+"""Bounded state, end to end (tests/runtime/mlp.py): the store's key count does not grow
+with steps, and a survivor's file descriptors and threads do not grow with recoveries.
+The launcher's ``step`` events carry both (the store's key count; the lowest live rank's
+fds and threads, from its heartbeat)."""
+
+import pytest
+
+from tests.runtime.test_liveness import named, run_mlp
+
+pytestmark = pytest.mark.slow
+
+
+def test_the_store_does_not_grow_with_steps(tmp_path):
+    result, evs, _ = run_mlp(tmp_path, "long", workers=2, steps=2500, args=("--stages", "2"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    counts = [(e["step"], e["store_keys"]) for e in named(evs, "step")]
+    early = next(keys for step, keys in counts if step >= 250)
+    late = counts[-1]
+    assert late[0] >= 2000, counts
+    assert late[1] <= early * 1.1, counts  # before: about 4 keys more every step
+
+
+def test_a_survivors_threads_and_files_do_not_grow_with_recoveries(tmp_path):
+    # Eight data-parallel workers; six of them die one after another: six recoveries.
+    kills = [f"kill:rank={r},step={10 + 12 * i}" for i, r in enumerate((7, 6, 5, 4, 3, 2))]
+    flags = [x for k in kills for x in ("--inject-fault", k)]
+    result, evs, _ = run_mlp(
+        tmp_path, "many", "--max-rejoins", "0", "--policy", "reroute", *flags, workers=8,
+        steps=110, extra_env={"MLP_STEP_SLEEP_S": "0.03"}, args=("--stages", "1"),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    recovered = named(evs, "recovered")
+    assert len(recovered) == 6
+    steps = named(evs, "step")
+
+    def settled_after(i):
+        """Rank 0's figures on the last step event before the next recovery began."""
+        until = recovered[i + 1]["t"] if i + 1 < len(recovered) else float("inf")
+        later = [e for e in steps if recovered[i]["t"] < e["t"] < until and e["rank"] == 0]
+        return later[-1]
+
+    first, last = settled_after(0), settled_after(5)
+    # Before: +7 threads and +6 descriptors each recovery (a group leaked every time).
+    assert last["threads"] <= first["threads"] + 1, (first, last)
+    assert last["fds"] <= first["fds"] + 2, (first, last)
