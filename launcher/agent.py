@@ -21,23 +21,24 @@ from pathlib import Path
 
 from launcher.args import DEFAULT_MTBF_S, RunArgs
 from launcher.events import EventLog
-from launcher.leader import Leader
+from launcher.leader import Leader, record_missing_nodes
 from launcher.local import LocalGroup, RoundSettings, worker_command
-from launcher.rendezvous import RUN_ID_KEY, ControlPlane, NodeInfo, RendezvousError, World, node_key
-from launcher.store import (
-    StoreError,
-    bind_listener,
-    connect_store,
-    host_store,
-    put_json,
-    serve_store,
+from launcher.rendezvous import (
+    RUN_ID_KEY,
+    ControlPlane,
+    NodeInfo,
+    RendezvousError,
+    World,
+    beat_until,
+    control_endpoint,
+    node_key,
 )
-from launcher.supervisor import Action, Failure, FailureKind
+from launcher.store import StoreError, bind_listener, host_store, put_json, serve_store
+from launcher.supervisor import Action, Failure
 from launcher.watch import Timeouts as WatchTimeouts
 from launcher.worker_store import WorkerStoreView
 from launcher.workers import Console, Reaper
 
-HEARTBEAT_PERIOD_S = 1.0
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 # Workers of a failed round are useless (their collectives are broken): give them a short
 # grace to flush, not the full shutdown timeout.
@@ -121,50 +122,17 @@ class Agent:
         """Keep every failure once: the run summary and the root cause read them."""
         self.failures = self.failures + [f for f in failures if f not in self.failures]
 
+    def _control_endpoint(self) -> tuple[str, int, bool | None]:
+        try:
+            return control_endpoint(self.args)
+        except RendezvousError as exc:
+            raise JobError(str(exc)) from None
+
     def _install_signals(self) -> None:
         for signum in FORWARDED_SIGNALS:
             signal.signal(signum, self._on_signal)
 
     # -- setup -----------------------------------------------------------------------
-
-    def _endpoint(self) -> tuple[str, int, bool | None]:
-        a = self.args
-        if a.standalone:
-            return "127.0.0.1", 0, True
-        if a.rdzv_backend == "c10d":
-            if not a.rdzv_endpoint:
-                raise JobError("--rdzv-backend c10d needs --rdzv-endpoint HOST:PORT")
-            host, _, port = a.rdzv_endpoint.rpartition(":")
-            if not host:
-                host, port = a.rdzv_endpoint, "29400"
-            if not port.isdigit():
-                raise JobError(f"--rdzv-endpoint must be HOST:PORT, got {a.rdzv_endpoint!r}")
-            return host, int(port), None
-        if a.rdzv_endpoint:
-            host, _, port = a.rdzv_endpoint.rpartition(":")
-            return host or a.master_addr, int(port or a.master_port), a.node_rank == 0
-        return a.master_addr, a.master_port, a.node_rank == 0
-
-    def _heartbeat(self, control: ControlPlane) -> None:
-        # A separate client: the main thread's store connection is not shared across threads.
-
-        try:
-            store = connect_store(control.addr, control.port, timeout_s=10)
-        except StoreError:
-            return
-        beat = ControlPlane(
-            store,
-            control.run_id,
-            control.key,
-            is_leader=False,
-            addr=control.addr,
-            port=control.port,
-        )
-        while not self._stop_heartbeat.wait(HEARTBEAT_PERIOD_S):
-            try:
-                beat.beat()
-            except Exception:
-                return
 
     # -- the loop --------------------------------------------------------------------
 
@@ -181,7 +149,10 @@ class Agent:
             self.control = control
             control.beat()
             beating = threading.Thread(
-                target=self._heartbeat, args=(control,), name="heartbeat", daemon=True
+                target=beat_until,
+                args=(control, self._stop_heartbeat, WatchTimeouts(a.heartbeat_timeout_s).beat_period_s),
+                name="heartbeat",
+                daemon=True,
             )
             beating.start()
             attempt = 0
@@ -216,7 +187,7 @@ class Agent:
         )
 
     def _join_job(self) -> ControlPlane:
-        addr, port, want_leader = self._endpoint()
+        addr, port, want_leader = self._control_endpoint()
         try:
             control = ControlPlane.open(
                 run_id=self.run_id,
@@ -234,7 +205,7 @@ class Agent:
         """One node needs no rendezvous: bind both stores' sockets in plain Python, start
         the workers, and only then import torch and serve the stores. The workers' own
         imports (seconds) overlap ours; their store clients wait in the listen backlog."""
-        addr, port, _ = self._endpoint()
+        addr, port, _ = self._control_endpoint()
         try:
             control_socket = bind_listener(addr, port)
             worker_socket = bind_listener(addr, 0)
@@ -303,45 +274,20 @@ class Agent:
 
     def _start_group(self, world: World, me: NodeInfo) -> LocalGroup:
         a = self.args
-        watch = WatchTimeouts(a.heartbeat_timeout_s, a.step_timeout_s, a.startup_timeout_s)
-        view = WorkerStoreView(
-            world.attempt,
-            world.worker_addr,
-            world.worker_port,
-            hosted=lambda: self.worker_store if self.control and self.control.is_leader else None,
-        )
+        settings = RoundSettings.of(a, world, me, run_id=self.run_id, run_dir=self.run_dir)
         group = LocalGroup(
-            RoundSettings(
-                attempt=world.attempt,
-                node_rank=me.node_rank,
-                num_nodes=len(world.nodes),
-                rank_offset=me.rank_offset,
-                world_size=world.world_size,
-                nproc=me.nproc,
-                role=a.role,
-                master_addr=world.worker_addr,
-                master_port=world.worker_port,
-                max_restarts=a.max_restarts,
-                run_id=self.run_id,
-                log_dir=self.run_dir,
-                redirects=a.redirects,
-                tee=a.tee,
-                local_ranks_filter=a.local_ranks_filter,
-                watch=watch,
-                extra_env={
-                    # This launch's folder, the same for every attempt: a script can keep
-                    # its checkpoints there, so a restart resumes and a new launch starts
-                    # fresh.
-                    "CHAMELEON_RUN_DIR": str(self.run_dir),
-                    "CHAMELEON_HEARTBEAT_S": f"{watch.beat_period_s:g}",
-                },
-            ),
+            settings,
             self.command,
             console=self.console,
             faults=a.faults,
             emit=self.events.emit,
             base_env=dict(os.environ),
-            view=view,
+            view=WorkerStoreView(
+                world.attempt,
+                world.worker_addr,
+                world.worker_port,
+                hosted=lambda: self.worker_store if self.control and self.control.is_leader else None,
+            ),
             reaper=self.reaper,
         )
         group.start()
@@ -367,57 +313,13 @@ class Agent:
                 )
             except RendezvousError as exc:
                 raise JobError(str(exc)) from None
-            self._record_missing_nodes(world)
+            record_missing_nodes(self, self._last_world, world)
             self._last_world = world
             return world
-        deadline = time.monotonic() + timeout
-        while True:
-            if self._signal is not None:
-                return None
-            try:
-                world = control.world(attempt)
-            except Exception:
-                raise JobError("lost the control store (the leader's node is gone)") from None
-            if world is not None:
-                return world
-            if time.monotonic() > deadline:
-                raise JobError(f"round {attempt} did not form within {timeout:g} s")
-            time.sleep(0.05)
-
-    def _record_missing_nodes(self, world: World) -> None:
-        """Nodes of the last round that did not come back were lost; record them, dated by
-        their last heartbeat, so that a node loss noticed only now (its workers' peers
-        crashed first) still shows as the root cause."""
-        last = self._last_world
-        if last is None:
-            return
-        for node in last.nodes:
-            if world.node(node.key) is not None or any(
-                f.kind is FailureKind.NODE_LOST
-                and f.node == node.node_rank
-                and f.attempt == last.attempt
-                for f in self.failures
-            ):
-                continue
-            silent_since = self.beat_seen.get(node.key, time.time())
-            self.events.emit(
-                "node_lost",
-                node=node.node_rank,
-                host=node.host,
-                silent_s=time.time() - silent_since,
-            )
-            for local in range(node.nproc):
-                failure = Failure(
-                    rank=node.rank_offset + local,
-                    node=node.node_rank,
-                    kind=FailureKind.NODE_LOST,
-                    attempt=last.attempt,
-                    failed_at=silent_since,
-                    detected_at=time.time(),
-                    message=f"agent on {node.host} did not rejoin",
-                )
-                self.events.emit("failure", **failure.to_json())
-                self.failures.append(failure)
+        try:
+            return control.wait_world(attempt, timeout, stop=lambda: self._signal is not None)
+        except RendezvousError as exc:
+            raise JobError(str(exc)) from None
 
     def _monitor(self, control: ControlPlane, world: World, group: LocalGroup) -> int | Outcome:
         keys = [n.key for n in world.nodes]

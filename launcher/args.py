@@ -138,26 +138,15 @@ def _parser() -> _Parser:
         )
     c = p.add_argument_group("chameleon flags")
     add = c.add_argument
-    add(
-        *_both("--heartbeat-timeout"),
-        type=float,
-        default=30.0,
+    add(*_both("--heartbeat-timeout"), type=float, default=30.0,
         help="liveness: seconds without a heartbeat before a worker or node counts as hung or "
-        "lost (chameleon_runtime workers beat every second, whatever their steps take)",
-    )
-    add(
-        *_both("--step-timeout"),
-        default="auto",
+        "lost (chameleon_runtime workers beat through steps of any length)")  # fmt: skip
+    add(*_both("--step-timeout"), default="auto",
         help="progress: seconds a chameleon_runtime worker may go without completing a step; "
-        "auto = 10x the slowest completed step, never under 60",
-    )
-    add(
-        *_both("--startup-timeout"),
-        type=float,
-        default=600.0,
+        "auto = 10x the slowest completed step, never under 60")  # fmt: skip
+    add(*_both("--startup-timeout"), type=float, default=600.0,
         help="progress before the first step (imports, model build, checkpoint load) and "
-        "while checkpointing",
-    )
+        "while checkpointing")  # fmt: skip
     add(
         "--events",
         default=None,
@@ -292,6 +281,16 @@ def _std_streams(text: str, flag: str, nproc: int) -> dict[int, int]:
     return {r: out.get(r, 0) for r in range(nproc)}
 
 
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if value <= 0:
+        raise ArgsError(f"--step-timeout must be auto or positive seconds, got {text!r}")
+    return value
+
+
 def _rdzv_conf(text: str) -> dict[str, str]:
     conf = {}
     for part in filter(None, (p.strip() for p in text.split(","))):
@@ -323,14 +322,7 @@ def parse_run_args(argv: list[str]) -> RunArgs:
         raise ArgsError(
             "--monitor-interval, --heartbeat-timeout and --startup-timeout must be positive"
         )
-    step_timeout = None
-    if ns.step_timeout != "auto":
-        try:
-            step_timeout = float(ns.step_timeout)
-        except ValueError:
-            raise ArgsError(f"--step-timeout must be auto or seconds, got {ns.step_timeout!r}") from None
-        if step_timeout <= 0:
-            raise ArgsError("--step-timeout must be positive")
+    step_timeout = None if ns.step_timeout == "auto" else _seconds(ns.step_timeout)
     if ns.run_path and not os.path.isabs(ns.training_script):
         raise ArgsError("--run-path needs the training script as an absolute path")
     min_nodes, max_nodes = _nnodes(ns.nnodes)

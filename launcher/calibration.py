@@ -30,6 +30,9 @@ from typing import Any
 from planner.protocol import WorkerStatus
 
 CALIBRATION_ROUNDS = 4
+# The model is fitted to each generation once its steps settle (a generation's first
+# steps pay for warm-up): chameleon_runtime.pace leaves 2 out and averages over 8.
+SETTLED_AFTER_STEPS = 6
 DEFAULT_RESTART_S = 10.0  # before a start-up was measured (a --config gives its own)
 # A layout this much faster than the launched one is worth a note in the run summary.
 LAYOUT_HINT_SPEEDUP = 1.1
@@ -92,6 +95,7 @@ class JobModel:
     host: tuple[float, float, float] | None = None  # cores, overhead per worker, message wait
     wait_s: float = 0.0  # the last message wait a fit could determine
     measured_s: float | None = None
+    fitted_generation: int = -1
     _search: Any = None
 
     def measured_step_s(self, statuses: Mapping[int, WorkerStatus], generation: int) -> float | None:
@@ -133,6 +137,21 @@ class JobModel:
     def refit(self) -> None:
         """Fit again at the next ``job`` (a new generation's steps have settled)."""
         self.factor, self.host = None, None
+
+    def settle(
+        self, current: Any, statuses: Mapping[int, WorkerStatus], generation: int, steps: int
+    ) -> None:
+        """Once a generation has run ``SETTLED_AFTER_STEPS`` steps: fit the model to them
+        and warm the search up for the next failure; on generation 0, point out a clearly
+        faster layout."""
+        if generation == self.fitted_generation or steps < SETTLED_AFTER_STEPS:
+            return
+        self.fitted_generation = generation
+        self.refit()
+        job = self.job(current, statuses, generation)
+        self.search(job)
+        if generation == 0:
+            self.hint_layout(job, current)
 
     def _fit(
         self,

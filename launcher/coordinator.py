@@ -18,16 +18,17 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
 
 from launcher import recovery as rc
 from launcher.calibration import JobModel
+from launcher.planning import Planner
 from launcher.rejoin import Rejoins
-from launcher.supervisor import Failure, FailureKind
+from launcher.supervisor import Failure, FailureKind, root_cause, summary
 from launcher.watch import Progress
 from launcher.watch import Timeouts as WatchTimeouts
+from launcher.worker_store import WorkerStoreView
 from planner.protocol import (
     INBOX,
     Abort,
@@ -41,12 +42,6 @@ from planner.protocol import (
 )
 
 SNAPSHOT_PERIOD_S = 1.0
-# The model is fitted to each generation once its steps settle (a generation's first
-# steps pay for warm-up): chameleon_runtime.pace leaves 2 out and averages over 8.
-CALIBRATE_AFTER_STEPS = 6
-# Steps after which those means cover only steps run after a replacement's start-up,
-# which competed for the host: the layout with it is judged then.
-SETTLE_STEPS = 10
 
 
 @dataclass(frozen=True)
@@ -55,13 +50,6 @@ class InPlaceOutcome:
 
     restart: bool = False
     reason: str = ""
-
-
-@dataclass
-class _Planning:
-    generation: int
-    start: rc.StartPlanning
-    future: Future
 
 
 class Coordinator:
@@ -102,17 +90,13 @@ class Coordinator:
         self.gone: set[int] = set()  # ranks whose node is lost: never replaced
         self.failures: list[Failure] = []
         self._fatal: str | None = None
-        self._planner = ThreadPoolExecutor(1, thread_name_prefix="planner")
-        self._planning: _Planning | None = None
+        self.planner = Planner(model=model, policy=policy, gone=self.gone, emit=emit, attempt=attempt)
+        self.view = WorkerStoreView(attempt, "", 0, hosted=lambda: store)
         self._statuses: dict[int, WorkerStatus] = {}
-        self._has_status: set[int] = set()
         self._next_snapshot = 0.0
         self._last_step_event = (-1, 0.0)
         self._gen_start = 0
-        self._calibrated = -1
-        self._announced: dict[int, int] = {}  # replacement rank -> generation it joined
-        self._joined: list[int] = []  # admitted replacements, their growth not judged yet
-        self._settle_until = 0
+        self._blamed: set[int] = set()  # ranks sent to be killed for a stall
         self._top_step = -1
         self._first_step_pending = False
 
@@ -136,14 +120,13 @@ class Coordinator:
         ranks = {f.rank for f in new}
         self.gone |= {f.rank for f in new if f.kind is FailureKind.NODE_LOST}
         self.rejoins.forget(ranks)
-        for rank in ranks:
-            self._announced.pop(rank, None)
         if self.state is None and not self._start():
             self._fatal = f"ranks {sorted(ranks)} failed before training started"
             return
         if self.state is not None and self.state.phase is rc.Phase.RUNNING:
             self._note_progress(self._snapshot(time.monotonic()))  # the step a restart loses
-        self._apply(rc.Failed(frozenset(ranks), _reason(new)))
+        cause = root_cause(new)
+        self._apply(rc.Failed(frozenset(ranks), summary(cause) if cause else ""))
         asked = self.rejoins.request(ranks, gone=self.gone, put=self._put_respawn)
         if asked:
             self.emit("respawn_requested", attempt=self.attempt, ranks=asked)
@@ -162,11 +145,14 @@ class Coordinator:
                 self._apply(rc.ReadyReported(message.rank, report))
             elif isinstance(message, Applied):
                 self._apply(rc.AppliedReported(message.rank, message.generation))
-            elif isinstance(message, Joined) and self.rejoins.requested.get(message.rank) == message.count:
-                self.rejoins.forget([message.rank])
-                self._announced[message.rank] = message.generation
-        if self._planning is not None and self._planning.future.done():
-            self._apply(self._planned(self._planning))
+            elif isinstance(message, Joined):
+                self.rejoins.up(message.rank, message.count, message.generation)
+        answer = self.planner.answer(self.plans[0])
+        if answer is not None:
+            planned, message = answer
+            if message is not None:
+                self.plans[planned.generation] = message
+            self._apply(planned)
         now = time.monotonic()
         if self.state.phase is rc.Phase.RUNNING and (
             now >= self._next_snapshot or self._first_step_pending
@@ -179,7 +165,7 @@ class Coordinator:
         return InPlaceOutcome()
 
     def close(self) -> None:
-        self._planner.shutdown(wait=False, cancel_futures=True)
+        self.planner.close()
 
     # -- the state machine ---------------------------------------------------------------
 
@@ -240,7 +226,7 @@ class Coordinator:
         self.store.set(self.keys.abort(action.generation), message)
         assert self.state is not None
         # Everyone who may be listening: live workers and replacements on their way.
-        for rank in sorted(self.state.live | self.rejoins.waiting | set(self._announced)):
+        for rank in sorted(self.state.live | self.rejoins.listening):
             self.store.queue_push(self.keys.mailbox(rank), message)
         self.emit(
             "abort",
@@ -307,128 +293,16 @@ class Coordinator:
 
     def _start_planning(self, start: rc.StartPlanning) -> None:
         if not self._described():
-            failed: Future = Future()
-            failed.set_exception(RuntimeError("the workers had not described the job yet"))
-            self._planning = _Planning(start.generation, start, failed)
+            self.planner.fail(start, "the workers had not described the job yet")
             return
-        base = self.plans[start.base]
-        current = base.plan.to_plan()
-        job = self.model.job(current, self._statuses, start.base)
-        self._planning = _Planning(
-            start.generation, start, self._planner.submit(self._plan, start, current, job)
-        )
-
-    def _plan(self, start: rc.StartPlanning, current: Any, job: Any) -> dict:
-        from planner.policy import Policy
-        from planner.selection import decide
-
-        forced = None if self.policy == "auto" else Policy(self.policy)
-        if start.joining:
-            forced = Policy.REPARALLELIZE  # taking replacements in: only a re-partition can
-        t0 = time.perf_counter()
-        decision = decide(
-            job,
-            current,
-            list(start.failed),
-            policy=forced,
-            mtbf_s=self.model.mtbf_s,
-            since_checkpoint_s=self.model.since_checkpoint_s(start.resume_step, job),
-            # A restart brings back every rank whose node lives.
-            spares=[r for r in start.failed if r not in self.gone],
-            idle=list(start.idle),
-            search=self.model.search(job),
-        )
-        return {"decision": decision, "job": job, "search_ms": (time.perf_counter() - t0) * 1e3}
-
-    def _planned(self, planning: _Planning) -> rc.Planned:
-        from planner.policy import Policy
-        from planner.wire import PlanMessage
-
-        self._planning = None
-        start = planning.start
-        try:
-            result = planning.future.result()
-        except Exception as exc:  # nothing to plan with, or a planner bug: never wedge
-            return rc.Planned(start.generation, restart=True, reason=f"no plan: {exc}")
-        decision, job = result["decision"], result["job"]
-        candidates = {
-            c.policy.value: {
-                "feasible": c.feasible,
-                "reason": c.reason,
-                "step_s": c.estimate.step_s if c.estimate else None,
-                "peak_memory_bytes": c.estimate.peak_memory_bytes if c.estimate else None,
-                "transition_s": c.transition.total_s if c.feasible else None,
-                "score": decision.score(job, c) if c.feasible else None,
-            }
-            for c in decision.candidates
-        }
-        basis = {
-            "memory_limit_bytes": job.cluster.device_memory_bytes,
-            "mtbf_s": self.model.mtbf_s,
-            "restart_s": job.cluster.restart_s,
-            "candidates": candidates,
-            "search_ms": result["search_ms"],
-            "failed": list(start.failed),
-            "generation": start.generation,
-        }
-        chosen = decision.chosen
-        if chosen is None or chosen.plan is None or chosen.policy is Policy.RESTART:
-            self.emit("plan_chosen", policy="restart", **basis)
-            why = "the planner chose restart" if chosen is not None else "no in-place policy is feasible"
-            return rc.Planned(start.generation, restart=True, reason=why)
-        message = PlanMessage.build(
-            generation=start.generation,
-            policy=chosen.policy.value,
-            resume_step=start.resume_step,
-            plan=chosen.plan,
-            migration=chosen.migration,
-            estimated_step_s=chosen.estimate.step_s if chosen.estimate else None,
-        )
-        self.plans[start.generation] = message
-        why = f"ranks {list(start.joining)} rejoin" if start.joining else f"ranks {list(start.failed)} failed"
-        self.emit(
-            "decision",
-            attempt=self.attempt,
-            generation=start.generation,
-            action="recover",
-            policy=chosen.policy.value,
-            reason=f"{why}; {chosen.policy.value}: {chosen.label}",
-            exit_code=0,
-        )
-        first = self.plans[0].plan.to_plan()
-        self.emit(
-            "plan_chosen",
-            policy=chosen.policy.value,
-            label=chosen.label,
-            resume_step=start.resume_step,
-            estimated_step_s=chosen.estimate.step_s if chosen.estimate else None,
-            failure_free_step_s=self.model.search(job).estimate(first).step_s,
-            before_step_s=decision.baseline.step_s,
-            calibration=self.model.factor,
-            transition_s=chosen.transition.total_s,
-            moved_bytes=chosen.migration.num_bytes,
-            transfers=len(message.transfers),
-            joined=list(start.joining),
-            **basis,
-        )
-        members = frozenset(chosen.plan.workers) | {t.src for t in message.transfers}
-        layout = {s.worker: (s.first_layer, s.end_layer) for s in chosen.plan.stages}
-        return rc.Planned(
-            start.generation, layout=layout, members=members, transition_s=chosen.transition.total_s
-        )
+        self.planner.start(start, self.plans[start.base], self._statuses)
 
     # -- while the job trains ------------------------------------------------------------
 
     def _snapshot(self, now: float) -> dict[int, WorkerStatus]:
         """Every live worker's status, in one round trip (those that posted one)."""
         assert self.state is not None
-        live = sorted(self.state.live)
-        for rank in live:
-            if rank not in self._has_status and self.store.check([self.keys.status(rank)]):
-                self._has_status.add(rank)
-        ranks = [r for r in live if r in self._has_status]
-        values = self.store.multi_get([self.keys.status(r) for r in ranks]) if ranks else []
-        self._statuses = {r: WorkerStatus.model_validate_json(v) for r, v in zip(ranks, values, strict=True)}
+        self._statuses = self.view.statuses(sorted(self.state.live))
         return self._statuses
 
     def _note_progress(self, statuses: dict[int, WorkerStatus]) -> None:
@@ -460,8 +334,12 @@ class Coordinator:
             self.model.restart_s = now - self.started_at  # a restart costs this start-up
         collect_s = self.progress.step_timeout_s()  # a survivor may be mid-step at an abort
         if collect_s != self.timeouts.collect_s:
-            self.set_timeouts(replace(self.timeouts, collect_s=collect_s))
-        self._calibrate_if_due(statuses, top)
+            self.timeouts = replace(self.timeouts, collect_s=collect_s)
+            self.state = replace(self.state, timeouts=self.timeouts)
+        if self.model.description is not None and not self.rejoins.waiting:
+            # (a replacement starting up competes for the host: no fit meanwhile)
+            current = self.plans[state.generation].plan.to_plan()
+            self.model.settle(current, statuses, state.generation, top - self._gen_start)
         self._admit(statuses, top)
         self.progress.observe(statuses, now)
         stalls = self.progress.stalled(statuses, now)
@@ -469,52 +347,29 @@ class Coordinator:
             from launcher.watch import blame
 
             for rank, why in blame(statuses, stalls).items():
-                self.emit("stalled", attempt=self.attempt, rank=rank, reason=why)
-                self.kill([rank], why)
-
-    def _calibrate_if_due(self, statuses: dict[int, WorkerStatus], top: int) -> None:
-        state = self.state
-        if (
-            self.model.description is None
-            or self.rejoins.waiting  # a replacement starting competes for the host
-            or self._calibrated == state.generation
-            or top < self._gen_start + CALIBRATE_AFTER_STEPS
-        ):
-            return
-        self._calibrated = state.generation
-        self.model.refit()
-        current = self.plans[state.generation].plan.to_plan()
-        job = self.model.job(current, statuses, state.generation)
-        self.model.search(job)  # warm the search up for the next failure
-        if state.generation == 0:
-            self.model.hint_layout(job, current)
+                if rank not in self._blamed:
+                    self._blamed.add(rank)
+                    self.emit("stalled", attempt=self.attempt, rank=rank, reason=why)
+                    self.kill([rank], why)
 
     def _admit(self, statuses: dict[int, WorkerStatus], top: int) -> None:
         """Replacements up as spares of this generation join the live set; once their
         start-up stops competing for the host, they are taken into the plan if it pays."""
-        state = self.state
         spares = {
             r
-            for r in self._announced
-            if (s := self._spare_status(r)) is not None and s.generation == state.generation
+            for r in self.rejoins.announced
+            if (s := self._spare_status(r)) is not None and s.generation == self.state.generation
         }
         if spares:
-            for rank in spares:
-                del self._announced[rank]
+            self.rejoins.admit(spares, top)
             self._apply(rc.Admit(frozenset(spares)))
-            self._joined = sorted(set(self._joined) | spares)
-            self._settle_until = top + SETTLE_STEPS
-        joined = self._joined
-        if not joined or top < self._settle_until or self.rejoins.waiting:
-            return
-        self._joined = []
-        self._grow(joined, statuses)
+        joined = self.rejoins.settled(top)
+        if joined:
+            self._grow(joined, statuses)
 
     def _spare_status(self, rank: int) -> WorkerStatus | None:
-        if not self.store.check([self.keys.status(rank)]):
-            return None
-        status = WorkerStatus.model_validate_json(self.store.get(self.keys.status(rank)))
-        return status if status.phase == "spare" else None
+        status = self.view.statuses([rank]).get(rank)
+        return status if status is not None and status.phase == "spare" else None
 
     def _grow(self, joined: list[int], statuses: dict[int, WorkerStatus]) -> None:
         """Take ``joined`` into the plan when the planner finds that it pays; never under a
@@ -522,9 +377,8 @@ class Coordinator:
         state = self.state
         growth = None
         if self.policy in ("auto", "reparallelize") and self.model.description is not None:
-            self._calibrated = -1
-            self._calibrate_if_due(statuses, self._top_step)
             current = self.plans[state.generation].plan.to_plan()
+            self.model.refit()  # on steps run since the replacements' start-up
             job = self.model.job(current, statuses, state.generation)
             growth = self.model.growth(job, current, sorted(state.live))
         if growth is None:
@@ -543,14 +397,3 @@ class Coordinator:
         )
         self._apply(rc.Grow(frozenset(joined)))
 
-    def set_timeouts(self, timeouts: rc.Timeouts) -> None:
-        self.timeouts = timeouts
-        if self.state is not None:
-            self.state = replace(self.state, timeouts=timeouts)
-
-
-def _reason(failures: list[Failure]) -> str:
-    from launcher.supervisor import describe
-
-    first = min(failures, key=lambda f: (f.failed_at, f.detected_at, f.rank))
-    return f"rank {first.rank} {describe(first)}"

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from launcher.calibration import JobModel
 from launcher.coordinator import Coordinator
-from launcher.rendezvous import ControlPlane, World
+from launcher.rendezvous import ControlPlane, NodeInfo, World
 from launcher.supervisor import Action, Failure, FailureKind, RoundView, decide, root_cause
 from launcher.watch import Timeouts as WatchTimeouts
 
@@ -105,16 +105,7 @@ class Leader:
                 continue
             self.lost.add(node.key)
             self.agent.events.emit("node_lost", node=node.node_rank, host=node.host, silent_s=silent)
-            for local in range(node.nproc):
-                failure = Failure(
-                    rank=node.rank_offset + local,
-                    node=node.node_rank,
-                    kind=FailureKind.NODE_LOST,
-                    attempt=self.world.attempt,
-                    failed_at=time.time() - silent,
-                    detected_at=time.time(),
-                    message=f"agent on {node.host} stopped heartbeating",
-                )
+            for failure in lost_with(node, self.world.attempt, time.time() - silent, "stopped heartbeating"):
                 self.agent.events.emit("failure", **failure.to_json())
                 self.control.report_failure(failure)
 
@@ -188,3 +179,38 @@ class Leader:
                 self.group.kill_hung(rank, reason)
             elif node.key not in self.lost:
                 self.control.request_kill(self.world.attempt, node.key, rank, reason)
+
+
+def lost_with(node: NodeInfo, attempt: int, since: float, why: str) -> list[Failure]:
+    """The failures of every rank of a lost node, dated by its last heartbeat."""
+    return [
+        Failure(
+            rank=node.rank_offset + local,
+            node=node.node_rank,
+            kind=FailureKind.NODE_LOST,
+            attempt=attempt,
+            failed_at=since,
+            detected_at=time.time(),
+            message=f"agent on {node.host} {why}",
+        )
+        for local in range(node.nproc)
+    ]
+
+
+def record_missing_nodes(agent: Agent, last: World | None, world: World) -> None:
+    """Nodes of the last round that did not come back were lost; record them, dated by
+    their last heartbeat, so that a node loss noticed only now (its workers' peers
+    crashed first) still shows as the root cause."""
+    if last is None:
+        return
+    for node in last.nodes:
+        if world.node(node.key) is not None or any(
+            f.kind is FailureKind.NODE_LOST and f.node == node.node_rank and f.attempt == last.attempt
+            for f in agent.failures
+        ):
+            continue
+        since = agent.beat_seen.get(node.key, time.time())
+        agent.events.emit("node_lost", node=node.node_rank, host=node.host, silent_s=time.time() - since)
+        for failure in lost_with(node, last.attempt, since, "did not rejoin"):
+            agent.events.emit("failure", **failure.to_json())
+            agent.failures.append(failure)

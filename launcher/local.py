@@ -20,8 +20,10 @@ from pathlib import Path
 
 import psutil
 
+from launcher.args import RunArgs
 from launcher.environment import WorkerIdentity, worker_env
 from launcher.faults import ANY, FaultKind, FaultSpec, Injector
+from launcher.rendezvous import NodeInfo, World
 from launcher.supervisor import Failure, FailureKind
 from launcher.watch import Liveness
 from launcher.watch import Timeouts as WatchTimeouts
@@ -75,6 +77,25 @@ class RoundSettings:
     local_ranks_filter: frozenset[int] | None
     watch: WatchTimeouts
     extra_env: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, a: RunArgs, world: World, me: NodeInfo, *, run_id: str, run_dir: Path) -> RoundSettings:
+        """This node's settings for one round, from ``chameleon run``'s arguments."""
+        watch = WatchTimeouts(a.heartbeat_timeout_s, a.step_timeout_s, a.startup_timeout_s)
+        return cls(
+            attempt=world.attempt, node_rank=me.node_rank, num_nodes=len(world.nodes),
+            rank_offset=me.rank_offset, world_size=world.world_size, nproc=me.nproc,
+            role=a.role, master_addr=world.worker_addr, master_port=world.worker_port,
+            max_restarts=a.max_restarts, run_id=run_id, log_dir=run_dir,
+            redirects=a.redirects, tee=a.tee, local_ranks_filter=a.local_ranks_filter,
+            watch=watch,
+            extra_env={
+                # This launch's folder, the same for every attempt: a script can keep its
+                # checkpoints there, so a restart resumes and a new launch starts fresh.
+                "CHAMELEON_RUN_DIR": str(run_dir),
+                "CHAMELEON_HEARTBEAT_S": f"{watch.beat_period_s:g}",
+            },
+        )  # fmt: skip
 
 
 class LocalGroup:

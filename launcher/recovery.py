@@ -30,29 +30,37 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from enum import StrEnum
 from types import MappingProxyType
 
-Layout = Mapping[int, tuple[int, int]]  # worker -> [first, end) layers of its stage
+from launcher.recovery_events import (
+    Abort,
+    Action,
+    Admit,
+    AppliedReported,
+    Event,
+    Failed,
+    Forget,
+    Grow,
+    Kill,
+    Layout,
+    Note,
+    Phase,
+    PhaseChanged,
+    Planned,
+    Publish,
+    ReadyReported,
+    Recovered,
+    Report,
+    Restart,
+    StartPlanning,
+    Tick,
+)
 
-
-class Phase(StrEnum):
-    RUNNING = "running"
-    COLLECT = "collect"
-    PLAN = "plan"
-    CONFIRM = "confirm"
-    ENDED = "ended"  # handed to a checkpoint restart
-
-
-@dataclass(frozen=True)
-class Report:
-    """A worker's ``Ready`` (planner.protocol)."""
-
-    after: int  # the generation it left
-    applied: int  # the last generation it applied
-    step: int | None  # the next step it would run; None for a spare
-    held: tuple[int, ...]
-    reason: str = ""
+__all__ = [  # the machine with its vocabulary: ``from launcher import recovery as rc``
+    "Abort", "Action", "Admit", "AppliedReported", "Event", "Failed", "Forget", "Grow",
+    "Kill", "Layout", "Note", "Phase", "PhaseChanged", "Planned", "Publish", "ReadyReported",
+    "Recovered", "Report", "Restart", "StartPlanning", "State", "Tick", "Timeouts", "decide",
+]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -112,142 +120,10 @@ class State:
         return self.phase in (Phase.COLLECT, Phase.PLAN, Phase.CONFIRM)
 
 
-# -- events ----------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Failed:
-    ranks: frozenset[int]
-    reason: str = ""
-
-
-@dataclass(frozen=True)
-class ReadyReported:
-    rank: int
-    report: Report
-
-
-@dataclass(frozen=True)
-class AppliedReported:
-    rank: int
-    generation: int
-
-
-@dataclass(frozen=True)
-class Planned:
-    """The planner's answer for generation ``generation``: a plan (its layout, members
-    and estimated transition), or a restart with its reason."""
-
-    generation: int
-    restart: bool = False
-    reason: str = ""
-    layout: Layout | None = None
-    members: frozenset[int] = frozenset()
-    transition_s: float = 0.0
-
-
-@dataclass(frozen=True)
-class Tick:
-    pass
-
-
-@dataclass(frozen=True)
-class Grow:
-    """Replacements (spares already live) are worth taking into the plan."""
-
-    ranks: frozenset[int]
-
-
-@dataclass(frozen=True)
-class Admit:
-    """Replacements that are up as spares of the current generation."""
-
-    ranks: frozenset[int]
-
-
-Event = Failed | ReadyReported | AppliedReported | Planned | Tick | Grow | Admit
-
-# -- actions ---------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Abort:
-    generation: int
-    reason: str
-    recovery: int
-    lost: tuple[int, ...] = ()
-
-
-@dataclass(frozen=True)
-class StartPlanning:
-    """Plan generation ``generation`` from the layout of ``base``: ``failed`` are its
-    workers that are gone or no longer hold their stage, ``idle`` live workers that hold
-    nothing it needs; ``joining`` replacements to take in (a growth)."""
-
-    generation: int
-    base: int
-    failed: tuple[int, ...]
-    idle: tuple[int, ...]
-    resume_step: int
-    reached: int
-    joining: tuple[int, ...] = ()
-
-
-@dataclass(frozen=True)
-class Publish:
-    generation: int
-    after: int  # the generation its workers are leaving
-
-
-@dataclass(frozen=True)
-class Kill:
-    ranks: tuple[int, ...]
-    reason: str
-
-
-@dataclass(frozen=True)
-class Restart:
-    reason: str
-    reached: int
-
-
-@dataclass(frozen=True)
-class Recovered:
-    generation: int
-    resume_step: int
-    steps_lost: int  # measured: the most steps any survivor applied, less the resume step
-    joined: tuple[int, ...]
-    duration_s: float
-
-
-@dataclass(frozen=True)
-class Forget:
-    """Every key of generations before ``below`` may go: no worker reads them again."""
-
-    below: int
-
-
-@dataclass(frozen=True)
-class PhaseChanged:
-    phase: Phase
-    recovery: int
-    generation: int
-
-
-@dataclass(frozen=True)
-class Note:
-    """An event for the log that changes nothing (a spare lost, a stale message)."""
-
-    name: str
-    fields: Mapping[str, object]
-
-
-Action = Abort | StartPlanning | Publish | Kill | Restart | Recovered | Forget | PhaseChanged | Note
-
-Result = tuple[State, list[Action]]
-
-
 # -- the function ----------------------------------------------------------------------------
+
+
+Result = tuple["State", list[Action]]
 
 
 def decide(state: State, event: Event, now: float) -> Result:

@@ -20,13 +20,23 @@ from dataclasses import dataclass, field
 
 # Grow only when the expected throughput until the next failure improves by this much.
 GROW_MARGIN = 0.01
+# Steps after which the workers' step means (chameleon_runtime.pace: 2 warm-up steps, a
+# window of 8) cover only steps run after a replacement's start-up, which competed for
+# the host: the layout with it is judged then.
+SETTLE_STEPS = 10
 
 
 @dataclass
 class Rejoins:
+    """Replacements of one attempt: asked for, up (announced), admitted as spares, and
+    settled enough for the layout with them to be judged."""
+
     max_per_rank: int
     requested: dict[int, int] = field(default_factory=dict)  # rank -> latest count asked
-    waiting: set[int] = field(default_factory=set)  # asked, not yet announced
+    waiting: set[int] = field(default_factory=set)  # asked, not yet up
+    announced: dict[int, int] = field(default_factory=dict)  # up: rank -> generation joined
+    joined: list[int] = field(default_factory=list)  # admitted, growth not judged yet
+    settle_until: int = 0
 
     def request(
         self, ranks: Iterable[int], *, gone: set[int], put: Callable[[int, int], None]
@@ -45,7 +55,36 @@ class Rejoins:
         return asked
 
     def forget(self, ranks: Iterable[int]) -> None:
-        self.waiting.difference_update(ranks)
+        """``ranks`` failed (again): whatever was under way for them is over."""
+        for rank in ranks:
+            self.waiting.discard(rank)
+            self.announced.pop(rank, None)
+
+    def up(self, rank: int, count: int, generation: int) -> bool:
+        """A replacement announced itself; False for a stale announcement."""
+        if self.requested.get(rank) != count:
+            return False
+        self.waiting.discard(rank)
+        self.announced[rank] = generation
+        return True
+
+    @property
+    def listening(self) -> set[int]:
+        """Replacements that may be listening for the leader's messages."""
+        return self.waiting | set(self.announced)
+
+    def admit(self, ranks: set[int], top_step: int) -> None:
+        for rank in ranks:
+            del self.announced[rank]
+        self.joined = sorted(set(self.joined) | ranks)
+        self.settle_until = top_step + SETTLE_STEPS
+
+    def settled(self, top_step: int) -> list[int]:
+        """Admitted replacements whose growth can be judged now (and is, once)."""
+        if not self.joined or top_step < self.settle_until or self.waiting:
+            return []
+        joined, self.joined = self.joined, []
+        return joined
 
 
 def worth_growing(*, current_s: float, grown_s: float, transition_s: float, mtbf_s: float) -> bool:

@@ -23,13 +23,17 @@ from __future__ import annotations
 import json
 import os
 import socket
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from torch.distributed import TCPStore
+
+    from launcher.args import RunArgs
 
 from launcher.store import StoreError, connect_store, get_json, host_store, put_json
 from launcher.supervisor import Failure
@@ -80,6 +84,26 @@ class World:
             worker_addr=data["worker_addr"],
             worker_port=data["worker_port"],
         )
+
+
+def control_endpoint(a: RunArgs) -> tuple[str, int, bool | None]:
+    """Where the control store is: (host, port, whether this agent hosts it; None: the
+    first to bind the endpoint does, as with c10d)."""
+    if a.standalone:
+        return "127.0.0.1", 0, True
+    if a.rdzv_backend == "c10d":
+        if not a.rdzv_endpoint:
+            raise RendezvousError("--rdzv-backend c10d needs --rdzv-endpoint HOST:PORT")
+        host, _, port = a.rdzv_endpoint.rpartition(":")
+        if not host:
+            host, port = a.rdzv_endpoint, "29400"
+        if not port.isdigit():
+            raise RendezvousError(f"--rdzv-endpoint must be HOST:PORT, got {a.rdzv_endpoint!r}")
+        return host, int(port), None
+    if a.rdzv_endpoint:
+        host, _, port = a.rdzv_endpoint.rpartition(":")
+        return host or a.master_addr, int(port or a.master_port), a.node_rank == 0
+    return a.master_addr, a.master_port, a.node_rank == 0
 
 
 def node_key() -> str:
@@ -224,6 +248,21 @@ class ControlPlane:
         data = self.get(f"r{attempt}/world")
         return None if data is None else World.from_json(data)
 
+    def wait_world(self, attempt: int, timeout_s: float, *, stop: Callable[[], bool]) -> World | None:
+        """Not the leader: wait for round ``attempt``'s world (None if ``stop`` first)."""
+        deadline = time.monotonic() + timeout_s
+        while not stop():
+            try:
+                world = self.world(attempt)
+            except Exception:
+                raise RendezvousError("lost the control store (the leader's node is gone)") from None
+            if world is not None:
+                return world
+            if time.monotonic() > deadline:
+                raise RendezvousError(f"round {attempt} did not form within {timeout_s:g} s")
+            time.sleep(0.05)
+        return None
+
     # -- reports and decisions ------------------------------------------------------------
 
     def report_failure(self, failure: Failure) -> None:
@@ -280,3 +319,20 @@ class ControlPlane:
 
     def beats(self, key: str) -> int:
         return self.add(f"hb/{key}", 0)
+
+
+def beat_until(control: ControlPlane, stop: threading.Event, period_s: float) -> None:
+    """An agent's heartbeat thread: count up ``hb/<key>`` every ``period_s`` until
+    ``stop``, on a connection of its own (the main thread's is not shared across threads)."""
+    try:
+        store = connect_store(control.addr, control.port, timeout_s=10)
+    except StoreError:
+        return
+    beat = ControlPlane(
+        store, control.run_id, control.key, is_leader=False, addr=control.addr, port=control.port
+    )
+    while not stop.wait(period_s):
+        try:
+            beat.beat()
+        except Exception:
+            return

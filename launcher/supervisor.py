@@ -126,7 +126,7 @@ def decide(view: RoundView) -> Decision:
         cause = root_cause(view.failures)
         assert cause is not None
         survivors = view.nodes - view.nodes_lost + view.nodes_waiting
-        what = f"rank {cause.rank} {describe(cause)}"
+        what = summary(cause)
         if view.restarts_used >= view.max_restarts:
             return Decision(
                 Action.FINISH,
@@ -158,6 +158,10 @@ def decide(view: RoundView) -> Decision:
             next_nodes=grown,
         )
     return Decision(Action.CONTINUE, "running")
+
+
+def summary(f: Failure) -> str:
+    return f"rank {f.rank} {describe(f)}"
 
 
 def describe(f: Failure) -> str:

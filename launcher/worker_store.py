@@ -16,6 +16,7 @@ class WorkerStoreView:
     def __init__(
         self, attempt: int, addr: str, port: int, hosted: Callable[[], Any | None]
     ) -> None:
+        """``hosted``: the store itself where this process hosts it (the leader)."""
         self.keys = Keys(attempt)
         self._addr, self._port = addr, port
         self._hosted = hosted  # the leader's own store, None on other agents

@@ -64,7 +64,7 @@ def test_redirects_and_tee_formats():
         ),
         (["--inject-fault", "kill:rank=1,phase=lunch", "t.py"], "phase must be one of"),
         (["--inject-fault", "kill:rank=1,at=2,after_ms=5", "t.py"], "after_ms goes with"),
-        (["--step-timeout", "soon", "t.py"], "--step-timeout must be auto or seconds"),
+        (["--step-timeout", "soon", "t.py"], "--step-timeout must be auto or positive seconds"),
         (["--startup-timeout", "0", "t.py"], "must be positive"),
     ],
 )

@@ -14,10 +14,11 @@ def test_the_store_does_not_grow_with_steps(tmp_path):
     result, evs, _ = run_mlp(tmp_path, "long", workers=2, steps=2500, args=("--stages", "2"))
     assert result.returncode == 0, result.stderr[-3000:]
     counts = [(e["step"], e["store_keys"]) for e in named(evs, "step")]
-    early = next(keys for step, keys in counts if step >= 250)
-    late = counts[-1]
-    assert late[0] >= 2000, counts
-    assert late[1] <= early * 1.1, counts  # before: about 4 keys more every step
+    # A sample may catch a step's keys in flight: compare the most seen in each window.
+    early = max(keys for step, keys in counts if 200 <= step < 1000)
+    late = max(keys for step, keys in counts if step >= 1800)
+    assert counts[-1][0] >= 2000, counts
+    assert late <= early * 1.1, counts  # before: about 4 keys more every step
 
 
 def test_a_survivors_threads_and_files_do_not_grow_with_recoveries(tmp_path):

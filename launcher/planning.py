@@ -1,0 +1,172 @@
+"""The planner, run for the coordinator (launcher/coordinator.py) on a thread of its own, so
+that failures keep being seen while it works: a failure meanwhile makes the state machine
+start another plan, and the answer to the abandoned one is simply not waited for.
+
+``Planner.start`` fits the job to what the workers measured (launcher/calibration.py) and
+hands ``planner.selection.decide`` to the thread; ``Planner.answer`` turns a finished
+decision into the state machine's ``Planned`` event and the ``PlanMessage`` to publish,
+and logs the choice (``decision``, ``plan_chosen`` with every candidate weighed).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from launcher import recovery as rc
+from launcher.calibration import JobModel
+from planner.protocol import WorkerStatus
+
+
+@dataclass
+class _Pending:
+    start: rc.StartPlanning
+    future: Future
+
+
+class Planner:
+    def __init__(
+        self,
+        *,
+        model: JobModel,
+        policy: str,
+        gone: set[int],
+        emit: Callable[..., object],
+        attempt: int,
+    ) -> None:
+        self.model = model
+        self.policy = policy
+        self.gone = gone  # ranks whose node is lost (shared with the coordinator)
+        self.emit = emit
+        self.attempt = attempt
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="planner")
+        self._pending: _Pending | None = None
+
+    def start(
+        self, start: rc.StartPlanning, base: Any, statuses: Mapping[int, WorkerStatus]
+    ) -> None:
+        """Plan ``start.generation`` from ``base`` (the PlanMessage of the layout held)."""
+        current = base.plan.to_plan()
+        job = self.model.job(current, statuses, start.base)
+        self._pending = _Pending(start, self._pool.submit(self._decide, start, current, job))
+
+    def fail(self, start: rc.StartPlanning, reason: str) -> None:
+        """Answer ``start`` with a restart: there is nothing to plan with."""
+        future: Future = Future()
+        future.set_exception(RuntimeError(reason))
+        self._pending = _Pending(start, future)
+
+    def answer(self, first: Any) -> tuple[rc.Planned, Any | None] | None:
+        """The finished plan, if any: the event and the message to publish (None for a
+        restart). ``first`` is generation 0's PlanMessage (the failure-free estimate)."""
+        pending = self._pending
+        if pending is None or not pending.future.done():
+            return None
+        self._pending = None
+        return self._answer(pending, first)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # -- on the planner's thread ----------------------------------------------------------
+
+    def _decide(self, start: rc.StartPlanning, current: Any, job: Any) -> dict:
+        from planner.policy import Policy
+        from planner.selection import decide
+
+        forced = None if self.policy == "auto" else Policy(self.policy)
+        if start.joining:
+            forced = Policy.REPARALLELIZE  # taking replacements in: only a re-partition can
+        t0 = time.perf_counter()
+        decision = decide(
+            job,
+            current,
+            list(start.failed),
+            policy=forced,
+            mtbf_s=self.model.mtbf_s,
+            since_checkpoint_s=self.model.since_checkpoint_s(start.resume_step, job),
+            # A restart brings back every rank whose node lives.
+            spares=[r for r in start.failed if r not in self.gone],
+            idle=list(start.idle),
+            search=self.model.search(job),
+        )
+        return {"decision": decision, "job": job, "search_ms": (time.perf_counter() - t0) * 1e3}
+
+    # -- back on the coordinator's ----------------------------------------------------------
+
+    def _answer(self, pending: _Pending, first: Any) -> tuple[rc.Planned, Any | None]:
+        from planner.policy import Policy
+        from planner.wire import PlanMessage
+
+        start = pending.start
+        try:
+            result = pending.future.result()
+        except Exception as exc:  # nothing to plan with, or a planner bug: never wedge
+            return rc.Planned(start.generation, restart=True, reason=f"no plan: {exc}"), None
+        decision, job = result["decision"], result["job"]
+        basis = {
+            "memory_limit_bytes": job.cluster.device_memory_bytes,
+            "mtbf_s": self.model.mtbf_s,
+            "restart_s": job.cluster.restart_s,
+            "candidates": {
+                c.policy.value: {
+                    "feasible": c.feasible,
+                    "reason": c.reason,
+                    "step_s": c.estimate.step_s if c.estimate else None,
+                    "peak_memory_bytes": c.estimate.peak_memory_bytes if c.estimate else None,
+                    "transition_s": c.transition.total_s if c.feasible else None,
+                    "score": decision.score(job, c) if c.feasible else None,
+                }
+                for c in decision.candidates
+            },
+            "search_ms": result["search_ms"],
+            "failed": list(start.failed),
+            "generation": start.generation,
+        }
+        chosen = decision.chosen
+        if chosen is None or chosen.plan is None or chosen.policy is Policy.RESTART:
+            self.emit("plan_chosen", policy="restart", **basis)
+            why = "the planner chose restart" if chosen else "no in-place policy is feasible"
+            return rc.Planned(start.generation, restart=True, reason=why), None
+        message = PlanMessage.build(
+            generation=start.generation,
+            policy=chosen.policy.value,
+            resume_step=start.resume_step,
+            plan=chosen.plan,
+            migration=chosen.migration,
+            estimated_step_s=chosen.estimate.step_s if chosen.estimate else None,
+        )
+        why = f"ranks {list(start.joining)} rejoin" if start.joining else f"ranks {list(start.failed)} failed"
+        self.emit(
+            "decision",
+            attempt=self.attempt,
+            generation=start.generation,
+            action="recover",
+            policy=chosen.policy.value,
+            reason=f"{why}; {chosen.policy.value}: {chosen.label}",
+            exit_code=0,
+        )
+        self.emit(
+            "plan_chosen",
+            policy=chosen.policy.value,
+            label=chosen.label,
+            resume_step=start.resume_step,
+            estimated_step_s=chosen.estimate.step_s if chosen.estimate else None,
+            failure_free_step_s=self.model.search(job).estimate(first.plan.to_plan()).step_s,
+            before_step_s=decision.baseline.step_s,
+            calibration=self.model.factor,
+            transition_s=chosen.transition.total_s,
+            moved_bytes=chosen.migration.num_bytes,
+            transfers=len(message.transfers),
+            joined=list(start.joining),
+            **basis,
+        )
+        members = frozenset(chosen.plan.workers) | {t.src for t in message.transfers}
+        layout = {s.worker: (s.first_layer, s.end_layer) for s in chosen.plan.stages}
+        planned = rc.Planned(
+            start.generation, layout=layout, members=members, transition_s=chosen.transition.total_s
+        )
+        return planned, message
