@@ -110,8 +110,8 @@ class Ledger:
             size = torch.Size([sum(p.numel() for p in shard.params(b.first_layer, b.end_layer))])
             for h in b.holders:
                 if h != part.worker:
-                    self.owes[(h, BUCKET_TAG + b.index)] = (size, torch.float32)
-                    self.owed[(h, BUCKET_TAG + b.index)] = (size, torch.float32)
+                    self.owes[(h, BUCKET_TAG + b.index)] = (size, torch.float64)
+                    self.owed[(h, BUCKET_TAG + b.index)] = (size, torch.float64)
 
     def send(self, gen: Generation, tensor: torch.Tensor, peer: int, tag: int) -> None:
         gen.send(tensor, peer, tag)
@@ -206,6 +206,7 @@ def _run(
             )
             c0 = time.thread_time()
             y.backward(grad)
+            shard.accumulate(first, end)  # exact float64 sums: any order (chameleon_runtime.shard)
             cpu += time.thread_time() - c0
             if op.prev is not None:
                 ledger.send(gen, x.grad, op.prev, _tag(mb, True))
@@ -230,8 +231,9 @@ def _run(
 
 
 def _exchange(bucket: Bucket, me: int, shard: Shard, gen: Generation, ledger: Ledger) -> None:
-    """Sum a bucket's gradients over its holders: send mine to every other holder, receive
-    theirs, add in holder order, so every holder computes the same bits."""
+    """Sum a bucket's gradients over its holders: send my float64 sums to every other
+    holder, receive theirs, add in holder order (every holder computes the same bits, and
+    the same bits as any other grouping of the micro-batches would), round once."""
     tag = BUCKET_TAG + bucket.index
     mine = shard.flat_grads(bucket.first_layer, bucket.end_layer)
     others = [h for h in bucket.holders if h != me]

@@ -216,7 +216,9 @@ class Trainer(RecoveryMixin):
             global_batch_size=self.batches.global_batch_size,
             micro_batch_size=self.batches.micro_batch_size,
             param_bytes=4,
-            grad_bytes=4,
+            # float64 sums, exchanged as such (chameleon_runtime.shard); the float32 gradient
+            # of the pass in flight adds up to 4 more per parameter at the peak.
+            grad_bytes=8,
             optimizer_bytes=_optimizer_bytes_per_param(self.shard),
             dp=len(plan.pipelines),
             pp=self.pipeline_stages,

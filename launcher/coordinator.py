@@ -89,6 +89,7 @@ class Coordinator:
         self.plans: dict[int, Any] = {}  # generation -> PlanMessage (published or planned)
         self.gone: set[int] = set()  # ranks whose node is lost: never replaced
         self.failures: list[Failure] = []
+        self.recovered = 0  # the first ``recovered`` failures were recovered from in place
         self._fatal: str | None = None
         self.planner = Planner(model=model, policy=policy, gone=self.gone, emit=emit, attempt=attempt)
         self.view = WorkerStoreView(attempt, "", 0, hosted=lambda: store)
@@ -253,11 +254,14 @@ class Coordinator:
             "steps_lost": action.steps_lost,
             "reached_step": action.resume_step + action.steps_lost,
             "duration_s": action.duration_s,
+            "phases_s": dict(action.phases_s),
+            "last_answer": action.last_answer,
         }
         if action.joined:
             self.emit("rejoined", ranks=list(action.joined), taken_in=True, **fields)
         else:
             self.emit("recovered", **fields)
+        self.recovered = len(self.failures)
         self._gen_start = action.resume_step
         self._last_step_event = (action.resume_step - 1, 0.0)
         self._first_step_pending = True

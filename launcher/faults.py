@@ -11,8 +11,9 @@ recovery.
                                                 first recovery (recovery=N for the N-th)
     --inject-fault kill:rank=3,phase=plan,after_ms=20
                                                 ...20 ms after the planning began
-    --inject-fault kill:rank=any,phase=groups   SIGKILL whichever rank of this node is the
-                                                first seen building groups
+    --inject-fault kill:rank=any,phase=groups   SIGKILL a rank of this node seen building
+                                                groups (any: a working rank, not one starting
+                                                up or idle, picked at random, seeded)
 
 Phases: ``collect`` (survivors answer the abort), ``plan`` (the planner works), ``confirm``
 (the plan is applied), and within it, as the rank itself reports them, ``groups`` (it
@@ -23,6 +24,7 @@ workers that report (scripts using chameleon_runtime).
 
 from __future__ import annotations
 
+import random
 import re
 from dataclasses import dataclass, replace
 from enum import StrEnum
@@ -39,7 +41,8 @@ class FaultKind(StrEnum):
     EXIT = "exit"
 
 
-ANY = -1  # rank=any: the lowest rank of this node in the fault's phase (or alive)
+ANY = -1  # rank=any: a working rank of this node in the fault's phase, picked at random
+_WORKING = ("train", "checkpoint", "ready", "groups", "migrate")  # not starting, idle, done
 
 
 @dataclass(frozen=True)
@@ -136,6 +139,7 @@ class Injector:
         self.pending = list(faults)
         self.ranks = ranks  # this node's
         self._armed: dict[int, tuple[float, int]] = {}  # id(spec) -> when armed, on which rank
+        self._rng = random.Random(0)  # rank=any picks: seeded, so a run repeats
 
     def due(
         self,
@@ -150,15 +154,17 @@ class Injector:
         due = []
         for spec in list(self.pending):
             candidates = [spec.rank] if spec.rank != ANY else [
-                r for r in self.ranks if alive is None or r in alive
+                r
+                for r in self.ranks
+                if (alive is None or r in alive)
+                and (s := status.get(r)) is not None
+                and s.phase in _WORKING
             ]
             if id(spec) not in self._armed:
-                for rank in candidates:
-                    if self._hit(spec, since_start_s, status.get(rank), phase):
-                        self._armed[id(spec)] = (now, rank)
-                        break
-                else:
+                hits = [r for r in candidates if self._hit(spec, since_start_s, status.get(r), phase)]
+                if not hits:
                     continue
+                self._armed[id(spec)] = (now, self._rng.choice(hits))
             armed_at, rank = self._armed[id(spec)]
             if now - armed_at >= spec.after_ms / 1e3:
                 self.pending.remove(spec)
@@ -193,4 +199,6 @@ class Injector:
 
     def watches_status(self) -> bool:
         """Whether a pending fault needs the workers' statuses read."""
-        return any(f.step is not None or f.phase in _WORKER_PHASES for f in self.pending)
+        return any(
+            f.step is not None or f.phase in _WORKER_PHASES or f.rank == ANY for f in self.pending
+        )

@@ -163,7 +163,9 @@ class Leader:
         coordinator.on_failures(failures)
         outcome = coordinator.tick()
         if outcome.restart:
-            return failures, outcome.reason
+            # The cause is what this recovery could not handle, not a failure recovered
+            # from in place before it.
+            return coordinator.failures[coordinator.recovered :] or failures, outcome.reason
         return [], None
 
     def _kill(self, ranks: list[int], reason: str) -> None:

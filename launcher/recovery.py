@@ -75,6 +75,17 @@ def _frozen(d: Mapping) -> Mapping:
     return MappingProxyType(dict(d))
 
 
+def _enter(state: State, phase: Phase, now: float, **changes: object) -> State:
+    """``state`` moved to ``phase`` at ``now``, the time spent in the phase it leaves
+    added to that phase's total."""
+    spent = dict(state.phases_s)
+    if state.recovering:
+        spent[state.phase.value] = spent.get(state.phase.value, 0.0) + now - state.entered_at
+    else:
+        spent = {}
+    return replace(state, phase=phase, entered_at=now, phases_s=_frozen(spent), **changes)
+
+
 @dataclass(frozen=True)
 class State:
     phase: Phase
@@ -98,6 +109,9 @@ class State:
     failures: int = 0  # failure events handled so far
     failures_planned: int = 0  # ``failures`` when the last plan was started
     started_at: float = 0.0  # when the current recovery began
+    entered_at: float = 0.0  # when the current phase began
+    phases_s: Mapping[str, float] = field(default_factory=lambda: _frozen({}))
+    last_answer: int | None = None
 
     @classmethod
     def initial(
@@ -150,9 +164,10 @@ def decide(state: State, event: Event, now: float) -> Result:
 def _begin(state: State, now: float, *, reason: str, lost: frozenset[int]) -> Result:
     """Abort the newest generation and collect the survivors' reports."""
     recovery = state.recovery + (0 if state.recovering else 1)
-    state = replace(
+    state = _enter(
         state,
-        phase=Phase.COLLECT,
+        Phase.COLLECT,
+        now,
         aborted=state.generation,
         reports=_frozen({}),
         confirmations=frozenset(),
@@ -187,7 +202,7 @@ def _failed(state: State, event: Failed, now: float) -> Result:
         return _begin(state, now, reason=reason, lost=lost)
     state = replace(state, reports=_frozen(reports), planning=None)
     if state.phase is Phase.PLAN:  # the plan in flight counted on them: plan again
-        return _plan(replace(state, phase=Phase.COLLECT), now, [])
+        return _plan(_enter(state, Phase.COLLECT, now), now, [])
     return _collected(state, now, [])
 
 
@@ -210,7 +225,7 @@ def _ready(state: State, event: ReadyReported, now: float) -> Result:
 
 
 def _with_report(state: State, rank: int, report: Report) -> State:
-    return replace(state, reports=_frozen({**state.reports, rank: report}))
+    return replace(state, reports=_frozen({**state.reports, rank: report}), last_answer=rank)
 
 
 def _collected(state: State, now: float, actions: list[Action]) -> Result:
@@ -255,9 +270,10 @@ def _plan(state: State, now: float, actions: list[Action]) -> Result:
             actions,
         )
     generation = state.next_id
-    state = replace(
+    state = _enter(
         state,
-        phase=Phase.PLAN,
+        Phase.PLAN,
+        now,
         planning=generation,
         next_id=generation + 1,
         deadline=now + state.timeouts.plan_s,
@@ -284,9 +300,10 @@ def _planned(state: State, event: Planned, now: float) -> Result:
     if event.restart or event.layout is None:
         return _restart(state, event.reason or "the planner chose restart")
     keep = {g: v for g, v in state.layouts.items() if g >= state.confirmed}
-    state = replace(
+    state = _enter(
         state,
-        phase=Phase.CONFIRM,
+        Phase.CONFIRM,
+        now,
         generation=event.generation,
         members=event.members,
         layouts=_frozen({**keep, event.generation: _frozen(event.layout)}),
@@ -306,16 +323,20 @@ def _applied(state: State, event: AppliedReported, now: float) -> Result:
     state = replace(state, confirmations=state.confirmations | {event.rank})
     if not state.members <= state.confirmations:
         return state, []
+    spent = _enter(state, Phase.RUNNING, now).phases_s
     recovered = Recovered(
         generation=state.generation,
         resume_step=state.resume_step,
         steps_lost=state.reached - state.resume_step,
         joined=tuple(sorted(state.joining)),
         duration_s=now - state.started_at,
+        phases_s=spent,
+        last_answer=state.last_answer,
     )
-    state = replace(
+    state = _enter(
         state,
-        phase=Phase.RUNNING,
+        Phase.RUNNING,
+        now,
         confirmed=state.generation,
         layouts=_frozen({state.generation: state.layouts[state.generation]}),
         reports=_frozen({}),

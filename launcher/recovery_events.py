@@ -137,6 +137,8 @@ class Recovered:
     steps_lost: int  # measured: the most steps any survivor applied, less the resume step
     joined: tuple[int, ...]
     duration_s: float
+    phases_s: Mapping[str, float]  # time spent in each phase, summed over restarts of it
+    last_answer: int | None  # the last worker to answer the last abort (a slow one shows)
 
 
 @dataclass(frozen=True)

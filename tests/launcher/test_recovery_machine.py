@@ -269,3 +269,15 @@ def test_a_growth_takes_replacements_in_and_a_failure_cancels_it():
     # A failure during the next growth makes it a recovery again: nobody joins.
     s, _ = run(s, Admit(frozenset({4})), Grow(frozenset({4})), Failed(frozenset({3})))
     assert s.joining == frozenset()
+
+
+def test_a_recovery_says_where_its_time_went_and_who_answered_last():
+    s, _ = decide(start(), Failed(frozenset({3})), 1.0)
+    for rank, t in ((0, 1.1), (2, 1.2), (1, 4.0)):  # worker 1 answers late
+        s, _ = decide(s, ready(rank, after=0), t)
+    s, _ = decide(s, planned(1, THREE), 4.5)
+    for rank in (0, 1, 2):
+        s, actions = decide(s, AppliedReported(rank, 1), 5.0)
+    (done,) = of(actions, Recovered)
+    assert done.duration_s == 4.0 and done.last_answer == 1
+    assert dict(done.phases_s) == {"collect": 3.0, "plan": 0.5, "confirm": 0.5}

@@ -1,0 +1,221 @@
+"""Chaos soak: one seeded run with many faults of every kind, against a failure-free run.
+
+    python benchmarks/chaos.py [--seed 0] [--faults 32] [--workers 8] [--gap 150] [--json]
+
+The example tiny GPT (examples/train_gpt.py, made smaller: 2-stage pipelines) trains on
+``--workers`` CPU workers under ``chameleon run``, planned as if each had a device
+(``devices_config``), with replacements rejoining and a schedule of faults drawn from
+``--seed``:
+
+- at steps about ``--gap`` apart (time for a replacement to start and be taken back in, as
+  on a cluster whose failures are hours apart): kill -9 (60%), SIGSTOP (20%, a hang the
+  liveness timeout finds) and a non-zero exit (20%) of a random working worker;
+- inside recoveries: a kill -9 of a random worker in a random phase (collect, plan,
+  groups, migrate, confirm) of a random later recovery, some of them a few ms into it.
+
+It prints the faults injected, recoveries in place, replacements admitted back into the
+job (and growths: recoveries that only took them into the layout), restarts, wedges (no step for ``--wedge-s``), steps lost, the final weights'
+largest relative difference from the failure-free run, the store's key count and a
+survivor's file descriptors and threads after the first and the last recovery. It exits
+non-zero if anything wedged, fewer than ``--faults`` faults were injected, or the weights
+differ by more than ``--tolerance`` (1e-5). ``--keep DIR`` keeps both runs' events and
+every worker's log.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from processes import kill_everything
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = ROOT / "examples" / "train_gpt.py"
+MODEL = [
+    "--blocks", "2", "--hidden", "32", "--heads", "2", "--seq-len", "16", "--global-batch", "16",
+    "--micro-batch", "2", "--pipeline-stages", "2", "--checkpoint-every", "50",
+]  # fmt: skip
+PHASES = ("collect", "plan", "groups", "migrate", "confirm")
+
+
+def schedule(seed: int, faults: int, gap: int) -> tuple[list[str], int]:
+    """``--inject-fault`` specs (about two thirds at steps, a third inside recoveries) and
+    the steps to train. More are drawn than asked for: a fault whose moment never comes (a
+    recovery number not reached) is not injected."""
+    rng = random.Random(seed)
+    at_steps = faults * 2 // 3 + 1
+    specs = []
+    for i in range(at_steps):
+        kind = rng.choices(["kill", "hang", "exit"], weights=[6, 2, 2])[0]
+        step = 30 + i * gap + rng.randrange(max(1, gap // 3))
+        specs.append(f"{kind}:rank=any,step={step}" + (",code=3" if kind == "exit" else ""))
+    # Each fault at a step starts a recovery (and a replacement taken back in may start
+    # another): recoveries 2..at_steps surely come. A phase fault may still miss its
+    # phase (a reroute's migration is over in a millisecond), hence a few spare ones.
+    inside = min(at_steps - 1, faults - at_steps + 6)
+    for recovery in sorted(rng.sample(range(2, at_steps + 1), inside)):
+        after = rng.choice([0, 0, 5, 30])
+        specs.append(
+            f"kill:rank=any,phase={rng.choice(PHASES)},recovery={recovery},after_ms={after}"
+        )
+    return specs, 30 + at_steps * gap + gap
+
+
+def devices_config(work: Path) -> Path:
+    """The CPU test bed planned as if each worker had a device of its own (as on a real
+    cluster): layouts keep every worker, so state stays replicated and replacements are
+    taken back in. Planned for 2 shared cores instead, the planner rightly prefers two
+    workers, and a few faults then lose every holder of a stage (a checkpoint restart)."""
+    config = work / "devices.toml"
+    testbed = (ROOT / "configs" / "cpu_testbed.toml").read_text()
+    config.write_text(testbed.replace("host_cores = 2", "host_cores = 0"))
+    return config
+
+
+def train(work: Path, name: str, args: argparse.Namespace, faults: list[str], steps: int) -> dict:
+    """One run; its events, dumps and whether it wedged."""
+    out = work / name
+    out.mkdir()
+    log = out / "events.jsonl"
+    flags = [x for spec in faults for x in ("--inject-fault", spec)]
+    flags += ["--config", str(devices_config(work))]
+    cmd = [
+        sys.executable, "-m", "chameleon_cli.app", "run", "--plain", "--standalone",
+        "--nproc-per-node", str(args.workers), "--max-restarts", "3", "--max-rejoins", "50",
+        "--heartbeat-timeout", "2", "--events", str(log), "--redirects", "3",
+        "--log-dir", str(out / "logs"), *flags, str(EXAMPLE),
+        "--steps", str(steps), *MODEL, "--checkpoint-dir", str(out / "ckpt"),
+        "--dump", str(out / "dump"),
+    ]  # fmt: skip
+    started = time.monotonic()
+    with open(out / "output.log", "w") as sink:
+        proc = subprocess.Popen(cmd, cwd=out, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
+        wedged, last_seen, last_count = False, time.monotonic(), 0
+        while proc.poll() is None:
+            time.sleep(1.0)
+            count = len(log.read_text().splitlines()) if log.exists() else 0
+            if count != last_count:
+                last_seen, last_count = time.monotonic(), count
+            elif time.monotonic() - last_seen > args.wedge_s:
+                wedged = True
+                kill_everything(proc, out)
+                proc.wait()
+    events = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+    checks: dict[int, list[float]] = {}
+    for f in glob.glob(str(out / "dump.rank*.json")):
+        for layer, value in json.loads(Path(f).read_text())["checksums"].items():
+            checks.setdefault(int(layer), []).append(value)
+    return {
+        "code": proc.returncode,
+        "wedged": wedged,
+        "wall_s": time.monotonic() - started,
+        "events": events,
+        "checks": checks,
+    }
+
+
+def report(run: dict, reference: dict) -> dict:
+    from launcher.timeline import recoveries
+
+    evs = run["events"]
+
+    def named(name: str) -> list[dict]:
+        return [e for e in evs if e["event"] == name]
+
+    injected = named("fault_injected")
+    kinds: dict[str, int] = {}
+    for e in injected:
+        key = e["kind"] if e["recovery_phase"] in (None, "running") else f"kill in {e['worker_phase'] if e['worker_phase'] in ('groups', 'migrate') else e['recovery_phase']}"
+        kinds[key] = kinds.get(key, 0) + 1
+    recovered = named("recovered")
+    grown = [e for e in named("rejoined") if e.get("taken_in") and "generation" in e]
+    admitted = sum(len(e["ranks"]) for e in named("admitted"))
+    restarts = [e for e in named("decision") if e["action"] == "restart"]
+    steps = named("step")
+
+    def settled_after(e: dict | None) -> dict | None:
+        if e is None:
+            return None
+        later = [s for s in steps if s["t"] > e["t"] and s.get("fds") is not None]
+        return later[min(2, len(later) - 1)] if later else None
+
+    in_place = recovered + grown
+    in_place.sort(key=lambda e: e["t"])
+    first, last = settled_after(in_place[0] if in_place else None), settled_after(in_place[-1] if in_place else None)
+    diffs = [
+        abs(values[0] - reference["checks"][layer][0]) / max(1.0, abs(reference["checks"][layer][0]))
+        for layer, values in run["checks"].items()
+    ]
+    agree = all(max(v) == min(v) for v in run["checks"].values())
+    complete = sorted(run["checks"]) == sorted(reference["checks"])
+    return {
+        "faults_injected": len(injected),
+        "faults_by_kind": kinds,
+        "recovered_in_place": len(recovered),
+        "replacements_admitted": admitted,
+        "growths": len(grown),
+        "restarts": len(restarts),
+        "wedged": run["wedged"],
+        "exit_code": run["code"],
+        "steps_lost": sum(r.steps_lost or 0 for r in recoveries(evs)),
+        "weights_max_rel_diff": max(diffs) if diffs else None,
+        "holders_agree": agree,
+        "all_layers_held": complete,
+        "store_keys": [first and first["store_keys"], last and last["store_keys"]],
+        "fds": [first and first["fds"], last and last["fds"]],
+        "threads": [first and first["threads"], last and last["threads"]],
+        "wall_s": round(run["wall_s"], 1),
+        "reference_wall_s": round(reference["wall_s"], 1),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--faults", type=int, default=32)
+    parser.add_argument("--workers", type=int, default=8)
+    parser.add_argument("--gap", type=int, default=150, help="steps between faults at steps")
+    parser.add_argument("--wedge-s", type=float, default=120.0)
+    parser.add_argument("--tolerance", type=float, default=1e-5)
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--keep", default=None, help="keep both runs (events, worker logs) here")
+    args = parser.parse_args()
+    specs, steps = schedule(args.seed, args.faults, args.gap)
+    with tempfile.TemporaryDirectory(prefix="chaos-") as tmp:
+        work = Path(args.keep or tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        reference = train(work, "reference", args, [], steps)
+        if reference["code"] != 0:
+            print(f"the failure-free run failed (exit {reference['code']})", file=sys.stderr)
+            return 2
+        run = train(work, "chaos", args, specs, steps)
+        result = report(run, reference)
+    result["seed"], result["steps"], result["scheduled"] = args.seed, steps, specs
+    ok = (
+        not result["wedged"]
+        and result["exit_code"] == 0
+        and result["faults_injected"] >= args.faults
+        and result["weights_max_rel_diff"] is not None
+        and result["weights_max_rel_diff"] <= args.tolerance
+        and result["holders_agree"]
+        and result["all_layers_held"]
+    )
+    result["ok"] = ok
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        for key, value in result.items():
+            if key != "scheduled":
+                print(f"{key:22} {value}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
