@@ -124,9 +124,12 @@ class Control:
     # -- plans ---------------------------------------------------------------------------
 
     def next_plan(self, after: int) -> PlanMessage:
-        """The newest plan published after generation ``after``, once there is one."""
-        with self.status.waiting("plan"):
-            self.wait(self.keys.next(after))
+        """The newest plan published after generation ``after``, once there is one. (A
+        newer one may be out already, and ``after``'s keys retired with it: look first.)"""
+        latest_now = self.get(self.keys.latest)
+        if latest_now is None or int(latest_now) <= after:
+            with self.status.waiting("plan"):
+                self.wait(self.keys.next(after))
         latest = int(self.store.get(self.keys.latest))
         return PlanMessage.model_validate_json(self.store.get(self.keys.plan(latest)))
 

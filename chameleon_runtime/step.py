@@ -210,8 +210,13 @@ def _run(
             cpu += time.thread_time() - c0
             if op.prev is not None:
                 ledger.send(gen, x.grad, op.prev, _tag(mb, True))
+    shared: set[int] = set()
     for bucket in part.buckets:
         _exchange(bucket, part.worker, shard, gen, ledger)
+        shared.update(range(bucket.first_layer, bucket.end_layer))
+    for layer in range(first, end):  # held here alone: no bucket, its own sum is the total
+        if layer not in shared:
+            shard.set_flat_grads(layer, layer + 1, shard.flat_grads(layer, layer + 1))
     gen.flush_sends()
     last_stage = part.last_stage_workers()
     if part.is_last_stage:

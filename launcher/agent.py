@@ -355,8 +355,8 @@ class Agent:
                 if leader is not None:
                     leader.lead()
                 else:
-                    for rank, reason in control.kill_requests(world.attempt):
-                        group.kill_hung(rank, reason)
+                    for rank, reason, silent_s in control.kill_requests(world.attempt):
+                        group.kill_hung(rank, reason, silent_s)
                 decision = control.decision(world.attempt)
             except (StoreError, RuntimeError) as exc:
                 if control.is_leader:

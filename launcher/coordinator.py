@@ -60,7 +60,7 @@ class Coordinator:
         attempt: int,
         world_size: int,
         emit: Callable[..., object],
-        kill: Callable[[list[int], str], None],
+        kill: Callable[[list[int], str, float], None],  # ranks, why, silent for (s)
         model: JobModel,
         policy: str = "auto",
         timeouts: rc.Timeouts | None = None,
@@ -204,7 +204,7 @@ class Coordinator:
             self._publish(action)
         elif isinstance(action, rc.Kill):
             self.emit("unresponsive", attempt=self.attempt, ranks=list(action.ranks), reason=action.reason)
-            self.kill(list(action.ranks), action.reason)
+            self.kill(list(action.ranks), action.reason, self.timeouts.collect_s)
         elif isinstance(action, rc.Restart):
             self._fatal = action.reason
             self.emit("abandoned", attempt=self.attempt, reason=action.reason, reached_step=action.reached)
@@ -354,7 +354,7 @@ class Coordinator:
                 if rank not in self._blamed:
                     self._blamed.add(rank)
                     self.emit("stalled", attempt=self.attempt, rank=rank, reason=why)
-                    self.kill([rank], why)
+                    self.kill([rank], why, stalls[rank].stalled_s)
 
     def _admit(self, statuses: dict[int, WorkerStatus], top: int) -> None:
         """Replacements up as spares of this generation join the live set; once their

@@ -168,7 +168,7 @@ class Leader:
             return coordinator.failures[coordinator.recovered :] or failures, outcome.reason
         return [], None
 
-    def _kill(self, ranks: list[int], reason: str) -> None:
+    def _kill(self, ranks: list[int], reason: str, silent_s: float) -> None:
         """Kill ranks as hung wherever they run (the coordinator's verdict)."""
         for rank in ranks:
             node = next(
@@ -178,9 +178,9 @@ class Leader:
             if node is None:
                 continue
             if node.key == self.control.key:
-                self.group.kill_hung(rank, reason)
+                self.group.kill_hung(rank, reason, silent_s)
             elif node.key not in self.lost:
-                self.control.request_kill(self.world.attempt, node.key, rank, reason)
+                self.control.request_kill(self.world.attempt, node.key, rank, reason, silent_s)
 
 
 def lost_with(node: NodeInfo, attempt: int, since: float, why: str) -> list[Failure]:

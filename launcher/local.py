@@ -255,13 +255,14 @@ class LocalGroup:
             self.failed[failure.rank] = failure
         return new
 
-    def kill_hung(self, rank: int, reason: str) -> None:
-        """The leader found ``rank`` stalled (launcher/watch.py): kill it now; the next poll
-        reports it as hung, with the reason."""
+    def kill_hung(self, rank: int, reason: str, silent_s: float) -> None:
+        """The leader found ``rank`` stalled for ``silent_s`` (launcher/watch.py): kill it
+        now; the next poll reports it as hung, with the reason, dated when it stalled."""
         worker = self.workers.get(rank)
         if worker is None or rank in self.failed or rank in self.finished:
             return
         self._hung[rank] = reason
+        self._fault_times.setdefault(rank, time.time() - silent_s)
         signal_worker(worker, signal.SIGKILL)
 
     def on_recovery_phase(self, phase: RecoveryPhase) -> None:

@@ -301,17 +301,18 @@ class ControlPlane:
             if pending:
                 time.sleep(0.05)
 
-    def request_kill(self, attempt: int, key: str, rank: int, reason: str) -> None:
+    def request_kill(self, attempt: int, key: str, rank: int, reason: str, silent_s: float) -> None:
         """Leader: ask the agent ``key`` to kill ``rank`` as hung (a stall it was blamed
-        for, launcher/watch.py)."""
-        self.store.queue_push(self._k(f"r{attempt}/kill/{key}"), json.dumps([rank, reason]))
+        for, launcher/watch.py), silent for ``silent_s``."""
+        message = json.dumps([rank, reason, silent_s])
+        self.store.queue_push(self._k(f"r{attempt}/kill/{key}"), message)
 
-    def kill_requests(self, attempt: int) -> list[tuple[int, str]]:
+    def kill_requests(self, attempt: int) -> list[tuple[int, str, float]]:
         name = self._k(f"r{attempt}/kill/{self.key}")
         out = []
         for _ in range(self.store.queue_len(name)):
-            rank, reason = json.loads(self.store.queue_pop(name, block=False))
-            out.append((int(rank), str(reason)))
+            rank, reason, silent_s = json.loads(self.store.queue_pop(name, block=False))
+            out.append((int(rank), str(reason), float(silent_s)))
         return out
 
     def beat(self) -> None:

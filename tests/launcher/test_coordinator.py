@@ -83,7 +83,8 @@ def make(store, *, policy="reroute", cluster=None, watch=None):
     c = Coordinator(
         store=store, attempt=0, world_size=4,
         emit=lambda name, **kw: emitted.append((name, kw)),
-        kill=lambda ranks, why: killed.append((ranks, why)), model=model, policy=policy,
+        kill=lambda ranks, why, silent_s: killed.append((ranks, why)), model=model,
+        policy=policy,
         watch=watch,
     )  # fmt: skip
     return c, emitted, killed

@@ -97,6 +97,22 @@ def recoveries(evs):
     return [e for e in evs if e["event"] == "recovered"]
 
 
+@pytest.mark.parametrize(
+    ("workers", "stages"), [(2, 2), (4, 1)], ids=["one pipeline", "data parallel"]
+)
+def test_training_is_independent_of_the_layout(tmp_path, reference, workers, stages):
+    # Gradients are summed exactly (chameleon_runtime.shard): any layout trains the same
+    # bits as the reference's 2 pipelines of 2 stages, whether a layer has one holder or
+    # four. This is what lets a recovery change the layout without changing training.
+    checks, losses, _evs = train(
+        tmp_path, f"{workers}x{stages}", workers=workers,
+        script_flags=("--pipeline-stages", str(stages)),
+    )  # fmt: skip
+    ref_checks, ref_losses = reference
+    assert {k: v[0] for k, v in checks.items()} == {k: v[0] for k, v in ref_checks.items()}
+    assert losses == ref_losses
+
+
 @pytest.mark.parametrize("policy", ["reroute", "reparallelize"])
 def test_in_place_recovery_keeps_training_identical(tmp_path, reference, policy):
     checks, losses, evs = train(

@@ -1,0 +1,31 @@
+"""The chaos soak (benchmarks/chaos.py), short: six workers, at least five faults of mixed
+kinds, some inside recoveries, replacements rejoining. Nothing may wedge or restart, and
+the final weights must be those of the failure-free run."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.launcher.helpers import env
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.slow
+
+
+def test_a_short_chaos_run_recovers_every_fault_in_place(tmp_path):
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "chaos.py"), "--seed", "1", "--faults", "6",
+         "--workers", "6", "--gap", "100", "--json", "--keep", str(tmp_path)],
+        env=env(), capture_output=True, text=True, timeout=400,
+    )  # fmt: skip
+    report = json.loads(result.stdout)
+    assert result.returncode == 0 and report["ok"], result.stdout[-3000:] + result.stderr[-3000:]
+    assert report["faults_injected"] >= 6 and not report["wedged"]
+    assert report["restarts"] == 0 and report["recovered_in_place"] >= 4
+    assert any(k.startswith("kill in ") for k in report["faults_by_kind"])  # inside recoveries
+    assert report["weights_max_rel_diff"] <= 1e-5 and report["holders_agree"]
+    assert report["steps_lost"] == 0
