@@ -16,8 +16,9 @@ recovery.
                                                 up or idle, picked at random, seeded)
 
 Phases: ``collect`` (survivors answer the abort), ``plan`` (the planner works), ``confirm``
-(the plan is applied), and within it, as the rank itself reports them, ``groups`` (it
-builds the new groups) and ``migrate`` (it moves layers). ``attempt=N`` (default 0) picks
+(the plan is applied), and within it, as the rank itself reports them, ``groups`` (it has
+not built the new generation's group yet: building it, or about to) and ``migrate`` (it
+moves layers). ``attempt=N`` (default 0) picks
 the restart attempt, so a restarted job is not killed again. Step and phase faults need
 workers that report (scripts using chameleon_runtime).
 """
@@ -33,6 +34,7 @@ from planner.protocol import RecoveryPhase, WorkerStatus
 
 PHASES = ("collect", "plan", "confirm", "groups", "migrate")
 _WORKER_PHASES = ("groups", "migrate")  # reported by the rank itself, within confirm
+_BEFORE = {"groups": ("ready", "groups"), "migrate": ("migrate",)}
 
 
 class FaultKind(StrEnum):
@@ -187,7 +189,9 @@ class Injector:
             hit = phase is not None and phase.recovery == (spec.recovery or 1)
             if spec.phase in _WORKER_PHASES:
                 hit = hit and phase.phase == "confirm" and status is not None
-                hit = hit and status.phase == spec.phase
+                # A rank lost before its group is built fails the group building, as one
+                # lost while building it (which lasts milliseconds here) does.
+                hit = hit and status.phase in _BEFORE[spec.phase]
             elif spec.phase is not None:
                 hit = hit and phase.phase == spec.phase
             else:

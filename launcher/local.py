@@ -31,7 +31,7 @@ from launcher.worker_store import WorkerStoreView
 from launcher.workers import Console, Reaper, Worker, signal_worker, start_worker, stop_workers
 from planner.protocol import RecoveryPhase
 
-HANG_CHECK_PERIOD_S = 0.5  # psutil and heartbeat reads; crashes are polled every interval
+HANG_CHECK_PERIOD_S = 0.25  # psutil and heartbeat reads; crashes are polled every interval
 _BAD_STATUSES = {
     psutil.STATUS_STOPPED,
     psutil.STATUS_TRACING_STOP,
@@ -273,7 +273,7 @@ class LocalGroup:
         self._inject(now, self._statuses(now) if self._injector.watches_status() else {})
 
     def _statuses(self, now: float) -> dict:
-        """This node's workers' statuses: for the hang check every half second, and at
+        """This node's workers' statuses: for the hang check every quarter second, and at
         every poll while a fault waits for a step or a worker's phase."""
         if self.view is None or not (now >= self._next_hang_check or self._injector.watches_status()):
             return {}
