@@ -103,10 +103,6 @@ def settle(timeout_s: float) -> list[str]:
     return [h.busy_with or "?" for h in stuck]
 
 
-def backend_for(device: str) -> str:
-    return {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}[device]
-
-
 def _make_group(store: dist.Store, rank: int, size: int, timeout: timedelta, device: str) -> Any:
     if device == "cpu":
         return dist.ProcessGroupGloo(store, rank, size, timeout)

@@ -198,9 +198,6 @@ class Injector:
                 hit = hit and phase.phase != "running"
         return hit
 
-    def steps_pending(self) -> list[FaultSpec]:
-        return [f for f in self.pending if f.step is not None]
-
     def watches_status(self) -> bool:
         """Whether a pending fault needs the workers' statuses read."""
         return any(

@@ -366,9 +366,6 @@ class LocalGroup:
         else:
             signal_worker(worker, signal.SIGTERM)
 
-    def pending_step_faults(self) -> list[FaultSpec]:
-        return self._injector.steps_pending()
-
     def stop(self, *, signum: int = signal.SIGTERM, grace_s: float) -> None:
         stop_workers(
             list(self.workers.values()), signum=signum, grace_s=grace_s, reaper=self.reaper

@@ -105,8 +105,3 @@ def get_json(store: TCPStore, key: str) -> Any | None:
     if not store.check([key]):
         return None
     return json.loads(store.get(key).decode())
-
-
-def wait_json(store: TCPStore, key: str, timeout_s: float) -> Any:
-    store.wait([key], timedelta(seconds=timeout_s))
-    return json.loads(store.get(key).decode())
