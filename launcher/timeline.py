@@ -80,15 +80,21 @@ def recoveries(events: Iterable[Record]) -> list[Recovery]:
             first_step = next(
                 (e for e in later if e["event"] == "step" and e["t"] >= recovered["t"]), None
             )
-        # Steps lost: the last step reached before the failure (from the abort, else the
-        # step events) against the step work resumed at (in-place recoveries report it;
-        # a restart's workers report where their checkpoint put them).
+        # Steps lost: the last step reached before the failure against the step work
+        # resumed at (in-place recoveries report it; a restart's workers report where their
+        # checkpoint put them). Reached: measured from the survivors' reports when an
+        # in-place recovery fell back to the restart, else the aborts and step events.
         reached = [
             e.get("last_step")
             for e in events[:i]
             if e["event"] == "abort" and e.get("attempt") == attempt
         ]
         reached += [e.get("step") for e in events[:i] if e["event"] == "step"]
+        reached += [
+            e["reached_step"] - 1
+            for e in events[:i]
+            if e["event"] == "abandoned" and e.get("attempt") == attempt
+        ]
         step_before = max((s for s in reached if s is not None and s >= 0), default=None)
         resumed = next(
             (
