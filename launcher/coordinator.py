@@ -359,21 +359,15 @@ class Coordinator:
     def _admit(self, statuses: dict[int, WorkerStatus], top: int) -> None:
         """Replacements up as spares of this generation join the live set; once their
         start-up stops competing for the host, they are taken into the plan if it pays."""
-        spares = {
-            r
-            for r in self.rejoins.announced
-            if (s := self._spare_status(r)) is not None and s.generation == self.state.generation
-        }
+        up = self.view.statuses(sorted(self.rejoins.announced))  # one round trip for all
+        generation = self.state.generation
+        spares = {r for r, s in up.items() if s.phase == "spare" and s.generation == generation}
         if spares:
             self.rejoins.admit(spares, top)
             self._apply(rc.Admit(frozenset(spares)))
         joined = self.rejoins.settled(top)
         if joined:
             self._grow(joined, statuses)
-
-    def _spare_status(self, rank: int) -> WorkerStatus | None:
-        status = self.view.statuses([rank]).get(rank)
-        return status if status is not None and status.phase == "spare" else None
 
     def _grow(self, joined: list[int], statuses: dict[int, WorkerStatus]) -> None:
         """Take ``joined`` into the plan when the planner finds that it pays; never under a
