@@ -215,13 +215,19 @@ def test_a_lost_node_recovered_in_place_lets_the_job_end(tmp_path):
         *common, "--node-rank", "0", "--events", str(log0), *args, cwd=tmp_path,
         log=tmp_path / "n0.log", env=slow,
     )  # fmt: skip
-    deadline = time.monotonic() + 90
-    while not any(e["event"] == "step" and e["step"] >= 15 for e in events(log0)):
-        assert time.monotonic() < deadline and node0.poll() is None
-        time.sleep(0.05)
-    node1.kill()
-    node1.wait()
-    assert node0.wait(timeout=60) == 0, (tmp_path / "n0.log").read_text()[-3000:]
+    try:
+        deadline = time.monotonic() + 90
+        while not any(e["event"] == "step" and e["step"] >= 15 for e in events(log0)):
+            assert time.monotonic() < deadline and node0.poll() is None
+            time.sleep(0.05)
+        node1.kill()
+        node1.wait()
+        assert node0.wait(timeout=60) == 0, (tmp_path / "n0.log").read_text()[-3000:]
+    finally:  # a failed run must not leave a launcher behind
+        for node in (node0, node1):
+            if node.poll() is None:
+                node.kill()
+                node.wait()
     evs = events(log0)
     assert [e["node"] for e in evs if e["event"] == "node_lost"] == [1]
     assert [e["attempt"] for e in evs if e["event"] == "workers_started"] == [0]  # in place
