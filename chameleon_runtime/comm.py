@@ -135,12 +135,10 @@ class Generation:
         self.generation = generation
         self.members = list(members)
         self._index = {rank: i for i, rank in enumerate(self.members)}
-        self.me = me
         self.interrupts = interrupts
         self.status = status
-        self.device = device
         self._op_timeout = timedelta(seconds=op_timeout_s)
-        self._pending: list[tuple[Any, torch.Tensor]] = []
+        self._pending: list[tuple[Any, torch.Tensor, int]] = []  # (work, its tensor, peer)
         self._held: list[Any] = []  # the group, owned here and dropped by the helper
         self._abandoned = False
         self._helper = _Helper(f"comm-gen{generation}")

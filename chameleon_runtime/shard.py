@@ -108,38 +108,40 @@ class Shard:
         for i in range(first, end):
             yield from self.layers[i].parameters()
 
+    def _sums(self, i: int) -> list[torch.Tensor]:
+        """Layer ``i``'s float64 gradient sums (zeros until a pass adds to them)."""
+        if i not in self.grad_sums:
+            params = self.layers[i].parameters()
+            self.grad_sums[i] = [torch.zeros_like(p, dtype=torch.float64) for p in params]
+        return self.grad_sums[i]
+
     def accumulate(self, first: int, end: int) -> None:
         """Move the gradients of the pass just run (layers [first, end)) into the float64
         sums: exact, so the order of micro-batches does not matter."""
         for i in range(first, end):
-            params = list(self.layers[i].parameters())
-            sums = self.grad_sums.get(i)
-            if sums is None:
-                sums = [torch.zeros_like(p, dtype=torch.float64) for p in params]
-                self.grad_sums[i] = sums
-            for total, p in zip(sums, params, strict=True):
+            for total, p in zip(self._sums(i), self.layers[i].parameters(), strict=True):
                 if p.grad is not None:
                     total.add_(p.grad)
                     p.grad = None
 
-    def flat_grads(self, first: int, end: int) -> torch.Tensor:
-        """This worker's float64 gradient sums of layers [first, end), flat."""
-        sums = [
-            t.reshape(-1)
-            for i in range(first, end)
-            for t in self.grad_sums.get(
-                i, [torch.zeros_like(p, dtype=torch.float64) for p in self.layers[i].parameters()]
-            )
-        ]
+    def flat_sums(self, first: int, end: int) -> torch.Tensor:
+        """A flat copy of this worker's float64 gradient sums of layers [first, end)."""
+        sums = [t.reshape(-1) for i in range(first, end) for t in self._sums(i)]
         return torch.cat(sums) if sums else torch.zeros(0, dtype=torch.float64)
 
-    def set_flat_grads(self, first: int, end: int, flat: torch.Tensor) -> None:
-        """The layers' gradients from a flat float64 total, rounded once to their dtype."""
+    def set_flat_sums(self, first: int, end: int, flat: torch.Tensor) -> None:
+        """Replace the sums of layers [first, end) with ``flat`` (the holders' total)."""
         offset = 0
-        for p in self.params(first, end):
-            n = p.numel()
-            p.grad = flat[offset : offset + n].view_as(p).to(p.dtype)
-            offset += n
+        for i in range(first, end):
+            for total in self._sums(i):
+                total.copy_(flat[offset : offset + total.numel()].view_as(total))
+                offset += total.numel()
+
+    def round_grads(self, first: int, end: int) -> None:
+        """Each layer's gradient from its total, rounded once to the parameters' dtype."""
+        for i in range(first, end):
+            for total, p in zip(self._sums(i), self.layers[i].parameters(), strict=True):
+                p.grad = total.to(p.dtype)
 
     def zero_grad(self) -> None:
         for opt in self.optimizers.values():

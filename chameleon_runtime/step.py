@@ -210,13 +210,9 @@ def _run(
             cpu += time.thread_time() - c0
             if op.prev is not None:
                 ledger.send(gen, x.grad, op.prev, _tag(mb, True))
-    shared: set[int] = set()
-    for bucket in part.buckets:
+    for bucket in part.buckets:  # layers held here alone have no bucket: their sum is total
         _exchange(bucket, part.worker, shard, gen, ledger)
-        shared.update(range(bucket.first_layer, bucket.end_layer))
-    for layer in range(first, end):  # held here alone: no bucket, its own sum is the total
-        if layer not in shared:
-            shard.set_flat_grads(layer, layer + 1, shard.flat_grads(layer, layer + 1))
+    shard.round_grads(first, end)
     gen.flush_sends()
     last_stage = part.last_stage_workers()
     if part.is_last_stage:
@@ -238,9 +234,9 @@ def _run(
 def _exchange(bucket: Bucket, me: int, shard: Shard, gen: Generation, ledger: Ledger) -> None:
     """Sum a bucket's gradients over its holders: send my float64 sums to every other
     holder, receive theirs, add in holder order (every holder computes the same bits, and
-    the same bits as any other grouping of the micro-batches would), round once."""
+    the same bits as any other grouping of the micro-batches would)."""
     tag = BUCKET_TAG + bucket.index
-    mine = shard.flat_grads(bucket.first_layer, bucket.end_layer)
+    mine = shard.flat_sums(bucket.first_layer, bucket.end_layer)
     others = [h for h in bucket.holders if h != me]
     for h in others:
         ledger.send(gen, mine, h, tag)
@@ -250,4 +246,4 @@ def _exchange(bucket: Bucket, me: int, shard: Shard, gen: Generation, ledger: Le
     total = parts[bucket.holders[0]].clone()
     for h in bucket.holders[1:]:
         total += parts[h]
-    shard.set_flat_grads(bucket.first_layer, bucket.end_layer, total)
+    shard.set_flat_sums(bucket.first_layer, bucket.end_layer, total)

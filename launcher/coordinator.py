@@ -79,7 +79,7 @@ class Coordinator:
         self.policy = policy
         self.progress = Progress(watch or WatchTimeouts())
         # A survivor may be mid-step when an abort comes: it has the step timeout to answer.
-        self.timeouts = replace(
+        self._timeouts = replace(  # the state's own from the start
             timeouts or rc.Timeouts(), collect_s=self.progress.step_timeout_s()
         )
         self.rejoins = Rejoins(max_rejoins)
@@ -183,7 +183,7 @@ class Coordinator:
             world=frozenset(range(self.world_size)),
             layout={s.worker: (s.first_layer, s.end_layer) for s in plan.stages},
             resume_step=first.resume_step,
-            timeouts=self.timeouts,
+            timeouts=self._timeouts,
         )
         self._gen_start = first.resume_step
         self.emit("resumed", attempt=self.attempt, resume_step=first.resume_step)
@@ -204,7 +204,7 @@ class Coordinator:
             self._publish(action)
         elif isinstance(action, rc.Kill):
             self.emit("unresponsive", attempt=self.attempt, ranks=list(action.ranks), reason=action.reason)
-            self.kill(list(action.ranks), action.reason, self.timeouts.collect_s)
+            self.kill(list(action.ranks), action.reason, self.state.timeouts.collect_s)
         elif isinstance(action, rc.Restart):
             self._fatal = action.reason
             self.emit("abandoned", attempt=self.attempt, reason=action.reason, reached_step=action.reached)
@@ -337,9 +337,8 @@ class Coordinator:
         if self.started_at is not None and self.model.restart_s is None and top >= 0:
             self.model.restart_s = now - self.started_at  # a restart costs this start-up
         collect_s = self.progress.step_timeout_s()  # a survivor may be mid-step at an abort
-        if collect_s != self.timeouts.collect_s:
-            self.timeouts = replace(self.timeouts, collect_s=collect_s)
-            self.state = replace(self.state, timeouts=self.timeouts)
+        if collect_s != state.timeouts.collect_s:
+            self.state = replace(state, timeouts=replace(state.timeouts, collect_s=collect_s))
         if self.model.description is not None and not self.rejoins.waiting:
             # (a replacement starting up competes for the host: no fit meanwhile)
             current = self.plans[state.generation].plan.to_plan()
