@@ -55,7 +55,8 @@ def plan(
         str | None,
         typer.Option(
             "--mtbf",
-            help="Time to the next failure D: 900s, 30m, 3h. Default: the config's mtbf_hours.",
+            help="Mean time to the next failure D: 900s, 30m, 3h. Default: the config's "
+            "mtbf_hours, else its device_mtbf_hours over the surviving devices.",
         ),
     ] = None,
     since_checkpoint: Annotated[

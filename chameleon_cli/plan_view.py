@@ -16,7 +16,7 @@ def decision_blocks(r: DecisionReport, *, cluster: str, model: str) -> list[Bloc
                 ("failed ranks", fmt_ranges(r.failed) or "none"),
                 ("failed workers", fmt_ranges(r.failed_workers) or "none"),
                 ("failure-free step", fmt_s(r.failure_free_step_time_s)),
-                ("time to next failure (D)", fmt_s(r.mtbf_s)),
+                ("time to next failure (D)", f"{fmt_s(r.mtbf_s)} ({r.mtbf_source})"),
                 (
                     "search",
                     f"{r.search_ms:.1f} ms (+{r.templates_ms:.1f} ms of templates at job start)",

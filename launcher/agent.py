@@ -16,10 +16,10 @@ import socket
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from launcher.args import DEFAULT_MTBF_S, RunArgs
+from launcher.args import RunArgs
 from launcher.events import EventLog
 from launcher.leader import Leader, record_missing_nodes
 from launcher.local import LocalGroup, RoundSettings, worker_command
@@ -38,6 +38,7 @@ from launcher.supervisor import Action, Failure
 from launcher.watch import Timeouts as WatchTimeouts
 from launcher.worker_store import WorkerStoreView
 from launcher.workers import Console, Reaper
+from planner.failures import DEFAULT_DEVICE_MTBF_H, FailureRate
 
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 # Workers of a failed round are useless (their collectives are broken): give them a short
@@ -97,16 +98,18 @@ class Agent:
         # --config: the cluster's figures that workers cannot measure (device memory,
         # links, restart cost), read now so that a bad file fails before any worker starts.
         self.planner_cluster = None
-        self.mtbf_s = args.mtbf_s
+        # D's prior (planner.failures): --mtbf, else the config's, else Llama 3's rate.
+        self.failure_rate = FailureRate(DEFAULT_DEVICE_MTBF_H * 3600)
         if args.config:
             from planner.config import load_job  # raises ConfigError, one line
 
             configured = load_job(args.config)
             self.planner_cluster = configured.cluster
-            if self.mtbf_s is None:
-                self.mtbf_s = configured.training.mtbf_s
-        if self.mtbf_s is None:
-            self.mtbf_s = DEFAULT_MTBF_S
+            self.failure_rate = configured.failure_rate()
+        if args.mtbf_s is not None:
+            self.failure_rate = replace(
+                self.failure_rate, fixed_s=args.mtbf_s, fixed_source="--mtbf"
+            )
 
     # -- signals ---------------------------------------------------------------------
 
@@ -150,7 +153,11 @@ class Agent:
             control.beat()
             beating = threading.Thread(
                 target=beat_until,
-                args=(control, self._stop_heartbeat, WatchTimeouts(a.heartbeat_timeout_s).beat_period_s),
+                args=(
+                    control,
+                    self._stop_heartbeat,
+                    WatchTimeouts(a.heartbeat_timeout_s).beat_period_s,
+                ),
                 name="heartbeat",
                 daemon=True,
             )
@@ -286,7 +293,9 @@ class Agent:
                 world.attempt,
                 world.worker_addr,
                 world.worker_port,
-                hosted=lambda: self.worker_store if self.control and self.control.is_leader else None,
+                hosted=lambda: (
+                    self.worker_store if self.control and self.control.is_leader else None
+                ),
             ),
             reaper=self.reaper,
         )
@@ -378,7 +387,9 @@ class Agent:
                 outcome = self._interrupted(group)
             else:
                 group.stop(
-                    grace_s=RESTART_GRACE_S if decision["exit_code"] else self.args.shutdown_timeout_s
+                    grace_s=RESTART_GRACE_S
+                    if decision["exit_code"]
+                    else self.args.shutdown_timeout_s
                 )
                 outcome = self._finish(decision["exit_code"], decision["reason"])
             if leader is not None:

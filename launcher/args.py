@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 
 from launcher.faults import FaultSpec, parse_fault
 
-DEFAULT_MTBF_S = 3600.0
 _DURATION = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(ms|s|m|min|h|d)?\s*$")
 _SCALE = {"ms": 1e-3, "s": 1.0, None: 1.0, "m": 60.0, "min": 60.0, "h": 3600.0, "d": 86400.0}
 
@@ -182,7 +181,8 @@ def _parser() -> _Parser:
         "--mtbf",
         default=None,
         help="expected time to the next failure, D in the policy score (90s, 30m, 3h); "
-        "default: the config's mtbf_hours, else 1h",
+        "default: learned from the failures seen, on a prior of the config's "
+        "device_mtbf_hours (else Llama 3's rate) over the devices in use",
     )
     add("--plain", action="store_true", help="plain output even on a terminal")
     p.add_argument(
@@ -234,7 +234,7 @@ class RunArgs:
     faults: tuple[FaultSpec, ...]
     config: str | None
     policy: str
-    mtbf_s: float | None  # None: the config's, else DEFAULT_MTBF_S
+    mtbf_s: float | None  # None: learned (planner.failures)
     plain: bool
     script: str
     script_args: tuple[str, ...] = field(default_factory=tuple)

@@ -84,7 +84,7 @@ def fit_wait(job: Any, plan: Any, measured: float, rounds: int = 30) -> float | 
 @dataclass
 class JobModel:
     emit: Callable[..., object]
-    mtbf_s: float
+    rate: Any  # planner.failures.FailureRate: D's prior, updated by the failures seen
     num_nodes: int
     workers_per_node: int
     nodes_per_host: int = 1
@@ -97,8 +97,23 @@ class JobModel:
     measured_s: float | None = None
     fitted_generation: int = -1
     _search: Any = None
+    _exposed: tuple[float, int] | None = None  # since when, on how many devices
 
-    def measured_step_s(self, statuses: Mapping[int, WorkerStatus], generation: int) -> float | None:
+    # -- D, the mean time to the next failure (planner.failures) ---------------------------
+
+    def expose(self, now: float, devices: int, failures: int = 0) -> None:
+        """``failures`` ended the time since the last call; from now ``devices`` run."""
+        since, running = self._exposed if self._exposed is not None else (now, 0)
+        self.rate = self.rate.observe(devices=running, seconds=now - since, failures=failures)
+        self._exposed = (now, devices)
+
+    def mtbf(self, devices: int) -> Any:
+        """D (a planner.failures.Mtbf) for ``devices`` devices, as of now."""
+        return self.rate.mtbf(devices)
+
+    def measured_step_s(
+        self, statuses: Mapping[int, WorkerStatus], generation: int
+    ) -> float | None:
         """The median step time the generation's workers report over their recent steps."""
         times = [
             s.mean_step_s or s.step_s
@@ -115,7 +130,7 @@ class JobModel:
         job = self.description.to_job(
             num_nodes=self.num_nodes,
             workers_per_node=self.workers_per_node,
-            mtbf_s=self.mtbf_s,
+            mtbf_s=None,
             step_s=self.measured_s or 1.0,
             restart_s=self.restart_s if self.restart_s is not None else DEFAULT_RESTART_S,
             cluster=self.cluster,
@@ -236,7 +251,9 @@ class JobModel:
                 pipelines=[list(p) for p in best[0].plan.pipelines],
             )
 
-    def growth(self, job: Any, current: Any, alive: list[int]) -> tuple[float, float, float, str] | None:
+    def growth(
+        self, job: Any, current: Any, alive: list[int]
+    ) -> tuple[float, float, float, str] | None:
         """(step now, step with every live worker, transition, label) when moving to the
         best layout over every live worker pays before the next failure, else None."""
         from launcher.rejoin import worth_growing
@@ -246,7 +263,9 @@ class JobModel:
         proposals = search.propose(current, alive)[:1]
         if not proposals:
             return None
-        (best,) = reparallelize_candidates(search, proposals, current, alive, search_s=0.0)
+        (best,) = reparallelize_candidates(
+            search, proposals, current, alive, failed=(), search_s=0.0
+        )
         if best.estimate is None or best.plan is None:
             return None
         current_s = search.estimate(current).step_s
@@ -254,7 +273,7 @@ class JobModel:
             current_s=current_s,
             grown_s=best.estimate.step_s,
             transition_s=best.transition.total_s,
-            mtbf_s=self.mtbf_s,
+            mtbf_s=self.mtbf(len(alive)).seconds,
         ):
             return None
         return current_s, best.estimate.step_s, best.transition.total_s, best.label

@@ -91,7 +91,9 @@ class Coordinator:
         self.failures: list[Failure] = []
         self.recovered = 0  # the first ``recovered`` failures were recovered from in place
         self._fatal: str | None = None
-        self.planner = Planner(model=model, policy=policy, gone=self.gone, emit=emit, attempt=attempt)
+        self.planner = Planner(
+            model=model, policy=policy, gone=self.gone, emit=emit, attempt=attempt
+        )
         self.view = WorkerStoreView(attempt, "", 0, hosted=lambda: store)
         self._statuses: dict[int, WorkerStatus] = {}
         self._next_snapshot = 0.0
@@ -119,6 +121,11 @@ class Coordinator:
             return
         self.failures += new
         ranks = {f.rank for f in new}
+        # D learns from failures: one per node that lost workers (a node's workers
+        # usually go together), over the devices that ran until now.
+        nodes = {r // max(1, self.model.workers_per_node) for r in ranks}
+        running = len(self.state.live) if self.state is not None else 0
+        self.model.expose(time.monotonic(), running - len(ranks), failures=len(nodes))
         self.gone |= {f.rank for f in new if f.kind is FailureKind.NODE_LOST}
         self.rejoins.forget(ranks)
         if self.state is None and not self._start():
@@ -141,7 +148,11 @@ class Coordinator:
             message = INBOX.validate_json(raw)
             if isinstance(message, Ready):
                 report = rc.Report(
-                    message.after, message.applied, message.step, tuple(message.held), message.reason
+                    message.after,
+                    message.applied,
+                    message.step,
+                    tuple(message.held),
+                    message.reason,
                 )
                 self._apply(rc.ReadyReported(message.rank, report))
             elif isinstance(message, Applied):
@@ -186,6 +197,7 @@ class Coordinator:
             timeouts=self._timeouts,
         )
         self._gen_start = first.resume_step
+        self.model.expose(time.monotonic(), len(plan.workers))
         self.emit("resumed", attempt=self.attempt, resume_step=first.resume_step)
         return True
 
@@ -203,11 +215,15 @@ class Coordinator:
         elif isinstance(action, rc.Publish):
             self._publish(action)
         elif isinstance(action, rc.Kill):
-            self.emit("unresponsive", attempt=self.attempt, ranks=list(action.ranks), reason=action.reason)
+            self.emit(
+                "unresponsive", attempt=self.attempt, ranks=list(action.ranks), reason=action.reason
+            )
             self.kill(list(action.ranks), action.reason, self.state.timeouts.collect_s)
         elif isinstance(action, rc.Restart):
             self._fatal = action.reason
-            self.emit("abandoned", attempt=self.attempt, reason=action.reason, reached_step=action.reached)
+            self.emit(
+                "abandoned", attempt=self.attempt, reason=action.reason, reached_step=action.reached
+            )
         elif isinstance(action, rc.Recovered):
             self._recovered(action)
         elif isinstance(action, rc.Forget):
@@ -247,6 +263,7 @@ class Coordinator:
 
     def _recovered(self, action: rc.Recovered) -> None:
         message = self.plans[action.generation]
+        self.model.expose(time.monotonic(), len(message.plan.to_plan().workers))
         fields = {
             "generation": action.generation,
             "policy": message.policy,
@@ -393,4 +410,3 @@ class Coordinator:
             label=label,
         )
         self._apply(rc.Grow(frozenset(joined)))
-

@@ -95,7 +95,9 @@ def parse_fault(text: str) -> FaultSpec:
         fields[key] = value
     if "rank" not in fields:
         raise ValueError(f"{text!r} names no rank")
-    whens = sum(k in fields for k in ("at", "step")) + int("phase" in fields or "recovery" in fields)
+    whens = sum(k in fields for k in ("at", "step")) + int(
+        "phase" in fields or "recovery" in fields
+    )
     if whens != 1:
         raise ValueError(
             f"{text!r} needs exactly one of at=SECONDS, step=N or phase=PHASE / recovery=N"
@@ -129,7 +131,9 @@ def parse_fault(text: str) -> FaultSpec:
         or (spec.recovery is not None and spec.recovery < 1)
         or spec.after_ms < 0
     ):
-        raise ValueError(f"rank, at, step and after_ms must not be negative, recovery >= 1, in {text!r}")
+        raise ValueError(
+            f"rank, at, step and after_ms must not be negative, recovery >= 1, in {text!r}"
+        )
     return spec
 
 
@@ -155,15 +159,21 @@ class Injector:
         """The faults due now, each with its rank resolved (``any`` becomes a rank)."""
         due = []
         for spec in list(self.pending):
-            candidates = [spec.rank] if spec.rank != ANY else [
-                r
-                for r in self.ranks
-                if (alive is None or r in alive)
-                and (s := status.get(r)) is not None
-                and s.phase in _WORKING
-            ]
+            candidates = (
+                [spec.rank]
+                if spec.rank != ANY
+                else [
+                    r
+                    for r in self.ranks
+                    if (alive is None or r in alive)
+                    and (s := status.get(r)) is not None
+                    and s.phase in _WORKING
+                ]
+            )
             if id(spec) not in self._armed:
-                hits = [r for r in candidates if self._hit(spec, since_start_s, status.get(r), phase)]
+                hits = [
+                    r for r in candidates if self._hit(spec, since_start_s, status.get(r), phase)
+                ]
                 if not hits:
                     continue
                 self._armed[id(spec)] = (now, self._rng.choice(hits))

@@ -23,7 +23,9 @@ if TYPE_CHECKING:
 
 
 class Leader:
-    def __init__(self, agent: Agent, control: ControlPlane, world: World, group: LocalGroup) -> None:
+    def __init__(
+        self, agent: Agent, control: ControlPlane, world: World, group: LocalGroup
+    ) -> None:
         self.agent = agent
         self.control = control
         self.world = world
@@ -104,8 +106,12 @@ class Leader:
             if silent < self.agent.args.heartbeat_timeout_s:
                 continue
             self.lost.add(node.key)
-            self.agent.events.emit("node_lost", node=node.node_rank, host=node.host, silent_s=silent)
-            for failure in lost_with(node, self.world.attempt, time.time() - silent, "stopped heartbeating"):
+            self.agent.events.emit(
+                "node_lost", node=node.node_rank, host=node.host, silent_s=silent
+            )
+            for failure in lost_with(
+                node, self.world.attempt, time.time() - silent, "stopped heartbeating"
+            ):
                 self.agent.events.emit("failure", **failure.to_json())
                 self.control.report_failure(failure)
 
@@ -119,7 +125,7 @@ class Leader:
             watch = WatchTimeouts(a.heartbeat_timeout_s, a.step_timeout_s, a.startup_timeout_s)
             model = JobModel(
                 emit=agent.events.emit,
-                mtbf_s=agent.mtbf_s,
+                rate=agent.failure_rate,
                 num_nodes=len(world.nodes),
                 workers_per_node=world.nodes[0].nproc,
                 nodes_per_host=max(
@@ -207,12 +213,16 @@ def record_missing_nodes(agent: Agent, last: World | None, world: World) -> None
         return
     for node in last.nodes:
         if world.node(node.key) is not None or any(
-            f.kind is FailureKind.NODE_LOST and f.node == node.node_rank and f.attempt == last.attempt
+            f.kind is FailureKind.NODE_LOST
+            and f.node == node.node_rank
+            and f.attempt == last.attempt
             for f in agent.failures
         ):
             continue
         since = agent.beat_seen.get(node.key, time.time())
-        agent.events.emit("node_lost", node=node.node_rank, host=node.host, silent_s=time.time() - since)
+        agent.events.emit(
+            "node_lost", node=node.node_rank, host=node.host, silent_s=time.time() - since
+        )
         for failure in lost_with(node, last.attempt, since, "did not rejoin"):
             agent.events.emit("failure", **failure.to_json())
             agent.failures.append(failure)

@@ -79,7 +79,9 @@ class RoundSettings:
     extra_env: dict[str, str] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, a: RunArgs, world: World, me: NodeInfo, *, run_id: str, run_dir: Path) -> RoundSettings:
+    def of(
+        cls, a: RunArgs, world: World, me: NodeInfo, *, run_id: str, run_dir: Path
+    ) -> RoundSettings:
         """This node's settings for one round, from ``chameleon run``'s arguments."""
         watch = WatchTimeouts(a.heartbeat_timeout_s, a.step_timeout_s, a.startup_timeout_s)
         return cls(
@@ -275,7 +277,9 @@ class LocalGroup:
     def _statuses(self, now: float) -> dict:
         """This node's workers' statuses: for the hang check every quarter second, and at
         every poll while a fault waits for a step or a worker's phase."""
-        if self.view is None or not (now >= self._next_hang_check or self._injector.watches_status()):
+        if self.view is None or not (
+            now >= self._next_hang_check or self._injector.watches_status()
+        ):
             return {}
         statuses = self.view.statuses(sorted(self.workers))
         self._runtime = self._runtime or bool(statuses)
@@ -325,9 +329,11 @@ class LocalGroup:
     def _inject(self, now: float, statuses: dict) -> None:
         phase = self._phase
         if phase is None and self.view is not None and self._injector.pending:
-            phase = self.view.recovery_phase() if any(
-                f.phase or f.recovery for f in self._injector.pending
-            ) else None
+            phase = (
+                self.view.recovery_phase()
+                if any(f.phase or f.recovery for f in self._injector.pending)
+                else None
+            )
         alive = {
             r for r, w in self.workers.items() if r not in self.failed and r not in self.finished
         }

@@ -81,12 +81,15 @@ class Planner:
         if start.joining:
             forced = Policy.REPARALLELIZE  # taking replacements in: only a re-partition can
         t0 = time.perf_counter()
+        survivors = (set(current.workers) | set(start.idle)) - set(start.failed)
+        mtbf = self.model.mtbf(len(survivors) * job.tp)
         decision = decide(
             job,
             current,
             list(start.failed),
             policy=forced,
-            mtbf_s=self.model.mtbf_s,
+            mtbf_s=mtbf.seconds,
+            mtbf_source=mtbf.source,
             since_checkpoint_s=self.model.since_checkpoint_s(start.resume_step, job),
             # A restart brings back every rank whose node lives.
             spares=[r for r in start.failed if r not in self.gone],
@@ -109,7 +112,8 @@ class Planner:
         decision, job = result["decision"], result["job"]
         basis = {
             "memory_limit_bytes": job.cluster.device_memory_bytes,
-            "mtbf_s": self.model.mtbf_s,
+            "mtbf_s": decision.mtbf_s,
+            "mtbf_source": decision.mtbf_source,
             "restart_s": job.cluster.restart_s,
             "candidates": {
                 c.policy.value: {
@@ -139,7 +143,11 @@ class Planner:
             migration=chosen.migration,
             estimated_step_s=chosen.estimate.step_s if chosen.estimate else None,
         )
-        why = f"ranks {list(start.joining)} rejoin" if start.joining else f"ranks {list(start.failed)} failed"
+        why = (
+            f"ranks {list(start.joining)} rejoin"
+            if start.joining
+            else f"ranks {list(start.failed)} failed"
+        )
         self.emit(
             "decision",
             attempt=self.attempt,

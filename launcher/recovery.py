@@ -187,9 +187,7 @@ def _failed(state: State, event: Failed, now: float) -> Result:
     lost = event.ranks & state.live
     if not lost:
         return state, []  # not ours: already handled, or a replacement not yet admitted
-    state = replace(
-        state, live=state.live - lost, joining=frozenset(), failures=state.failures + 1
-    )
+    state = replace(state, live=state.live - lost, joining=frozenset(), failures=state.failures + 1)
     reports = {r: v for r, v in state.reports.items() if r not in lost}
     reason = event.reason or f"ranks {sorted(lost)} failed"
     if state.phase is Phase.RUNNING:
@@ -250,7 +248,9 @@ def _plan(state: State, now: float, actions: list[Action]) -> Result:
     reached = max((r.step for r in reports.values() if r.step is not None), default=0)
     reached = max(reached, state.reached if state.recovering else 0)
     if not holders:
-        return _restart(replace(state, reached=reached), "no worker that held state survived", actions)
+        return _restart(
+            replace(state, reached=reached), "no worker that held state survived", actions
+        )
     if len(steps) != 1:
         return _restart(
             replace(state, reached=reached),
@@ -374,7 +374,10 @@ def _tick(state: State, now: float) -> Result:
         return _restart(state, f"no plan within {waited.plan_s:g} s")
     # CONFIRM: a member is still building, moving or waiting: start over from what is held
     return _begin(
-        state, now, reason=f"generation {state.generation} was not applied in time", lost=frozenset()
+        state,
+        now,
+        reason=f"generation {state.generation} was not applied in time",
+        lost=frozenset(),
     )
 
 

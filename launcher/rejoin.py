@@ -18,6 +18,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from planner.selection import score
+
 # Grow only when the expected throughput until the next failure improves by this much.
 GROW_MARGIN = 0.01
 # Steps after which the workers' step means (chameleon_runtime.pace: 2 warm-up steps, a
@@ -90,8 +92,8 @@ class Rejoins:
 def worth_growing(*, current_s: float, grown_s: float, transition_s: float, mtbf_s: float) -> bool:
     """Samples per second until the next failure, staying versus moving: moving costs the
     transition once, then runs at the grown step time."""
-    if grown_s <= 0 or current_s <= 0 or transition_s >= mtbf_s:
+    if grown_s <= 0 or current_s <= 0:
         return False
-    stay = 1.0 / current_s
-    grow = (mtbf_s - transition_s) / mtbf_s / grown_s
+    stay = score(global_batch=1.0, step_s=current_s, transition_s=0.0, mtbf_s=mtbf_s)
+    grow = score(global_batch=1.0, step_s=grown_s, transition_s=transition_s, mtbf_s=mtbf_s)
     return grow > stay * (1 + GROW_MARGIN)

@@ -248,14 +248,18 @@ class ControlPlane:
         data = self.get(f"r{attempt}/world")
         return None if data is None else World.from_json(data)
 
-    def wait_world(self, attempt: int, timeout_s: float, *, stop: Callable[[], bool]) -> World | None:
+    def wait_world(
+        self, attempt: int, timeout_s: float, *, stop: Callable[[], bool]
+    ) -> World | None:
         """Not the leader: wait for round ``attempt``'s world (None if ``stop`` first)."""
         deadline = time.monotonic() + timeout_s
         while not stop():
             try:
                 world = self.world(attempt)
             except Exception:
-                raise RendezvousError("lost the control store (the leader's node is gone)") from None
+                raise RendezvousError(
+                    "lost the control store (the leader's node is gone)"
+                ) from None
             if world is not None:
                 return world
             if time.monotonic() > deadline:

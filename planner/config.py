@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from planner.costtable import CostTable
 from planner.errors import ConfigError
+from planner.failures import DEFAULT_DEVICE_MTBF_H
 from planner.workload import Cluster, Job, Layer, Link, Model, RankOrder, Training
 
 GiB = 2**30
@@ -46,7 +47,10 @@ class ClusterConfig(_Strict):
     device_tflops: Positive  # dense peak at the training precision
     mfu: Annotated[float, Field(gt=0, le=1)] = 0.4  # fraction of peak a layer achieves
     memory_bandwidth_gb_per_s: Positive = 1000.0
-    intra_node_bandwidth_gb_per_s: Positive
+    intra_node_bandwidth_gb_per_s: Positive  # between two devices of a node
+    # A device's links together, when it reaches its peers over several (a mesh); an
+    # all-reduce within a node uses all of them, a transfer between two devices one.
+    intra_node_aggregate_bandwidth_gb_per_s: Positive | None = None
     intra_node_latency_us: Annotated[float, Field(ge=0)] = 5.0
     inter_node_bandwidth_gb_per_s: Positive
     inter_node_latency_us: Annotated[float, Field(ge=0)] = 10.0
@@ -55,11 +59,17 @@ class ClusterConfig(_Strict):
     pg_init_base_s: Annotated[float, Field(ge=0)] = 0.5
     pg_init_per_worker_s: Annotated[float, Field(ge=0)] = 0.001
     store_round_trip_us: Annotated[float, Field(ge=0)] = 500.0
+    # How holders sum a bucket's gradients and which communicators a plan needs
+    # (planner.transition): "ring" (NCCL, HCCL) or "exchange" (chameleon_runtime on gloo).
+    collectives: Literal["ring", "exchange"] = "ring"
     # CPU workers sharing their host's cores (0: a device per worker; unset: a device per
     # worker here, what the workers report under chameleon run --config), and how many
     # of the config's nodes one host carries (the CPU test bed: 2 "nodes" on one machine).
     host_cores: Annotated[int, Field(ge=0)] | None = None
     nodes_per_host: PositiveInt = 1
+    # Mean time between failures of one device: D is this over the devices in use, then
+    # learned from the failures a job sees (planner.failures). Default: Llama 3's rate.
+    device_mtbf_hours: Positive = DEFAULT_DEVICE_MTBF_H
 
 
 class GptConfig(_Strict):
@@ -115,7 +125,7 @@ class TrainingConfig(_Strict):
     pp: PositiveInt
     tp: PositiveInt = 1
     rank_order: RankOrder = RankOrder.TP_PP_DP
-    mtbf_hours: Positive = 3.0
+    mtbf_hours: Positive | None = None  # D fixed for the job; unset: from device_mtbf_hours
     checkpoint_interval_s: Positive = 1800.0
 
     @model_validator(mode="after")
@@ -213,6 +223,13 @@ def to_job(config: JobConfig, table: CostTable | None = None) -> Job:
         pg_init_base_s=pg_base,
         pg_init_per_worker_s=pg_per,
         store_round_trip_s=store_rt,
+        allreduce=c.collectives,
+        intra_node_aggregate_bytes_per_s=(
+            c.intra_node_aggregate_bandwidth_gb_per_s * 1e9
+            if c.intra_node_aggregate_bandwidth_gb_per_s is not None
+            else None
+        ),
+        device_mtbf_s=c.device_mtbf_hours * 3600,
         host_cores=c.host_cores,
         nodes_per_host=c.nodes_per_host,
     )
@@ -227,7 +244,7 @@ def to_job(config: JobConfig, table: CostTable | None = None) -> Job:
         pp=t.pp,
         tp=t.tp,
         rank_order=t.rank_order,
-        mtbf_s=t.mtbf_hours * 3600,
+        mtbf_s=t.mtbf_hours * 3600 if t.mtbf_hours is not None else None,
         checkpoint_interval_s=t.checkpoint_interval_s,
     )
     m = config.model

@@ -4,10 +4,12 @@ Durations (PAPER.md, unified performance model):
 - forward/backward of a micro-batch on a worker: the sum over its layers (profiled or
   analytic, see ``planner.config``);
 - activation or gradient transfer between two workers: latency + bytes / bandwidth on
-  the intra- or inter-node link;
+  the intra- or inter-node link between the two (one pair's link, not a device's
+  aggregate: a migration between two NPUs of a mesh uses the one link between them);
 - all-reduce of a bucket among n holders: ring all-reduce, 2(n-1)/n of the bytes over the
   slowest link among them plus 2(n-1) latencies (or, for the runtime's point-to-point
-  exchange, n-1 sends of the whole bucket);
+  exchange, n-1 sends of the whole bucket); within a node over a mesh, on the device's
+  aggregate bandwidth;
 - commit barrier: two store round trips; optimizer: the sum over the worker's layers.
 
 Memory of a worker: parameters, gradients and optimizer state of its layers, plus the
@@ -53,6 +55,10 @@ class CostModel:
             return 0.0
         grad_bytes = self.job.model.total("num_params", first, end) * self.job.training.grad_bytes
         link = self.slowest_link(holders)
+        aggregate = self.job.cluster.intra_node_aggregate_bytes_per_s
+        if aggregate and link is self.job.intra_link:
+            # Within a node over a mesh every device drives all its links at once.
+            link = Link(aggregate * self.job.tp, link.latency_s)
         if self.job.cluster.allreduce == "exchange":
             # Each holder sends its n - 1 copies one after another on its link.
             return (n - 1) * (grad_bytes / link.bandwidth_bytes_per_s + link.latency_s)

@@ -1,9 +1,11 @@
 """The three recovery policies as candidates with a time, a memory and a transition cost.
 
 - ``reroute``: keep the layout; same-stage peers take the failed workers' micro-batches.
-  Transition: rebuilding the communicator without the failed workers.
+  Transition: the groups that contained a failed worker, where the backend needs them
+  (``planner.transition``: none on the gloo runtime, which keeps its group).
 - ``reparallelize``: a new plan over the survivors from the search. Transition: plan
-  search + weight and optimizer-state migration (matching + colouring schedule) + rebuild.
+  search + weight and optimizer-state migration (matching + colouring schedule) + the
+  groups the new plan lacks.
 - ``restart``: the torchrun answer. Relaunch from the last checkpoint, on spares at the
   old size when there are enough, else on the survivors with the fastest plan the search
   finds. Transition: restart time + the work done since the checkpoint, which is redone.
@@ -25,6 +27,7 @@ from planner.migration import NO_MIGRATION, Migration, holdings_of, plan_migrati
 from planner.plan import Plan, Route, Stage
 from planner.reroute import RerouteInfeasible, reroute_plan
 from planner.search import Proposal, Search
+from planner.transition import groups_s
 from planner.workload import Job
 
 
@@ -38,13 +41,13 @@ class Policy(StrEnum):
 class Transition:
     search_s: float = 0.0
     migration_s: float = 0.0
-    rebuild_s: float = 0.0
+    groups_s: float = 0.0  # communicators built (planner.transition)
     restart_s: float = 0.0
     lost_work_s: float = 0.0
 
     @property
     def total_s(self) -> float:
-        return self.search_s + self.migration_s + self.rebuild_s + self.restart_s + self.lost_work_s
+        return self.search_s + self.migration_s + self.groups_s + self.restart_s + self.lost_work_s
 
 
 @dataclass(frozen=True)
@@ -73,10 +76,6 @@ def overflow_reason(est: Estimate, job: Job) -> str:
     )
 
 
-def rebuild_s(job: Job, num_workers: int) -> float:
-    return job.cluster.pg_init_base_s + job.cluster.pg_init_per_worker_s * num_workers
-
-
 def reroute_candidate(search: Search, current: Plan, failed: Sequence[int]) -> Candidate:
     job = search.job
     try:
@@ -84,7 +83,7 @@ def reroute_candidate(search: Search, current: Plan, failed: Sequence[int]) -> C
     except RerouteInfeasible as exc:
         return Candidate(Policy.REROUTE, reason=str(exc))
     est = search.estimate(plan)
-    transition = Transition(rebuild_s=rebuild_s(job, len(plan.stages)))
+    transition = Transition(groups_s=groups_s(job, current, plan, failed))
     if not est.feasible:
         return Candidate(Policy.REROUTE, reason=overflow_reason(est, job), plan=plan, estimate=est)
     return Candidate(
@@ -98,6 +97,7 @@ def reparallelize_candidates(
     current: Plan,
     survivors: Sequence[int],
     *,
+    failed: Sequence[int],
     search_s: float,
 ) -> list[Candidate]:
     """One candidate per proposal; the caller keeps the best by score."""
@@ -110,10 +110,11 @@ def reparallelize_candidates(
             migration = plan_migration(costs, holdings=holdings, target=proposal.plan)
         except LostLayers as exc:
             return [Candidate(Policy.REPARALLELIZE, reason=str(exc))]
+        sources = {t.src for t in migration.transfers}
         transition = Transition(
             search_s=search_s,
             migration_s=migration.est_time_s,
-            rebuild_s=rebuild_s(job, len(proposal.plan.stages)),
+            groups_s=groups_s(job, current, proposal.plan, failed, members=sources),
         )
         out.append(
             Candidate(

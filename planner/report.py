@@ -43,7 +43,7 @@ class LayoutOut(BaseModel):
 class TransitionOut(BaseModel):
     search_s: float
     migration_s: float
-    rebuild_s: float
+    groups_s: float
     restart_s: float
     lost_work_s: float
 
@@ -85,6 +85,7 @@ class DecisionReport(BaseModel):
     failed_workers: list[int]
     failure_free_step_time_s: float
     mtbf_s: float
+    mtbf_source: str
     chosen: ChosenOut | None
     candidates: list[CandidateOut]
     migration: MigrationOut  # of the chosen candidate (zero unless it moves weights)
@@ -151,7 +152,7 @@ def _candidate_out(job: Job, decision: Decision, c: Candidate) -> CandidateOut:
         transition=TransitionOut(
             search_s=t.search_s,
             migration_s=t.migration_s,
-            rebuild_s=t.rebuild_s,
+            groups_s=t.groups_s,
             restart_s=t.restart_s,
             lost_work_s=t.lost_work_s,
         )
@@ -181,6 +182,7 @@ def report(
         failed_workers=list(decision.failed),
         failure_free_step_time_s=decision.baseline.step_s,
         mtbf_s=decision.mtbf_s,
+        mtbf_source=decision.mtbf_source,
         chosen=chosen_out,
         candidates=[_candidate_out(job, decision, c) for c in decision.candidates],
         migration=migration_out(chosen.migration)

@@ -1,8 +1,15 @@
-"""Policy selection by expected throughput until the next failure (PAPER.md).
+"""Policy selection by expected throughput until the next failure.
 
-    score(p) = (B / t_step(p)) * (D - t_transition(p)) / D
+    score(p) = (B / t_step(p)) * exp(-t_transition(p) / D)
 
-B is the global batch (samples per step), D the expected time to the next failure. The
+B is the global batch (samples per step), D the mean time between failures. With failures
+arriving at random (a Poisson process, so the time T to the next one is exponential with
+mean D), a policy trains for T - t_transition if T outlasts its transition and not at all
+otherwise, so it expects B / t_step * E[max(0, T - t_transition)] = B / t_step * D *
+exp(-t_transition / D) samples before the next failure; over E[T] = D that is the score.
+PAPER.md's (D - t_transition) / D is its first-order form, which goes negative when the
+transition outlasts D and then prefers the slower step; this one never does. As D -> 0
+the cheapest transition wins, as D -> infinity the fastest step (docs/planner.md). The
 highest score wins; ties go to the least disruptive policy (reroute, then reparallelize,
 then restart). ``decide`` is the planner's single entry point: pure but for the clock it
 is handed, which times the search because search time is part of the transition.
@@ -10,8 +17,10 @@ is handed, which times the search because search time is part of the transition.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import astuple as dataclass_astuple
 from dataclasses import dataclass, replace
 
 from planner.estimate import Estimate
@@ -30,8 +39,8 @@ _PREFERENCE = {Policy.REROUTE: 0, Policy.REPARALLELIZE: 1, Policy.RESTART: 2}
 
 
 def score(*, global_batch: float, step_s: float, transition_s: float, mtbf_s: float) -> float:
-    """Expected samples per second over the window until the next failure."""
-    return (global_batch / step_s) * (mtbf_s - transition_s) / mtbf_s
+    """Expected samples per second until the next failure (module doc)."""
+    return (global_batch / step_s) * math.exp(-transition_s / mtbf_s)
 
 
 def candidate_score(job: Job, candidate: Candidate, mtbf_s: float) -> float:
@@ -60,6 +69,7 @@ class Decision:
     candidates: tuple[Candidate, ...]  # best of each policy, in policy order
     chosen: Candidate | None
     mtbf_s: float
+    mtbf_source: str
     search_s: float  # the reparallelize plan search
     decision_s: float  # every policy evaluated and one chosen
 
@@ -74,6 +84,7 @@ def decide(
     *,
     policy: Policy | None = None,
     mtbf_s: float | None = None,
+    mtbf_source: str = "--mtbf",
     since_checkpoint_s: float | None = None,
     spares: Sequence[int] | None = None,
     idle: Sequence[int] = (),
@@ -82,7 +93,8 @@ def decide(
 ) -> Decision:
     """Evaluate every policy for the loss of ``failed`` workers and pick one.
 
-    ``policy`` forces a policy (its candidate is chosen if feasible). ``spares`` are idle
+    ``policy`` forces a policy (its candidate is chosen if feasible). ``mtbf_s`` is D,
+    from ``mtbf_source`` (default: the job's, over the survivors' devices). ``spares`` are idle
     workers a restart may use (default: the cluster's spare nodes). ``since_checkpoint_s``
     is the work a restart would redo (default: half the checkpoint interval). ``search``
     may be one kept from earlier decisions of the same job (its templates are reused).
@@ -91,10 +103,12 @@ def decide(
     or restart may use them.
     """
     started = clock()
-    mtbf = job.training.mtbf_s if mtbf_s is None else mtbf_s
     lost = set(failed)
     survivors = [w for w in current.workers if w not in lost]
     survivors += [w for w in idle if w not in lost and w not in survivors]
+    if mtbf_s is None:
+        mtbf_s, mtbf_source = dataclass_astuple(job.mtbf(len(survivors)))
+    mtbf = mtbf_s
     if spares is None:
         spares = range(job.num_workers, job.num_workers + job.num_spare_workers)
     since = (
@@ -111,7 +125,9 @@ def decide(
     t0 = clock()
     proposals = search.propose(current, survivors) if survivors else []
     search_s = clock() - t0
-    options = reparallelize_candidates(search, proposals, current, survivors, search_s=search_s)
+    options = reparallelize_candidates(
+        search, proposals, current, survivors, failed=failed, search_s=search_s
+    )
     reparallelize = max(options, key=lambda c: candidate_score(job, c, mtbf))
 
     fastest = min(proposals, key=lambda p: p.estimate.step_s, default=None)
@@ -136,6 +152,7 @@ def decide(
         candidates=candidates,
         chosen=chosen,
         mtbf_s=mtbf,
+        mtbf_source=mtbf_source,
         search_s=search_s,
         decision_s=clock() - started,
     )

@@ -60,7 +60,7 @@ class JobDescription(_Wire):
         *,
         num_nodes: int,
         workers_per_node: int,
-        mtbf_s: float,
+        mtbf_s: float | None,
         step_s: float,
         restart_s: float,
         pg_init_base_s: float = 0.2,

@@ -14,6 +14,8 @@ from enum import StrEnum
 from functools import cached_property
 from itertools import accumulate
 
+from planner.failures import DEFAULT_DEVICE_MTBF_H, FailureRate, Mtbf
+
 
 class RankOrder(StrEnum):
     """How global ranks map onto the (tp, dp, pp) grid, innermost dimension first.
@@ -46,7 +48,7 @@ class Cluster:
     num_nodes: int
     devices_per_node: int
     device_memory_bytes: int
-    intra_node: Link  # per device; Job.link() scales by tp
+    intra_node: Link  # between two devices of a node; Job.link() scales by tp
     inter_node: Link
     spare_nodes: int = 0
     # Relaunching every worker and loading a checkpoint (the torchrun path), in seconds.
@@ -70,6 +72,12 @@ class Cluster:
     # plan is its measured step.
     host_cores: float | None = None
     nodes_per_host: int = 1  # several agents on one host (multi-node tests on 127.0.0.1)
+    # All of a device's links in a node at once, where that is more than one pair's link
+    # (a mesh like Ascend's HCCS: 7 links of 56 GB/s): what an all-reduce within a node
+    # can use. None: the pair's link is all a device has (a switch, like NVSwitch).
+    intra_node_aggregate_bytes_per_s: float | None = None
+    # Mean time between failures of one device (the prior of planner.failures).
+    device_mtbf_s: float = DEFAULT_DEVICE_MTBF_H * 3600
     # On such hosts, the CPU time a worker spends per step beyond its layers (Python,
     # communication, the store: fewer workers, less of it). Measured live.
     worker_overhead_s: float = 0.0
@@ -136,7 +144,9 @@ class Training:
     pp: int
     tp: int = 1
     rank_order: RankOrder = RankOrder.TP_PP_DP
-    mtbf_s: float = 3 * 3600.0  # expected time to the next failure, D in PAPER.md
+    # D given outright (a config's mtbf_hours, --mtbf); None: from the devices' failure
+    # rate (Cluster.device_mtbf_s) and what the job observes (planner.failures).
+    mtbf_s: float | None = None
     checkpoint_interval_s: float = 1800.0
 
     @property
@@ -176,6 +186,17 @@ class Job:
     @property
     def worker_memory_bytes(self) -> int:
         return self.cluster.device_memory_bytes * self.tp
+
+    def failure_rate(self) -> FailureRate:
+        """The prior over failures (planner.failures); fixed when the job gives D."""
+        fixed = self.training.mtbf_s
+        return FailureRate(
+            self.cluster.device_mtbf_s, fixed_s=fixed, fixed_source="config mtbf_hours"
+        )
+
+    def mtbf(self, workers: int) -> Mtbf:
+        """D for this job on ``workers`` workers (tp devices each), before it has run."""
+        return self.failure_rate().mtbf(workers * self.tp)
 
     def ranks_of(self, worker: int) -> range:
         """Global ranks (devices) of a worker; tp is always the innermost dimension."""

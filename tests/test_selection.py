@@ -1,6 +1,7 @@
 """Policy selection by expected throughput until the next failure."""
 
 import itertools
+import math
 
 import pytest
 
@@ -15,17 +16,39 @@ def _frozen_clock():
     return itertools.repeat(0.0).__next__
 
 
-def test_paper_worked_example_flips_at_twenty_seconds():
-    # PAPER.md: B = 10, t_reroute = 2 s, t_dynamic = 1 s, transition 10 s.
+def test_paper_worked_example_flips_at_ten_over_ln_two():
+    # PAPER.md: B = 10, t_reroute = 2 s, t_dynamic = 1 s, transition 10 s. The paper's
+    # first-order score flips at D = 20 s; the exact one where 10 exp(-10 / D) = 5, at
+    # D = 10 / ln 2 = 14.4 s: a 10 s transition is paid in full whenever the failure comes
+    # after it, so the paper's form (which charges it pro rata) undervalues it.
+    flip = 10 / math.log(2)
+
     def reroute(d):
         return score(global_batch=10, step_s=2.0, transition_s=0.0, mtbf_s=d)
 
     def dynamic(d):
         return score(global_batch=10, step_s=1.0, transition_s=10.0, mtbf_s=d)
 
-    assert reroute(20) == pytest.approx(dynamic(20)) == pytest.approx(5.0)
-    assert reroute(19) > dynamic(19)
-    assert dynamic(21) > reroute(21)
+    assert reroute(flip) == pytest.approx(dynamic(flip)) == pytest.approx(5.0)
+    assert reroute(flip - 0.1) > dynamic(flip - 0.1)
+    assert dynamic(flip + 0.1) > reroute(flip + 0.1)
+    # The first-order form's error is second order in t_transition / D.
+    for d in (100.0, 1000.0):
+        first_order = 10 * (d - 10) / d
+        assert dynamic(d) == pytest.approx(first_order, rel=(10 / d) ** 2)
+
+
+def test_the_score_is_never_negative_and_has_the_right_limits():
+    fast_slow_move = dict(global_batch=8, step_s=1.0, transition_s=30.0)
+    slow_no_move = dict(global_batch=8, step_s=1.5, transition_s=0.5)
+    for d in (1e-3, 0.1, 1.0, 10.0, 1e3, 1e9):
+        assert score(**fast_slow_move, mtbf_s=d) >= 0
+        assert score(**slow_no_move, mtbf_s=d) >= 0
+    # D -> 0: the cheaper transition wins even though its step is slower (the paper's
+    # form gave -239.0 against -10.7 here and picked the slower step for the wrong reason).
+    assert score(**slow_no_move, mtbf_s=0.1) > score(**fast_slow_move, mtbf_s=0.1)
+    # D -> infinity: the faster step.
+    assert score(**fast_slow_move, mtbf_s=1e6) > score(**slow_no_move, mtbf_s=1e6)
 
 
 def test_choose_applies_the_worked_example_to_candidates():
@@ -41,9 +64,12 @@ def test_choose_applies_the_worked_example_to_candidates():
         )
 
     candidates = [candidate(Policy.REROUTE, 2.0, 0.0), candidate(Policy.REPARALLELIZE, 1.0, 10.0)]
-    assert choose(job, candidates, mtbf_s=15).policy is Policy.REROUTE
-    assert choose(job, candidates, mtbf_s=20).policy is Policy.REROUTE  # tie: least disruptive
-    assert choose(job, candidates, mtbf_s=25).policy is Policy.REPARALLELIZE
+    flip = 10 / math.log(2)
+    assert choose(job, candidates, mtbf_s=flip - 0.5).policy is Policy.REROUTE
+    assert choose(job, candidates, mtbf_s=flip + 0.5).policy is Policy.REPARALLELIZE
+    # A tie goes to the least disruptive policy.
+    tied = [candidate(Policy.REPARALLELIZE, 2.0, 0.0), candidate(Policy.REROUTE, 2.0, 0.0)]
+    assert choose(job, tied, mtbf_s=1.0).policy is Policy.REROUTE
 
 
 def test_decision_flips_with_mtbf_on_a_real_plan():

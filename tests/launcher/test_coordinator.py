@@ -17,6 +17,7 @@ from launcher.rejoin import Rejoins, worth_growing
 from launcher.supervisor import Failure, FailureKind
 from launcher.watch import Timeouts as WatchTimeouts
 from planner.config import load_job
+from planner.failures import FailureRate
 from planner.plan import pipelines_plan
 from planner.protocol import (
     MAILBOX,
@@ -77,7 +78,7 @@ def store():
 def make(store, *, policy="reroute", cluster=None, watch=None):
     emitted, killed = [], []
     model = JobModel(
-        emit=lambda name, **kw: emitted.append((name, kw)), mtbf_s=3600.0, num_nodes=1,
+        emit=lambda name, **kw: emitted.append((name, kw)), rate=FailureRate(3600.0, fixed_s=3600.0), num_nodes=1,
         workers_per_node=4, cluster=cluster,
     )  # fmt: skip
     c = Coordinator(
@@ -96,7 +97,9 @@ def failure(rank):
 
 
 def ready(store, rank, *, after=0, step=3):
-    message = Ready(rank=rank, pid=1000 + rank, after=after, applied=0, step=step, held=LAYERS[rank])
+    message = Ready(
+        rank=rank, pid=1000 + rank, after=after, applied=0, step=step, held=LAYERS[rank]
+    )
     store.queue_push(KEYS.inbox, encode(message))
 
 
@@ -198,7 +201,7 @@ def test_a_clearly_faster_layout_is_pointed_out():
     # 4 light layers on 2 pipelines of 2 stages: pure data parallelism has no bubble.
     emitted = []
     model = JobModel(
-        emit=lambda name, **kw: emitted.append((name, kw)), mtbf_s=3600.0, num_nodes=1,
+        emit=lambda name, **kw: emitted.append((name, kw)), rate=FailureRate(3600.0, fixed_s=3600.0), num_nodes=1,
         workers_per_node=4, description=DESCRIPTION,
     )  # fmt: skip
     plan = two_by_two()

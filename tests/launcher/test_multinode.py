@@ -209,7 +209,9 @@ def test_a_lost_node_recovered_in_place_lets_the_job_end(tmp_path):
     ]  # fmt: skip
     args = [MLP, "--steps", "60", "--stages", "1", "--dump", str(tmp_path / "dump")]
     slow = {"MLP_STEP_SLEEP_S": "0.1"}
-    node1 = start(*common, "--node-rank", "1", *args, cwd=tmp_path, log=tmp_path / "n1.log", env=slow)
+    node1 = start(
+        *common, "--node-rank", "1", *args, cwd=tmp_path, log=tmp_path / "n1.log", env=slow
+    )
     log0 = tmp_path / "n0.jsonl"
     node0 = start(
         *common, "--node-rank", "0", "--events", str(log0), *args, cwd=tmp_path,

@@ -41,7 +41,9 @@ def main() -> None:
     data = [(torch.randn(8, generator=g), torch.randint(0, 4, (), generator=g)) for _ in range(256)]
 
     def layer(i: int) -> nn.Module:
-        return nn.Linear(8, 4) if i == args.layers - 1 else nn.Sequential(nn.Linear(8, 8), nn.Tanh())
+        return (
+            nn.Linear(8, 4) if i == args.layers - 1 else nn.Sequential(nn.Linear(8, 8), nn.Tanh())
+        )
 
     def lr_at(step: int) -> float:  # called once per step, before it: the test hooks
         if (RANK, step) == STALL:

@@ -132,8 +132,13 @@ def test_in_place_recovery_keeps_training_identical(tmp_path, reference, policy)
     assert recovered["policy"] == policy and recovered["steps_lost"] == 0
     chosen = next(e for e in evs if e["event"] == "plan_chosen")
     assert chosen["failed"] == [3]
-    # --config: the test bed's 2 GiB devices and 15-minute MTBF are what the planner used
-    assert chosen["memory_limit_bytes"] == 2 * 2**30 and chosen["mtbf_s"] == 900
+    # --config: the test bed's 2 GiB devices and device MTBF of 2 h are what the planner
+    # used; D is the posterior after this one failure (planner.failures): Gamma(1 + 1,
+    # 2 h + the device-seconds run so far) per device, over the 3 survivors.
+    assert chosen["memory_limit_bytes"] == 2 * 2**30
+    assert "posterior: 1 failure(s)" in chosen["mtbf_source"]
+    # (the failure brought D below the prior's 7200 / 3 s)
+    assert 7200 / 2 / 3 < chosen["mtbf_s"] < 7200 / 3
 
 
 def test_forced_restart_resumes_from_the_checkpoint(tmp_path, reference):

@@ -1,0 +1,83 @@
+"""What a recovery in place pays in communicators: the groups it must build.
+
+The runtime keeps every communicator that still works and builds only the ones it lacks;
+this module says which those are, so that the transition the planner charges a policy is
+the one the runtime will pay.
+
+- ``exchange`` (chameleon_runtime on gloo): everything between workers is point to point
+  over one group of the generation's members. A gloo group whose member died still
+  carries point-to-point traffic between the others (measured on torch 2.13: pending
+  operations with the dead member fail with "connection closed", sends and receives
+  between survivors go on; collectives over the group fail). So a new plan whose members
+  all belong to the group in use keeps it, whatever the policy: a reroute or a
+  re-partition over survivors builds nothing, and only a plan that takes in a worker
+  outside the group (a replacement, a spare) builds a new one over all its members.
+- ``ring`` (NCCL, HCCL): collectives need a communicator per set of workers that sum a
+  bucket together (the data-parallel groups), and each whole pipeline has one for its
+  neighbours. A communicator with a failed member is aborted, so every group of the new
+  plan that the old plan had without a failed member is kept, and the others are built.
+  A reroute rebuilds the failed stage's data-parallel group; a re-partition rebuilds
+  every group whose members changed, which is every data-parallel group even when it
+  keeps the intact pipelines (each loses the dropped pipeline's worker). Traffic that a
+  reroute sends across pipelines goes over the point-to-point communicators the backends
+  make on first use between two ranks, not counted here.
+
+Building a group of n costs ``pg_init_base_s + pg_init_per_worker_s * n`` (every member
+publishes its address and connects). A worker builds its groups one after another and
+workers build theirs side by side, so the cost is the busiest worker's sum, plus the
+store's share: one store serves every member's registration in turn, so rebuilding many
+groups at once costs a round trip per member of each.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable
+
+from planner.plan import Plan
+from planner.program import buckets_of
+from planner.workload import Job
+
+Group = frozenset[int]
+
+
+def plan_groups(job: Job, plan: Plan) -> set[Group]:
+    """The communicators the runtime uses for ``plan`` (module doc)."""
+    if job.cluster.allreduce == "exchange":
+        return {frozenset(plan.workers)}
+    groups = {frozenset(p) for p in plan.pipelines if len(p) > 1}
+    groups |= {frozenset(b.holders) for b in buckets_of(plan, job.model.layer_params)}
+    return groups
+
+
+def groups_to_build(
+    job: Job, current: Plan, new: Plan, failed: Collection[int], *, members: Iterable[int] = ()
+) -> list[Group]:
+    """Groups of ``new`` that the current generation does not already have intact.
+    ``members``: every worker the new generation involves beyond the plan's (transfer
+    sources that hold no stage any more)."""
+    lost = set(failed)
+    if job.cluster.allreduce == "exchange":
+        everyone = frozenset(new.workers) | frozenset(members)
+        return [] if everyone <= frozenset(current.workers) else [everyone]
+    kept = {g for g in plan_groups(job, current) if not g & lost}
+    return [g for g in plan_groups(job, new) if g not in kept]
+
+
+def build_s(job: Job, groups: Iterable[Group]) -> float:
+    """Time to build ``groups``: the busiest worker's groups one after another, plus a
+    store round trip per member of each (module doc)."""
+    cluster = job.cluster
+    busy: dict[int, float] = {}
+    registrations = 0
+    for group in groups:
+        cost = cluster.pg_init_base_s + cluster.pg_init_per_worker_s * len(group)
+        registrations += len(group)
+        for w in group:
+            busy[w] = busy.get(w, 0.0) + cost
+    return max(busy.values(), default=0.0) + registrations * cluster.store_round_trip_s
+
+
+def groups_s(
+    job: Job, current: Plan, new: Plan, failed: Collection[int], *, members: Iterable[int] = ()
+) -> float:
+    return build_s(job, groups_to_build(job, current, new, failed, members=members))
