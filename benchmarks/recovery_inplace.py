@@ -142,6 +142,16 @@ def report(r: Run) -> dict:
                 f", predicted {predicted:.3f} ({abs(predicted - measured) / measured:.1%} apart)"
             )
     print(line)
+    done = next((e for e in r.events if e["event"] == "recovered"), None)
+    if chosen and done and "transition_parts_s" in chosen:
+        parts = chosen["transition_parts_s"]
+        print(
+            f"  {'':14} transition parts, predicted / measured: groups "
+            f"{parts['groups'] * 1e3:.0f} / {done.get('groups_s', 0) * 1e3:.0f} ms "
+            f"(carried over: {done.get('groups_carried')}), migration "
+            f"{parts['migration'] * 1e3:.0f} / {done.get('migration_s', 0) * 1e3:.0f} ms, "
+            f"search {parts['search'] * 1e3:.1f} ms; recovery phases {done.get('phases_s')}"
+        )
     return {
         "recovery_s": recovery_s,
         "redone": redone,

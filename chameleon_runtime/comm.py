@@ -30,6 +30,7 @@ import ctypes
 import queue
 import threading
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -114,6 +115,16 @@ def _make_group(store: dist.Store, rank: int, size: int, timeout: timedelta, dev
     return torch.distributed.ProcessGroupHCCL(store, rank, size, timeout)  # type: ignore[attr-defined]
 
 
+@dataclass(frozen=True)
+class Kept:
+    """A group that a later generation may carry over: built for generation ``built``
+    over ``members`` (global ranks, in group-rank order)."""
+
+    built: int
+    members: list[int]
+    group: Any
+
+
 class Generation:
     """The group of one plan generation, over ``members`` (global ranks): the plan's
     workers plus survivors that only send layers away."""
@@ -131,9 +142,10 @@ class Generation:
         device: str = "cpu",
         build_timeout_s: float = BUILD_TIMEOUT_S,
         op_timeout_s: float = OP_TIMEOUT_S,
+        adopt: Kept | None = None,
     ) -> None:
         self.generation = generation
-        self.members = list(members)
+        self.members = list(adopt.members if adopt is not None else members)
         self._index = {rank: i for i, rank in enumerate(self.members)}
         self.interrupts = interrupts
         self.status = status
@@ -142,6 +154,11 @@ class Generation:
         self._held: list[Any] = []  # the group, owned here and dropped by the helper
         self._abandoned = False
         self._helper = _Helper(f"comm-gen{generation}")
+        if adopt is not None:  # carried over: module doc of chameleon_runtime.recovery
+            self._held.append(adopt.group)
+            self.group = adopt.group
+            self.kept = adopt
+            return
         group_store = dist.PrefixStore(prefix, store)
         timeout = timedelta(seconds=build_timeout_s)
 
@@ -156,6 +173,7 @@ class Generation:
             self.abandon()  # the helper drops the group if the build still completes
             raise
         self.group = self._held[0]
+        self.kept = Kept(generation, self.members, self.group)
 
     # -- blocking calls, abortable ---------------------------------------------------------
 

@@ -14,6 +14,18 @@ A plan is applied in four steps, each of which a new failure may interrupt:
    is confirmed, and holders never disagree;
 4. ``Applied`` to the leader, and training goes on from the step the plan names.
 
+Groups are carried over, not rebuilt, when they can be (planner.transition charges the
+same): a gloo group whose member died still carries point-to-point traffic between the
+others, and everything the runtime sends is point to point. So a new generation whose
+members all belong to the group of the last generation this worker applied keeps that
+group (a reroute always, a re-partition over survivors too); one that takes in a worker
+from outside builds a new group. Every member publishes which group it could carry
+over before the ``groups`` agreement and reads the others' after it, so all of them
+decide alike. A migration interrupted half way may leave messages posted on the group
+that a later migration's would match, so a worker whose migration on a group was
+interrupted never offers that group again (a step's messages are drained instead:
+chameleon_runtime.step).
+
 Whatever interrupts it, the worker reports ``Ready`` again, with the generation it left,
 the last one it applied and what it really holds, and waits for the next plan.
 """
@@ -23,11 +35,12 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 from typing import TYPE_CHECKING
 
 import torch
 
-from chameleon_runtime.comm import Aborted, CommError, Generation
+from chameleon_runtime.comm import Aborted, CommError, Generation, Kept
 from chameleon_runtime.shard import Shard
 from chameleon_runtime.step import MyPart
 from planner.protocol import Applied, Joined, Ready
@@ -61,6 +74,8 @@ class RecoveryMixin:
     plan: Plan
     part: MyPart | None
     gen: Generation | None
+    kept: Kept | None  # the group of the last generation applied, for the next to carry over
+    groups_s: float  # what building (or carrying over) the last group took
     step: int
     recoveries: int
 
@@ -70,9 +85,19 @@ class RecoveryMixin:
         """Agree that every member is here, then build the generation's group."""
         self.generation, self.plan = generation, plan
         self.control.status.update(phase="groups", generation=generation)
+        keys = self.control.keys
+        kept = self.kept if self.device == "cpu" else None  # gloo only (module doc)
+        offer = kept if kept is not None and set(members) <= set(kept.members) else None
+        self.control.put(keys.kept(generation, self.rank), str(offer.built if offer else -1))
         if not self.control.agree(generation, "groups", len(members)).held:
             raise Aborted(f"generation {generation} aborted before its groups were built")
+        if offer is not None:
+            offers = self.control.store.multi_get([keys.kept(generation, r) for r in members])
+            if any(int(o) != offer.built for o in offers):
+                offer = None
+        t0 = time.perf_counter()
         self.gen = Generation(
+            adopt=offer,
             store=self.control.store,
             prefix=self.control.keys.groups(generation),
             generation=generation,
@@ -82,6 +107,7 @@ class RecoveryMixin:
             status=self.control.status,
             device=self.device,
         )
+        self.groups_s = time.perf_counter() - t0
         self.part = (
             MyPart.of(plan, self.rank, self.layer_params) if self.rank in plan.stage_of else None
         )
@@ -141,7 +167,13 @@ class RecoveryMixin:
             )
         self._enter(message.generation, plan, members)
         self.control.status.update(phase="migrate")
-        received = self._migrate(message)
+        t0 = time.perf_counter()
+        try:
+            received = self._migrate(message)
+        except BaseException:
+            if self.kept is not None and self.gen.kept is self.kept:
+                self.kept = None  # messages may be left posted on it (module doc)
+            raise
         if not self.control.agree(message.generation, "migrated", len(members)).held:
             raise Aborted(f"generation {message.generation} aborted during its migration")
         # Every transfer is confirmed: only now replace and free state.
@@ -153,10 +185,21 @@ class RecoveryMixin:
             self.shard.keep_only(stage.first_layer, stage.end_layer)
         else:
             self.shard.keep_only(0, 0)
+        migrate_s = time.perf_counter() - t0
         self.applied = message.generation
+        carried = self.gen.kept is self.kept
+        self.kept = self.gen.kept
         self.step = message.resume_step
         self.control.status.update(phase="train", step=self.step)
-        self.control.tell_leader(Applied(rank=self.rank, generation=message.generation))
+        self.control.tell_leader(
+            Applied(
+                rank=self.rank,
+                generation=message.generation,
+                groups_s=self.groups_s,
+                migrate_s=migrate_s,
+                carried=carried,
+            )
+        )
 
     def _migrate(self, message: PlanMessage) -> list[tuple[dict, list[torch.Tensor]]]:
         """Send and receive layer state, round by round (a worker takes part in one
@@ -173,12 +216,22 @@ class RecoveryMixin:
                         header, tensors = self.shard.export_layer(layer)
                         blob = bytearray(json.dumps(header).encode())
                         gen.send(torch.tensor([len(blob)]), t.dst, _migration_tag(n, k, 0))
-                        gen.send(torch.frombuffer(blob, dtype=torch.uint8), t.dst, _migration_tag(n, k, 1))
+                        gen.send(
+                            torch.frombuffer(blob, dtype=torch.uint8),
+                            t.dst,
+                            _migration_tag(n, k, 1),
+                        )
                         for j, tensor in enumerate(tensors):
                             gen.send(tensor, t.dst, _migration_tag(n, k, 2 + j))
                     else:
-                        size = gen.recv(torch.zeros(1, dtype=torch.int64), t.src, _migration_tag(n, k, 0))
-                        blob = gen.recv(torch.empty(int(size), dtype=torch.uint8), t.src, _migration_tag(n, k, 1))
+                        size = gen.recv(
+                            torch.zeros(1, dtype=torch.int64), t.src, _migration_tag(n, k, 0)
+                        )
+                        blob = gen.recv(
+                            torch.empty(int(size), dtype=torch.uint8),
+                            t.src,
+                            _migration_tag(n, k, 1),
+                        )
                         header = json.loads(blob.numpy().tobytes())
                         tensors = Shard.empty_tensors(header)
                         for j, tensor in enumerate(tensors):

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from chameleon_runtime import checkpoint
-from chameleon_runtime.comm import Aborted, CommError, Generation, settle
+from chameleon_runtime.comm import Aborted, CommError, Generation, Kept, settle
 from chameleon_runtime.control import Control
 from chameleon_runtime.data import Batches
 from chameleon_runtime.pace import Pace
@@ -122,6 +122,7 @@ class Trainer(RecoveryMixin):
         self.applied = 0
         self.recoveries = 0
         self.gen: Generation | None = None
+        self.kept: Kept | None = None
         self.part: MyPart | None = None
 
     # -- setup -------------------------------------------------------------------------
@@ -134,7 +135,11 @@ class Trainer(RecoveryMixin):
             from torch.distributed import TCPStore
 
             self._own_store = TCPStore(
-                "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
+                "127.0.0.1",
+                0,
+                is_master=True,
+                wait_for_workers=False,
+                timeout=timedelta(seconds=60),
             )
             addr, port = "127.0.0.1", self._own_store.port
         else:
@@ -190,6 +195,7 @@ class Trainer(RecoveryMixin):
             self.control.put(keys.latest, "0")
         self._publish_costs(plan, stage.first_layer, stage.end_layer)
         self._enter(0, plan, plan.workers)
+        self.kept = self.gen.kept if self.gen is not None else None
         self.control.status.update(phase="train")
 
     def _publish_costs(self, plan: Plan, first: int, end: int) -> None:
@@ -326,16 +332,16 @@ class Trainer(RecoveryMixin):
     def _checkpoint_if_due(self, step: int) -> bool:
         """Each layer by its first holder; ``latest`` moves once all are written (an
         all-or-none agreement). A failure in between leaves the previous checkpoint."""
-        if not (self.checkpoint_dir and self.checkpoint_every and self.step % self.checkpoint_every == 0):
+        if not (
+            self.checkpoint_dir and self.checkpoint_every and self.step % self.checkpoint_every == 0
+        ):
             return False
         status = self.control.status
         status.update(phase="checkpoint")
         with status.waiting("checkpoint"):
             mine = [i for i in self.shard.held() if min(self.plan.holders(i)) == self.rank]
             checkpoint.save_layers(self.checkpoint_dir, step, self.shard, mine)
-        agreed = self.control.agree(
-            self.generation, checkpoint_name(step), len(self.part.members)
-        )
+        agreed = self.control.agree(self.generation, checkpoint_name(step), len(self.part.members))
         if agreed.held and self.rank == min(self.plan.workers):
             checkpoint.publish(self.checkpoint_dir, step, self.num_layers)
         status.update(phase="train")
@@ -358,4 +364,3 @@ def _memory_per_worker() -> int:
 
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     return int(psutil.virtual_memory().total / max(1, local))
-

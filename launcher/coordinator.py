@@ -102,6 +102,7 @@ class Coordinator:
         self._blamed: set[int] = set()  # ranks sent to be killed for a stall
         self._top_step = -1
         self._first_step_pending = False
+        self._applied: dict[int, Applied] = {}  # the latest per rank: what applying cost
 
     # -- the agent's interface -----------------------------------------------------------
 
@@ -156,6 +157,7 @@ class Coordinator:
                 )
                 self._apply(rc.ReadyReported(message.rank, report))
             elif isinstance(message, Applied):
+                self._applied[message.rank] = message
                 self._apply(rc.AppliedReported(message.rank, message.generation))
             elif isinstance(message, Joined):
                 self.rejoins.up(message.rank, message.count, message.generation)
@@ -273,6 +275,7 @@ class Coordinator:
             "duration_s": action.duration_s,
             "phases_s": dict(action.phases_s),
             "last_answer": action.last_answer,
+            **self._measured_parts(action.generation),
         }
         if action.joined:
             self.emit("rejoined", ranks=list(action.joined), taken_in=True, **fields)
@@ -282,6 +285,18 @@ class Coordinator:
         self._gen_start = action.resume_step
         self._last_step_event = (action.resume_step - 1, 0.0)
         self._first_step_pending = True
+
+    def _measured_parts(self, generation: int) -> dict:
+        """The workers' measured share of the transition (slowest worker per part), to
+        set beside the planner's prediction in ``plan_chosen``."""
+        applied = [a for a in self._applied.values() if a.generation == generation]
+        if not applied:
+            return {}
+        return {
+            "groups_s": max(a.groups_s for a in applied),
+            "migration_s": max(a.migrate_s for a in applied),
+            "groups_carried": all(a.carried for a in applied),
+        }
 
     def _forget(self, below: int) -> None:
         """Delete every key of generations before ``below``; no worker reads them again."""

@@ -167,6 +167,11 @@ class Planner:
             before_step_s=decision.baseline.step_s,
             calibration=self.model.factor,
             transition_s=chosen.transition.total_s,
+            transition_parts_s={
+                "search": chosen.transition.search_s,
+                "migration": chosen.transition.migration_s,
+                "groups": chosen.transition.groups_s,
+            },
             moved_bytes=chosen.migration.num_bytes,
             transfers=len(message.transfers),
             joined=list(start.joining),

@@ -98,6 +98,11 @@ class Applied(_Message):
     kind: Literal["applied"] = "applied"
     rank: int
     generation: int
+    # What applying it cost this worker, measured: the group (0 when carried over), and
+    # the migration with its agreement. The launcher reports them beside the prediction.
+    groups_s: float = 0.0
+    migrate_s: float = 0.0
+    carried: bool = False  # the group of an earlier generation was kept
 
 
 class Joined(_Message):
@@ -225,6 +230,10 @@ class Keys:
 
     def groups(self, g: int) -> str:
         return f"{self.generation(g)}groups"
+
+    def kept(self, g: int, rank: int) -> str:
+        """The group a member of generation ``g`` could carry over (its build generation)."""
+        return f"{self.generation(g)}kept/{rank}"
 
     def agreement(self, g: int, name: str) -> str:
         return f"{self.generation(g)}agree/{name}"

@@ -130,8 +130,11 @@ def test_in_place_recovery_keeps_training_identical(tmp_path, reference, policy)
     assert_same_training(reference, checks, losses)
     (recovered,) = recoveries(evs)
     assert recovered["policy"] == policy and recovered["steps_lost"] == 0
+    # Survivors only: every worker kept the group it had (a gloo group whose member died
+    # still carries point to point), as the planner charged (no group to build).
+    assert recovered["groups_carried"] is True and recovered["groups_s"] < 0.05
     chosen = next(e for e in evs if e["event"] == "plan_chosen")
-    assert chosen["failed"] == [3]
+    assert chosen["failed"] == [3] and chosen["transition_parts_s"]["groups"] == 0.0
     # --config: the test bed's 2 GiB devices and device MTBF of 2 h are what the planner
     # used; D is the posterior after this one failure (planner.failures): Gamma(1 + 1,
     # 2 h + the device-seconds run so far) per device, over the 3 survivors.
