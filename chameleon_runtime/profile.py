@@ -16,6 +16,7 @@ measures instead of training (``profile_job``) and writes a cost table.
 from __future__ import annotations
 
 import copy
+import json
 import os
 import statistics
 import time
@@ -151,6 +152,64 @@ def link_cost(
     return latency, bandwidth
 
 
+# Real steps run after the layers are measured; the first few pay for warm-up.
+PROFILE_STEPS = 16
+PROFILE_WARMUP_STEPS = 6
+
+
+def measure_steps(trainer: Any, steps: int) -> dict[str, float]:
+    """Run ``steps`` real training steps of the script's own layout (generation 0) and
+    return this worker's medians over all but the first few: wall time per step, the
+    process's CPU per step, and the CPU its layers' passes took. What a step costs beyond
+    the layers (Python, messages, the store) shows only in such steps, and the planner
+    fits it from them (planner.fit)."""
+    from chameleon_runtime.step import run_step
+
+    plan = trainer.initial_plan()
+    stage = plan.stage_of[trainer.rank]
+    trainer.shard.keep_only(stage.first_layer, stage.end_layer)
+    trainer._enter(0, plan, plan.workers)
+    rows = []
+    forget: list[str] = []
+    mark = time.process_time()
+    try:
+        for step in range(steps):
+            result = run_step(
+                step=step, part=trainer.part, shard=trainer.shard, gen=trainer.gen,
+                control=trainer.control, batches=trainer.batches, loss_fn=trainer.loss_fn,
+                activation_shapes=trainer.activation_shapes, forget=forget,
+            )  # fmt: skip
+            now = time.process_time()
+            rows.append((result.seconds, now - mark, result.compute_cpu_s))
+            mark = now
+            forget = trainer.control.keys.step_keys(
+                0, step, trainer.part.last_stage_workers(), checkpointed=False
+            )
+    finally:
+        trainer._leave()
+    settled = rows[PROFILE_WARMUP_STEPS:] or rows
+    return {
+        "step_s": statistics.median(r[0] for r in settled),
+        "cpu_s": statistics.median(r[1] for r in settled),
+        "compute_cpu_s": statistics.median(r[2] for r in settled),
+    }
+
+
+def _steps_measured(control: Any, world: int, plan: Any) -> Any:
+    from planner.costtable import StepsMeasured
+    from planner.wire import PlanWire
+
+    rows = {
+        r: json.loads(control.wait(control.keys.profile(f"steps/{r}"))) for r in range(world)
+    }
+    return StepsMeasured(
+        plan=PlanWire.of(plan).model_dump(mode="json"),
+        step_s=statistics.median(x["step_s"] for x in rows.values()),
+        cpu_s={r: x["cpu_s"] for r, x in rows.items()},
+        compute_cpu_s={r: x["compute_cpu_s"] for r, x in rows.items()},
+    )
+
+
 def profile_job(trainer: Any, out: Path) -> None:
     """``chameleon profile``: every worker measures every layer at once (contention
     included), workers 0 and 1 the link between them, all of them the store; rank 0 writes
@@ -181,8 +240,10 @@ def profile_job(trainer: Any, out: Path) -> None:
     for _ in range(100):
         control.store.add(keys.profile("ping"), 0)
     store_rt = (time.perf_counter() - t0) / 100
-    control.agree(0, "profile/done", world)
     gen.abandon()
+    sample_steps = measure_steps(trainer, PROFILE_STEPS)
+    control.put(keys.profile(f"steps/{rank}"), json.dumps(sample_steps))
+    control.agree(0, "profile/done", world)
     if rank != 0:
         return
     layers = []
@@ -213,6 +274,7 @@ def profile_job(trainer: Any, out: Path) -> None:
         else None,
         store_round_trip_s=store_rt,
         pg_init_base_s=pg_init_s,
+        steps=_steps_measured(control, world, trainer.plan),
     )
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")

@@ -27,6 +27,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
+from planner.fit import fit_host, scaled, waiting
 from planner.protocol import WorkerStatus
 
 CALIBRATION_ROUNDS = 4
@@ -38,47 +39,10 @@ DEFAULT_RESTART_S = 10.0  # before a start-up was measured (a --config gives its
 LAYOUT_HINT_SPEEDUP = 1.1
 
 
-def waiting(job: Any, extra_s: float) -> Any:
-    """``job`` with ``extra_s`` added to every message's latency."""
-    if extra_s == 0.0:
-        return job
-    cluster = job.cluster
-    slower = {
-        name: replace(link, latency_s=link.latency_s + extra_s)
-        for name, link in (("intra_node", cluster.intra_node), ("inter_node", cluster.inter_node))
-    }
-    return replace(job, cluster=replace(cluster, **slower))
-
-
-def scaled(job: Any, k: float) -> Any:
-    """``job`` with every layer's compute times multiplied by ``k``."""
-    if k == 1.0:
-        return job
-    layers = tuple(
-        replace(
-            x, forward_s=x.forward_s * k, backward_s=x.backward_s * k, optimizer_s=x.optimizer_s * k
-        )
-        for x in job.model.layers
-    )
-    return replace(job, model=replace(job.model, layers=layers))
-
-
-def fit_wait(job: Any, plan: Any, measured: float, rounds: int = 30) -> float | None:
-    """The extra latency per message that makes ``plan``'s estimate ``measured`` (the
-    estimate grows with it), or None where none does: the estimate without any is
-    already there, or no amount of waiting reaches it."""
-    from planner.estimate import estimate
-
-    def predicted(extra: float) -> float:
-        return estimate(waiting(job, extra), plan).step_s
-
-    low, high = 0.0, measured
-    if predicted(low) >= measured or predicted(high) < measured:
-        return None
-    for _ in range(rounds):
-        mid = (low + high) / 2
-        low, high = (mid, high) if predicted(mid) < measured else (low, mid)
-    return (low + high) / 2
+def statistics_of(statuses: Mapping[int, WorkerStatus], worker: int) -> WorkerStatus | None:
+    """A worker's status if it has measured its CPU per step (and its passes')."""
+    s = statuses.get(worker)
+    return s if s is not None and s.cpu_s and s.compute_cpu_s else None
 
 
 @dataclass
@@ -176,36 +140,27 @@ class JobModel:
         generation: int,
         measured: float,
     ) -> None:
-        from planner.cost import CostModel
-        from planner.estimate import estimate, worker_compute_s
+        from planner.estimate import estimate
 
         beats = {
             w: s
             for w in current.workers
-            if (s := statuses.get(w)) and s.cpu_s and s.compute_cpu_s and s.generation == generation
+            if (s := statistics_of(statuses, w)) and s.generation == generation
         }
-        compute = worker_compute_s(current, CostModel(job))
-        modelled = sum(compute.get(w, 0.0) for w in beats)
-        if job.cluster.host_cores and beats and modelled > 0:
-            cpu = [s.mean_cpu_s or s.cpu_s for s in beats.values()]
-            compute_cpu = [s.mean_compute_cpu_s or s.compute_cpu_s for s in beats.values()]
-            self.factor = sum(compute_cpu) / modelled
-            overhead = max(
-                0.0, statistics.mean(c - k for c, k in zip(cpu, compute_cpu, strict=True))
-            )
-            cores = job.cluster.host_cores
-            fitted = replace(
-                scaled(job, self.factor), cluster=replace(job.cluster, worker_overhead_s=overhead)
-            )
-            wait = fit_wait(fitted, current, measured)
-            if wait is None:
-                # Keep what an earlier plan with more messages showed of waiting: a data
-                # parallel step that the host bounds says nothing about it.
-                hosts = -(-self.num_nodes // max(1, self.nodes_per_host))
-                busy = sum(cpu) * len(current.workers) / len(beats) / measured / hosts
-                cores, wait = busy, self.wait_s
+        fit = fit_host(
+            job,
+            current,
+            measured,
+            {w: s.mean_cpu_s or s.cpu_s for w, s in beats.items()},
+            {w: s.mean_compute_cpu_s or s.compute_cpu_s for w, s in beats.items()},
+        )
+        if fit is not None:
+            self.factor = fit.factor
+            # Keep what an earlier plan with more messages showed of waiting: a data
+            # parallel step that the host bounds says nothing about it.
+            wait = fit.wait_s if fit.wait_s is not None else self.wait_s
             self.wait_s = wait
-            self.host = (cores, overhead, wait)
+            self.host = (fit.cores, fit.overhead_s, wait)
         else:
             alone = replace(job, cluster=replace(job.cluster, host_cores=None))
             k = 1.0

@@ -200,7 +200,12 @@ class Coordinator:
         )
         self._gen_start = first.resume_step
         self.model.expose(time.monotonic(), len(plan.workers))
-        self.emit("resumed", attempt=self.attempt, resume_step=first.resume_step)
+        self.emit(
+            "resumed",
+            attempt=self.attempt,
+            resume_step=first.resume_step,
+            plan=first.plan.model_dump(mode="json"),
+        )
         return True
 
     def _apply(self, event: rc.Event) -> None:

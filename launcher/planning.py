@@ -175,6 +175,7 @@ class Planner:
             moved_bytes=chosen.migration.num_bytes,
             transfers=len(message.transfers),
             joined=list(start.joining),
+            plan=message.plan.model_dump(mode="json"),
             **basis,
         )
         members = frozenset(chosen.plan.workers) | {t.src for t in message.transfers}

@@ -277,7 +277,25 @@ def to_job(config: JobConfig, table: CostTable | None = None) -> Job:
                 spec, t, flops, per_param_optimizer_s, recompute=t.activation_recompute
             )
         )
-    return Job(cluster=cluster, model=Model(name=m.name, layers=layers), training=training)
+    job = Job(cluster=cluster, model=Model(name=m.name, layers=layers), training=training)
+    if table is not None and table.steps is not None and c.host_cores:
+        job = _fitted(job, table)
+    return job
+
+
+def _fitted(job: Job, table: CostTable) -> Job:
+    """The job fitted to the real steps the profile ran (planner.fit): what a step costs
+    beyond its layers on a host whose workers share the cores."""
+    from planner.fit import fit_host
+    from planner.wire import PlanWire
+
+    steps = table.steps
+    assert steps is not None
+    plan = PlanWire.model_validate(steps.plan).to_plan()
+    if not set(plan.workers) <= set(range(job.num_workers)):
+        return job  # profiled on more workers than this config has: layer costs only
+    fit = fit_host(job, plan, steps.step_s, steps.cpu_s, steps.compute_cpu_s)
+    return fit.apply(job) if fit is not None else job
 
 
 def _expand(

@@ -41,6 +41,16 @@ class LinkCost(_Strict):
         return Link(self.bandwidth_gb_per_s * 1e9, self.latency_us * 1e-6)
 
 
+class StepsMeasured(_Strict):
+    """Real steps of one layout, run by ``chameleon profile`` after the layers: what a
+    step costs beyond them (planner.fit fits it when a config loads the table)."""
+
+    plan: dict  # planner.wire.PlanWire of the layout the steps ran
+    step_s: NonNegative  # median over workers of each one's median step
+    cpu_s: dict[int, NonNegative]  # per worker: the process's CPU per step
+    compute_cpu_s: dict[int, NonNegative]  # per worker: its passes' and optimizer's CPU
+
+
 class CostTable(_Strict):
     format: Literal["chameleon-cost-table/1"] = FORMAT
     device: str
@@ -55,6 +65,7 @@ class CostTable(_Strict):
     store_round_trip_s: NonNegative | None = None
     pg_init_base_s: NonNegative | None = None
     pg_init_per_worker_s: NonNegative | None = None
+    steps: StepsMeasured | None = None
 
     def to_layers(self, *, micro_batch_size: int, tp: int) -> tuple[Layer, ...]:
         if micro_batch_size != self.micro_batch_size or tp != self.tp:

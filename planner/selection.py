@@ -21,7 +21,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import astuple as dataclass_astuple
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from planner.estimate import Estimate
 from planner.plan import Plan
@@ -117,10 +117,10 @@ def decide(
     search = search if search is not None else Search(job)
     baseline = search.estimate(current)
 
-    t0 = clock()
+    # Rerouting's plan takes a few milliseconds and is made whatever is chosen (every
+    # policy waits for the decision), so it charges none; a re-partition charges its
+    # search, which only it needs.
     reroute = reroute_candidate(search, current, failed)
-    if reroute.feasible:
-        reroute = replace(reroute, transition=replace(reroute.transition, search_s=clock() - t0))
 
     t0 = clock()
     proposals = search.propose(current, survivors) if survivors else []

@@ -11,13 +11,14 @@ from pathlib import Path
 import pytest
 from torch.distributed import TCPStore
 
-from launcher.calibration import JobModel, fit_wait, waiting
+from launcher.calibration import JobModel
 from launcher.coordinator import Coordinator
 from launcher.rejoin import Rejoins, worth_growing
 from launcher.supervisor import Failure, FailureKind
 from launcher.watch import Timeouts as WatchTimeouts
 from planner.config import load_job
 from planner.failures import FailureRate
+from planner.fit import fit_wait, waiting
 from planner.plan import pipelines_plan
 from planner.protocol import (
     MAILBOX,

@@ -7,6 +7,8 @@ from pathlib import Path
 import pytest
 
 from planner.config import load_cost_table, load_job
+from planner.estimate import estimate
+from planner.wire import PlanWire
 from tests.launcher.helpers import run, write
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -47,8 +49,21 @@ def test_profile_writes_a_cost_table_the_planner_reads(tmp_path):
         .replace("pp = 4", "pp = 2")
         .replace("dp = 2", "dp = 4"),
     )
+    # Real steps of the script's layout were run after the layers (planner.fit fits what
+    # a step costs beyond them): each worker's CPU per step covers its passes.
+    steps = table.steps
+    assert steps is not None and steps.step_s > 0 and sorted(steps.cpu_s) == [0, 1]
+    assert all(steps.cpu_s[w] >= steps.compute_cpu_s[w] > 0 for w in (0, 1))
     job = load_job(config)
-    assert [layer.forward_s for layer in job.model.layers] == [c.forward_s for c in table.layers]
+    # Fitted: one factor on every layer's time, and the profiled layout's estimate is the
+    # step it measured (the layout's critical path or the shared host's bound).
+    ratios = [
+        x.forward_s / c.forward_s for x, c in zip(job.model.layers, table.layers, strict=True)
+    ]
+    assert max(ratios) == pytest.approx(min(ratios))
+    assert job.cluster.worker_overhead_s >= 0
+    profiled = PlanWire.model_validate(steps.plan).to_plan()
+    assert estimate(job, profiled).step_s == pytest.approx(steps.step_s, rel=0.25)
     planned = run("plan", "-c", str(config), "--fail", "3", "--dry-run", "--json", cwd=tmp_path)
     assert planned.returncode == 0, planned.stderr
     assert json.loads(planned.stdout)["chosen"]["policy"] in ("reroute", "reparallelize")
