@@ -30,7 +30,7 @@ import ctypes
 import queue
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -115,14 +115,32 @@ def _make_group(store: dist.Store, rank: int, size: int, timeout: timedelta, dev
     return torch.distributed.ProcessGroupHCCL(store, rank, size, timeout)  # type: ignore[attr-defined]
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)
 class Kept:
     """A group that a later generation may carry over: built for generation ``built``
-    over ``members`` (global ranks, in group-rank order)."""
+    over ``members`` (global ranks, in group-rank order).
+
+    ``unsettled`` counts abandoned generations on it whose posted messages have not all
+    completed. A message left unmatched on a group (a peer drained a step it never
+    started; a migration interrupted half way) would match the next generation's message
+    of the same peer and tag, so only a settled group may be carried over: then every
+    message this worker posted on it was matched, and when every member says so, nothing
+    is left posted in the group."""
 
     built: int
     members: list[int]
     group: Any
+    unsettled: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def settled(self) -> bool:
+        with self.lock:
+            return self.unsettled == 0
+
+    def _count(self, delta: int) -> None:
+        with self.lock:
+            self.unsettled += delta
 
 
 class Generation:
@@ -254,6 +272,9 @@ class Generation:
         pending, self._pending = self._pending, []
         held, timeout = self._held, self._op_timeout
         self.group = None
+        kept = getattr(self, "kept", None)
+        if kept is not None:
+            kept._count(+1)
 
         def release() -> None:
             for work, _tensor, _peer in pending:
@@ -262,7 +283,9 @@ class Generation:
                 with contextlib.suppress(Exception):
                     work.wait(timeout)
             pending.clear()
-            held.clear()  # the last reference: the group is destroyed here
+            if kept is not None:
+                kept._count(-1)
+            held.clear()  # the last reference: the group is destroyed here (unless kept)
 
         self._helper.submit(release, "release")
         self._helper.stop()

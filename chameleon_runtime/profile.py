@@ -195,6 +195,24 @@ def measure_steps(trainer: Any, steps: int) -> dict[str, float]:
     }
 
 
+def measure_alone(trainer: Any, reps: int = 3) -> float:
+    """CPU time of one whole step's passes and optimizer in this one process (it holds
+    every layer while profiling): the median of ``reps`` after a warm-up."""
+    shard, batches, n = trainer.shard, trainer.batches, trainer.num_layers
+    m = batches.num_micro_batches
+    times = []
+    for _ in range(reps + 1):
+        c0 = time.thread_time()
+        for mb in range(m):
+            y = shard.forward(batches.inputs(0, mb), 0, n, step=0, micro_batch=mb)
+            (trainer.loss_fn(y, batches.targets(0, mb)) / m).backward()
+            shard.accumulate(0, n)
+        shard.round_grads(0, n)
+        shard.zero_grad()  # the optimizer's cost is measured per layer; no update here
+        times.append(time.thread_time() - c0)
+    return statistics.median(times[1:])
+
+
 def _steps_measured(control: Any, world: int, plan: Any) -> Any:
     from planner.costtable import StepsMeasured
     from planner.wire import PlanWire
@@ -207,6 +225,7 @@ def _steps_measured(control: Any, world: int, plan: Any) -> Any:
         step_s=statistics.median(x["step_s"] for x in rows.values()),
         cpu_s={r: x["cpu_s"] for r, x in rows.items()},
         compute_cpu_s={r: x["compute_cpu_s"] for r, x in rows.items()},
+        alone_passes_cpu_s=float(control.wait(control.keys.profile("alone"))),
     )
 
 
@@ -241,6 +260,12 @@ def profile_job(trainer: Any, out: Path) -> None:
         control.store.add(keys.profile("ping"), 0)
     store_rt = (time.perf_counter() - t0) / 100
     gen.abandon()
+    # One worker computes a whole step alone while the others wait (blocked in the store,
+    # not spinning): against the same work spread over every worker at once, it shows how
+    # much a pass's CPU grows with the processes sharing the cores (planner.fit).
+    if rank == 0:
+        control.put(keys.profile("alone"), repr(measure_alone(trainer)))
+    control.agree(0, "profile/alone", world)
     sample_steps = measure_steps(trainer, PROFILE_STEPS)
     control.put(keys.profile(f"steps/{rank}"), json.dumps(sample_steps))
     control.agree(0, "profile/done", world)

@@ -21,10 +21,11 @@ members all belong to the group of the last generation this worker applied keeps
 group (a reroute always, a re-partition over survivors too); one that takes in a worker
 from outside builds a new group. Every member publishes which group it could carry
 over before the ``groups`` agreement and reads the others' after it, so all of them
-decide alike. A migration interrupted half way may leave messages posted on the group
-that a later migration's would match, so a worker whose migration on a group was
-interrupted never offers that group again (a step's messages are drained instead:
-chameleon_runtime.step).
+decide alike. A message left unmatched on the group would match a later generation's of
+the same peer and tag (a survivor drains a step that a peer aborted before starting it;
+a migration is interrupted half way), so a worker offers the group only once every
+message it posted there has completed (``Kept.settled``), and never after its migration
+on it was interrupted. When all members offer it, nothing is left posted in it.
 
 Whatever interrupts it, the worker reports ``Ready`` again, with the generation it left,
 the last one it applied and what it really holds, and waits for the next plan.
@@ -87,7 +88,8 @@ class RecoveryMixin:
         self.control.status.update(phase="groups", generation=generation)
         keys = self.control.keys
         kept = self.kept if self.device == "cpu" else None  # gloo only (module doc)
-        offer = kept if kept is not None and set(members) <= set(kept.members) else None
+        usable = kept is not None and kept.settled and set(members) <= set(kept.members)
+        offer = kept if usable else None
         self.control.put(keys.kept(generation, self.rank), str(offer.built if offer else -1))
         if not self.control.agree(generation, "groups", len(members)).held:
             raise Aborted(f"generation {generation} aborted before its groups were built")

@@ -56,7 +56,8 @@ class JobModel:
     cluster: Any = None  # planner.workload.Cluster from --config
     description: Any = None  # planner.wire.JobDescription, once the workers published it
     factor: float | None = None
-    host: tuple[float, float, float] | None = None  # cores, overhead per worker, message wait
+    # cores, overhead per worker, message wait, CPU per message (planner.fit)
+    host: tuple[float, float, float, float] | None = None
     wait_s: float = 0.0  # the last message wait a fit could determine
     measured_s: float | None = None
     fitted_generation: int = -1
@@ -106,10 +107,11 @@ class JobModel:
             self._fit(job, current, statuses, generation, measured)
         job = scaled(job, self.factor)
         if self.host is not None:
-            cores, overhead, wait = self.host
-            job = replace(
-                job, cluster=replace(job.cluster, host_cores=cores, worker_overhead_s=overhead)
+            cores, overhead, wait, per_message = self.host
+            cluster = replace(
+                job.cluster, host_cores=cores, worker_overhead_s=overhead, message_cpu_s=per_message
             )
+            job = replace(job, cluster=cluster)
             job = waiting(job, wait)
         return job
 
@@ -160,7 +162,7 @@ class JobModel:
             # parallel step that the host bounds says nothing about it.
             wait = fit.wait_s if fit.wait_s is not None else self.wait_s
             self.wait_s = wait
-            self.host = (fit.cores, fit.overhead_s, wait)
+            self.host = (fit.cores, fit.overhead_s, wait, fit.message_cpu_s)
         else:
             alone = replace(job, cluster=replace(job.cluster, host_cores=None))
             k = 1.0
@@ -179,6 +181,7 @@ class JobModel:
             host_cores=host[0] if host else None,
             worker_overhead_s=host[1] if host else None,
             message_wait_s=host[2] if host else None,
+            message_cpu_s=host[3] if host else None,
         )
 
     def search(self, job: Any) -> Any:

@@ -122,16 +122,16 @@ class Coordinator:
             return
         self.failures += new
         ranks = {f.rank for f in new}
-        # D learns from failures: one per node that lost workers (a node's workers
-        # usually go together), over the devices that ran until now.
-        nodes = {r // max(1, self.model.workers_per_node) for r in ranks}
-        running = len(self.state.live) if self.state is not None else 0
-        self.model.expose(time.monotonic(), running - len(ranks), failures=len(nodes))
         self.gone |= {f.rank for f in new if f.kind is FailureKind.NODE_LOST}
         self.rejoins.forget(ranks)
         if self.state is None and not self._start():
             self._fatal = f"ranks {sorted(ranks)} failed before training started"
             return
+        # D learns from failures: one per node that lost workers (a node's workers
+        # usually go together), over the devices that ran until now.
+        nodes = {r // max(1, self.model.workers_per_node) for r in ranks}
+        running = len(self.state.live) if self.state is not None else 0
+        self.model.expose(time.monotonic(), running - len(ranks), failures=len(nodes))
         if self.state is not None and self.state.phase is rc.Phase.RUNNING:
             self._note_progress(self._snapshot(time.monotonic()))  # the step a restart loses
         cause = root_cause(new)
@@ -199,7 +199,9 @@ class Coordinator:
             timeouts=self._timeouts,
         )
         self._gen_start = first.resume_step
-        self.model.expose(time.monotonic(), len(plan.workers))
+        # The devices have run since the workers were spawned (the coordinator itself may
+        # start only at the first failure).
+        self.model.expose(self.started_at or time.monotonic(), len(plan.workers))
         self.emit(
             "resumed",
             attempt=self.attempt,

@@ -294,7 +294,10 @@ def _fitted(job: Job, table: CostTable) -> Job:
     plan = PlanWire.model_validate(steps.plan).to_plan()
     if not set(plan.workers) <= set(range(job.num_workers)):
         return job  # profiled on more workers than this config has: layer costs only
-    fit = fit_host(job, plan, steps.step_s, steps.cpu_s, steps.compute_cpu_s)
+    fit = fit_host(
+        job, plan, steps.step_s, steps.cpu_s, steps.compute_cpu_s,
+        alone_passes_cpu_s=steps.alone_passes_cpu_s,
+    )  # fmt: skip
     return fit.apply(job) if fit is not None else job
 
 

@@ -49,6 +49,8 @@ class StepsMeasured(_Strict):
     step_s: NonNegative  # median over workers of each one's median step
     cpu_s: dict[int, NonNegative]  # per worker: the process's CPU per step
     compute_cpu_s: dict[int, NonNegative]  # per worker: its passes' and optimizer's CPU
+    # One process alone, every layer: one step's forward and backward passes, CPU time.
+    alone_passes_cpu_s: NonNegative | None = None
 
 
 class CostTable(_Strict):

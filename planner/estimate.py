@@ -8,9 +8,11 @@ infeasible, and the estimate says which worker and by how many bytes.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from planner.cost import CostModel
+from planner.load import at_load
 from planner.plan import Plan, Route
 from planner.program import buckets_of, max_in_flight, ops_for, position_in_home
 from planner.timing import finish_step, simulate_compute, simulate_pipeline
@@ -59,6 +61,9 @@ Memo = dict[tuple, tuple[list[float], list[int]]]
 def estimate(job: Job, plan: Plan, *, memo: Memo | None = None) -> Estimate:
     """Time and memory of ``plan``. ``memo`` may be shared by estimates of one job: it
     holds the timing of each distinct pipeline, which plans of one search share."""
+    job, load = at_load(job, plan)  # a shared host at this plan's load (planner.load)
+    if memo is not None and load is not None:
+        memo = memo.setdefault(("load", load), {})  # type: ignore[assignment]
     costs = CostModel(job)
     ranges = {s.worker: (s.first_layer, s.end_layer) for s in plan.stages}
     compute_end, in_flight = _compute_phase(job, plan, costs, ranges, {} if memo is None else memo)
@@ -84,10 +89,27 @@ def shared_host_bound_s(
     if not cluster.host_cores:
         return 0.0
     busy: dict[int, float] = {}
+    ops = message_ops(plan, job.model.layer_params) if cluster.message_cpu_s else {}
     for w, work in worker_compute_s(plan, costs, ranges).items():
         host = job.node_of(w) // max(1, cluster.nodes_per_host)
-        busy[host] = busy.get(host, 0.0) + work + cluster.worker_overhead_s
+        overhead = cluster.worker_overhead_s + cluster.message_cpu_s * ops.get(w, 0)
+        busy[host] = busy.get(host, 0.0) + work + overhead
     return max(busy.values(), default=0.0) / cluster.host_cores + costs.commit_s()
+
+
+def message_ops(plan: Plan, layer_params: Sequence[int]) -> dict[int, int]:
+    """Point-to-point sends and receives per worker in one step: activations and their
+    gradients along every route, and each bucket's exchange with its other holders."""
+    ops: dict[int, int] = {}
+    for route in plan.routes:
+        n, m = len(route.hops), len(route.micro_batches)
+        for k, w in enumerate(route.hops):
+            neighbours = (k > 0) + (k < n - 1)
+            ops[w] = ops.get(w, 0) + 2 * neighbours * m
+    for bucket in buckets_of(plan, layer_params):
+        for w in bucket.holders:
+            ops[w] = ops.get(w, 0) + 2 * (len(bucket.holders) - 1)
+    return ops
 
 
 def worker_compute_s(

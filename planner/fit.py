@@ -20,34 +20,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 from planner.cost import CostModel
-from planner.estimate import estimate, worker_compute_s
+from planner.estimate import estimate, message_ops, worker_compute_s
+from planner.load import busiest_host, scaled, waiting
 from planner.plan import Plan
 from planner.workload import Job
 
-
-def waiting(job: Job, extra_s: float) -> Job:
-    """``job`` with ``extra_s`` added to every message's latency."""
-    if extra_s == 0.0:
-        return job
-    cluster = job.cluster
-    slower = {
-        name: replace(link, latency_s=link.latency_s + extra_s)
-        for name, link in (("intra_node", cluster.intra_node), ("inter_node", cluster.inter_node))
-    }
-    return replace(job, cluster=replace(cluster, **slower))
-
-
-def scaled(job: Job, k: float) -> Job:
-    """``job`` with every layer's compute times multiplied by ``k``."""
-    if k == 1.0:
-        return job
-    layers = tuple(
-        replace(
-            x, forward_s=x.forward_s * k, backward_s=x.backward_s * k, optimizer_s=x.optimizer_s * k
-        )
-        for x in job.model.layers
-    )
-    return replace(job, model=replace(job.model, layers=layers))
+__all__ = ["HostFit", "fit_host", "fit_wait", "scaled", "waiting"]
 
 
 def fit_wait(job: Job, plan: Plan, measured: float, rounds: int = 30) -> float | None:
@@ -72,13 +50,26 @@ def fit_wait(job: Job, plan: Plan, measured: float, rounds: int = 30) -> float |
 class HostFit:
     factor: float  # on every layer's compute time
     cores: float  # the host's cores the workers keep busy
-    overhead_s: float  # per worker per step, CPU beyond its layers
+    overhead_s: float  # per worker per step, CPU beyond its layers and its messages
+    message_cpu_s: float  # per point-to-point send or receive
     wait_s: float | None  # extra latency per message; None: waiting does not explain it
+    workers: int = 0  # per host, when fitted
+    contention: float = 0.0  # planner.load
 
     def apply(self, job: Job, *, wait_s: float | None = None) -> Job:
+        """``job`` fitted; planner.load moves it to other loads when ``contention`` was
+        measured."""
         fitted = scaled(job, self.factor)
-        cluster = replace(fitted.cluster, host_cores=self.cores, worker_overhead_s=self.overhead_s)
         wait = self.wait_s if self.wait_s is not None else (wait_s or 0.0)
+        cluster = replace(
+            fitted.cluster,
+            host_cores=self.cores,
+            worker_overhead_s=self.overhead_s,
+            message_cpu_s=self.message_cpu_s,
+            fitted_workers=self.workers if self.contention or wait else 0,
+            contention=self.contention,
+            message_wait_s=wait,
+        )
         return waiting(replace(fitted, cluster=cluster), wait)
 
 
@@ -88,23 +79,63 @@ def fit_host(
     measured_step_s: float,
     cpu_s: Mapping[int, float],
     compute_cpu_s: Mapping[int, float],
+    *,
+    alone_passes_cpu_s: float | None = None,
 ) -> HostFit | None:
     """Fit ``job`` on a shared host to ``plan``'s measured step and its workers' CPU per
-    step (all of it, and their passes'): module doc. None without a host to fit."""
+    step (all of it, and their passes'): module doc. None without a host to fit. With
+    ``alone_passes_cpu_s`` (one step's passes by one process alone), also how a pass's
+    CPU grows with the processes sharing the cores (planner.load)."""
     workers = [w for w in plan.workers if w in cpu_s and w in compute_cpu_s]
     compute = worker_compute_s(plan, CostModel(job))
     modelled = sum(compute.get(w, 0.0) for w in workers)
     if not job.cluster.host_cores or not workers or modelled <= 0:
         return None
     factor = sum(compute_cpu_s[w] for w in workers) / modelled
-    overhead = max(0.0, statistics.mean(cpu_s[w] - compute_cpu_s[w] for w in workers))
+    overhead, per_message = _overhead(plan, job, workers, cpu_s, compute_cpu_s)
     cores = float(job.cluster.host_cores)
     fitted = replace(
-        scaled(job, factor), cluster=replace(job.cluster, worker_overhead_s=overhead)
+        scaled(job, factor),
+        cluster=replace(job.cluster, worker_overhead_s=overhead, message_cpu_s=per_message),
     )
     wait = fit_wait(fitted, plan, measured_step_s)
     if wait is None:
         hosts = -(-job.cluster.num_nodes // max(1, job.cluster.nodes_per_host))
         busy = sum(cpu_s[w] for w in workers) * len(plan.workers) / len(workers)
         cores = busy / measured_step_s / hosts
-    return HostFit(factor=factor, cores=cores, overhead_s=overhead, wait_s=wait)
+    n0 = busiest_host(job, plan)
+    contention = 0.0
+    if alone_passes_cpu_s and n0 > 1:
+        costs = CostModel(job)
+        passes = job.training.num_micro_batches * (
+            costs.forward_s(0, job.model.num_layers) + costs.backward_s(0, job.model.num_layers)
+        )
+        alone = alone_passes_cpu_s / passes if passes > 0 else factor
+        contention = max(0.0, (factor / alone - 1) / (n0 - 1)) if alone > 0 else 0.0
+    return HostFit(
+        factor=factor, cores=cores, overhead_s=overhead, message_cpu_s=per_message,
+        wait_s=wait, workers=n0, contention=contention,
+    )  # fmt: skip
+
+
+def _overhead(
+    plan: Plan,
+    job: Job,
+    workers: list[int],
+    cpu_s: Mapping[int, float],
+    compute_cpu_s: Mapping[int, float],
+) -> tuple[float, float]:
+    """(base, per message) CPU beyond the layers, by least squares over the workers: a
+    pipeline's middle stages send and receive twice what its ends do, which separates
+    the two. One message count for all (data parallel only): all of it is base."""
+    ops = message_ops(plan, job.model.layer_params)
+    xs = [float(ops.get(w, 0)) for w in workers]
+    ys = [max(0.0, cpu_s[w] - compute_cpu_s[w]) for w in workers]
+    mean_x, mean_y = statistics.mean(xs), statistics.mean(ys)
+    spread = sum((x - mean_x) ** 2 for x in xs)
+    if spread == 0:
+        return mean_y, 0.0
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True)) / spread
+    slope = max(0.0, slope)
+    base = max(0.0, mean_y - slope * mean_x)
+    return base, slope

@@ -81,6 +81,14 @@ class Cluster:
     # On such hosts, the CPU time a worker spends per step beyond its layers (Python,
     # communication, the store: fewer workers, less of it). Measured live.
     worker_overhead_s: float = 0.0
+    # ... and the CPU each point-to-point send or receive costs it (planner.fit).
+    message_cpu_s: float = 0.0
+    # A fit to measured steps (planner.fit) was made with this many workers per host
+    # (0: none); how a pass's CPU grows per extra process, and the message wake-up wait
+    # included in the links' latency at that load (planner.load moves it to others).
+    fitted_workers: int = 0
+    contention: float = 0.0
+    message_wait_s: float = 0.0
 
     @property
     def num_devices(self) -> int:

@@ -1,0 +1,77 @@
+"""How a shared host's load changes what a step costs, and the job at another load.
+
+On a host whose workers share CPU cores, the CPU a pass costs grows with the processes
+sharing the cores (caches, context switches), and a message's wake-up waits for a core
+once more processes are runnable than there are cores. A job fitted at one load
+(``Cluster.fitted_workers`` per host: planner.fit) is moved to a plan's load here:
+
+- c (``Cluster.contention``) comes from the profile's two measurements of the same
+  passes, one process alone and n0 at once: linear between them;
+- layer times, the per-worker overhead and the CPU per message scale by
+  (1 + c (n - 1)) / (1 + c (n0 - 1)) [see above];
+- the fitted wake-up wait per message scales by n / n0: a woken worker waits for the
+  others runnable on its core, and there are n / cores of them.
+
+Nothing changes where the job was not fitted (``fitted_workers`` 0) or on devices.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from planner.plan import Plan
+from planner.workload import Job
+
+
+def waiting(job: Job, extra_s: float) -> Job:
+    """``job`` with ``extra_s`` added to every message's latency."""
+    if extra_s == 0.0:
+        return job
+    cluster = job.cluster
+    slower = {
+        name: replace(link, latency_s=link.latency_s + extra_s)
+        for name, link in (("intra_node", cluster.intra_node), ("inter_node", cluster.inter_node))
+    }
+    return replace(job, cluster=replace(cluster, **slower))
+
+
+def scaled(job: Job, k: float) -> Job:
+    """``job`` with every layer's compute times multiplied by ``k``."""
+    if k == 1.0:
+        return job
+    layers = tuple(
+        replace(
+            x, forward_s=x.forward_s * k, backward_s=x.backward_s * k, optimizer_s=x.optimizer_s * k
+        )
+        for x in job.model.layers
+    )
+    return replace(job, model=replace(job.model, layers=layers))
+
+
+
+def busiest_host(job: Job, plan: Plan) -> int:
+    """Workers of ``plan`` on its busiest host."""
+    per_host: dict[int, int] = {}
+    for w in plan.workers:
+        host = job.node_of(w) // max(1, job.cluster.nodes_per_host)
+        per_host[host] = per_host.get(host, 0) + 1
+    return max(per_host.values(), default=0)
+
+
+def at_load(job: Job, plan: Plan) -> tuple[Job, int | None]:
+    """``job`` at ``plan``'s load, and that load (None: unchanged)."""
+    c = job.cluster
+    n0 = c.fitted_workers
+    if not c.host_cores or not n0:
+        return job, None
+    n = busiest_host(job, plan)
+    if n == n0 or n == 0:
+        return job, None
+    k = (1 + c.contention * (n - 1)) / (1 + c.contention * (n0 - 1))
+    moved = scaled(job, k)
+    wait = c.message_wait_s
+    share = n / n0
+    cluster = replace(
+        moved.cluster, worker_overhead_s=c.worker_overhead_s * k, message_cpu_s=c.message_cpu_s * k
+    )
+    return waiting(replace(moved, cluster=cluster), wait * share - wait), n
