@@ -131,7 +131,23 @@ class Kept:
     members: list[int]
     group: Any
     unsettled: int = 0
+    # Generations and the trainer holding it. The last to let go drops the group, so it
+    # is destroyed where that happens (a generation's helper once its messages are
+    # done, or the trainer after its helpers), never at interpreter exit.
+    owners: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def acquire(self) -> Kept:
+        with self.lock:
+            self.owners += 1
+        return self
+
+    def let_go(self) -> None:
+        with self.lock:
+            self.owners -= 1
+            last = self.owners <= 0
+        if last:
+            self.group = None
 
     @property
     def settled(self) -> bool:
@@ -175,7 +191,7 @@ class Generation:
         if adopt is not None:  # carried over: module doc of chameleon_runtime.recovery
             self._held.append(adopt.group)
             self.group = adopt.group
-            self.kept = adopt
+            self.kept = adopt.acquire()
             return
         group_store = dist.PrefixStore(prefix, store)
         timeout = timedelta(seconds=build_timeout_s)
@@ -191,7 +207,7 @@ class Generation:
             self.abandon()  # the helper drops the group if the build still completes
             raise
         self.group = self._held[0]
-        self.kept = Kept(generation, self.members, self.group)
+        self.kept = Kept(generation, self.members, self.group).acquire()
 
     # -- blocking calls, abortable ---------------------------------------------------------
 
@@ -283,9 +299,10 @@ class Generation:
                 with contextlib.suppress(Exception):
                     work.wait(timeout)
             pending.clear()
+            held.clear()
             if kept is not None:
                 kept._count(-1)
-            held.clear()  # the last reference: the group is destroyed here (unless kept)
+                kept.let_go()  # the group is destroyed here unless still kept
 
         self._helper.submit(release, "release")
         self._helper.stop()

@@ -114,6 +114,16 @@ class RecoveryMixin:
             MyPart.of(plan, self.rank, self.layer_params) if self.rank in plan.stage_of else None
         )
 
+    def _keep(self, kept: Kept | None) -> None:
+        """Hold ``kept`` for the next generation to carry over (None: hold nothing)."""
+        if kept is self.kept:
+            return
+        if kept is not None:
+            kept.acquire()
+        if self.kept is not None:
+            self.kept.let_go()
+        self.kept = kept
+
     def _leave(self) -> None:
         if self.gen is not None:
             self.gen.abandon()
@@ -174,7 +184,7 @@ class RecoveryMixin:
             received = self._migrate(message)
         except BaseException:
             if self.kept is not None and self.gen.kept is self.kept:
-                self.kept = None  # messages may be left posted on it (module doc)
+                self._keep(None)  # messages may be left posted on it (module doc)
             raise
         if not self.control.agree(message.generation, "migrated", len(members)).held:
             raise Aborted(f"generation {message.generation} aborted during its migration")
@@ -190,7 +200,7 @@ class RecoveryMixin:
         migrate_s = time.perf_counter() - t0
         self.applied = message.generation
         carried = self.gen.kept is self.kept
-        self.kept = self.gen.kept
+        self._keep(self.gen.kept)
         self.step = message.resume_step
         self.control.status.update(phase="train", step=self.step)
         self.control.tell_leader(

@@ -195,7 +195,7 @@ class Trainer(RecoveryMixin):
             self.control.put(keys.latest, "0")
         self._publish_costs(plan, stage.first_layer, stage.end_layer)
         self._enter(0, plan, plan.workers)
-        self.kept = self.gen.kept if self.gen is not None else None
+        self._keep(self.gen.kept if self.gen is not None else None)
         self.control.status.update(phase="train")
 
     def _publish_costs(self, plan: Plan, first: int, end: int) -> None:
@@ -316,6 +316,7 @@ class Trainer(RecoveryMixin):
                         keys.mailbox(rank), Finish(step=self.step - 1).model_dump_json()
                     )
         self._leave()
+        self._keep(None)
         stuck = settle(timeout_s=5.0)
         self.control.close()
         if stuck:
