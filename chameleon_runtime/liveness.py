@@ -116,14 +116,17 @@ class Heartbeat:
         self._thread.start()
 
     def _run(self) -> None:
-        while not self._stop.is_set():
+        # The last snapshot is written even when the thread is told to stop: it is the one
+        # that says "done". Dropped, the launcher saw a finished spare as still "spare" and,
+        # while its interpreter took more than --heartbeat-timeout to exit, judged it hung.
+        while True:
             snapshot = self._status._next(HEARTBEAT_PERIOD_S)
-            if self._stop.is_set():
-                return
             try:
                 self._store.set(self._key, snapshot.model_dump_json(exclude_none=True))
             except Exception:
                 return  # the store is gone: the launcher is ending this worker
+            if self._stop.is_set():
+                return
 
     def close(self) -> None:
         self._stop.set()
