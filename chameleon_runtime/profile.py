@@ -82,10 +82,17 @@ def measure(
     for i in layers:
         layer: nn.Module = shard.layers[i]
         leaf = x.detach().requires_grad_(x.is_floating_point())
-        stashed = [0]
+        # Distinct storages, the layer's own weights left out (they are state): what the
+        # runtime's meter counts as this layer's activations (chameleon_runtime.memory).
+        weights = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+        stashed: dict[int, int] = {}
 
-        def pack(t: torch.Tensor, counter: list[int] = stashed) -> torch.Tensor:
-            counter[0] += t.numel() * t.element_size()
+        def pack(
+            t: torch.Tensor, saved: dict[int, int] = stashed, weights: set[int] = weights
+        ) -> torch.Tensor:
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in weights:
+                saved[storage.data_ptr()] = storage.nbytes()
             return t
 
         def forward(layer: nn.Module = layer, leaf: torch.Tensor = leaf) -> torch.Tensor:
@@ -116,7 +123,7 @@ def measure(
                 backward_s=backward_s,
                 optimizer_s=optimizer_s,
                 activation_bytes=y.numel() * y.element_size(),
-                stash_bytes=stashed[0],
+                stash_bytes=sum(stashed.values()),
             )
         )
         x = y.detach()
@@ -177,7 +184,7 @@ def measure_steps(trainer: Any, steps: int) -> dict[str, float]:
             result = run_step(
                 step=step, part=trainer.part, shard=trainer.shard, gen=trainer.gen,
                 control=trainer.control, batches=trainer.batches, loss_fn=trainer.loss_fn,
-                activation_shapes=trainer.activation_shapes, forget=forget,
+                activation_shapes=trainer.activation_shapes, meter=trainer.meter, forget=forget,
             )  # fmt: skip
             now = time.process_time()
             rows.append((result.seconds, now - mark, result.compute_cpu_s))

@@ -33,7 +33,6 @@ the last one it applied and what it really holds, and waits for the next plan.
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 import time
@@ -42,7 +41,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from chameleon_runtime.comm import Aborted, CommError, Generation, Kept
-from chameleon_runtime.shard import Shard
+from chameleon_runtime.memory import Meter
+from chameleon_runtime.shard import Shard, pack_layers, unpack_layers
 from chameleon_runtime.step import MyPart
 from planner.protocol import Applied, Joined, Ready
 from planner.wire import PlanMessage
@@ -52,14 +52,12 @@ if TYPE_CHECKING:
     from planner.plan import Plan
 
 # Migration tags sit above the step's (2 per micro-batch) and the buckets' (1,000,000 +):
-# transfer n, its k-th layer, its j-th message (0 size, 1 header, then the tensors).
+# transfer n, its message j (0: the sizes, 1: the packed layers).
 MIGRATION_TAG = 1 << 30
-TRANSFER_STRIDE = 100_000
-LAYER_STRIDE = 1_000
 
 
-def _migration_tag(transfer: int, layer: int, message: int) -> int:
-    return MIGRATION_TAG + transfer * TRANSFER_STRIDE + layer * LAYER_STRIDE + message
+def _migration_tag(transfer: int, message: int) -> int:
+    return MIGRATION_TAG + 2 * transfer + message
 
 
 class RecoveryMixin:
@@ -68,6 +66,7 @@ class RecoveryMixin:
     rank: int
     control: Control
     shard: Shard
+    meter: Meter
     device: str
     layer_params: list[int]
     generation: int
@@ -110,6 +109,7 @@ class RecoveryMixin:
             device=self.device,
         )
         self.groups_s = time.perf_counter() - t0
+        self.meter.reset()  # a new layout: its own peak
         self.part = (
             MyPart.of(plan, self.rank, self.layer_params) if self.rank in plan.stage_of else None
         )
@@ -215,7 +215,8 @@ class RecoveryMixin:
 
     def _migrate(self, message: PlanMessage) -> list[tuple[dict, list[torch.Tensor]]]:
         """Send and receive layer state, round by round (a worker takes part in one
-        transfer per round)."""
+        transfer per round); a transfer is two messages, its sizes and its layers packed
+        (``shard.pack_layers``)."""
         assert self.gen is not None
         gen = self.gen
         received = []
@@ -223,32 +224,18 @@ class RecoveryMixin:
             for n, t in enumerate(message.transfers):
                 if t.round != r or self.rank not in (t.src, t.dst):
                     continue
-                for k, layer in enumerate(range(t.first_layer, t.end_layer)):
-                    if t.src == self.rank:
-                        header, tensors = self.shard.export_layer(layer)
-                        blob = bytearray(json.dumps(header).encode())
-                        gen.send(torch.tensor([len(blob)]), t.dst, _migration_tag(n, k, 0))
-                        gen.send(
-                            torch.frombuffer(blob, dtype=torch.uint8),
-                            t.dst,
-                            _migration_tag(n, k, 1),
-                        )
-                        for j, tensor in enumerate(tensors):
-                            gen.send(tensor, t.dst, _migration_tag(n, k, 2 + j))
-                    else:
-                        size = gen.recv(
-                            torch.zeros(1, dtype=torch.int64), t.src, _migration_tag(n, k, 0)
-                        )
-                        blob = gen.recv(
-                            torch.empty(int(size), dtype=torch.uint8),
-                            t.src,
-                            _migration_tag(n, k, 1),
-                        )
-                        header = json.loads(blob.numpy().tobytes())
-                        tensors = Shard.empty_tensors(header)
-                        for j, tensor in enumerate(tensors):
-                            gen.recv(tensor, t.src, _migration_tag(n, k, 2 + j))
-                        received.append((header, tensors))
+                if t.src == self.rank:
+                    layers = [self.shard.export_layer(i) for i in range(t.first_layer, t.end_layer)]
+                    blob, header_len = pack_layers(layers)
+                    sizes = torch.tensor([header_len, blob.numel()], dtype=torch.int64)
+                    gen.send(sizes, t.dst, _migration_tag(n, 0))
+                    gen.send(blob, t.dst, _migration_tag(n, 1))
+                else:
+                    sizes = gen.recv(torch.zeros(2, dtype=torch.int64), t.src, _migration_tag(n, 0))
+                    blob = gen.recv(
+                        torch.empty(int(sizes[1]), dtype=torch.uint8), t.src, _migration_tag(n, 1)
+                    )
+                    received += unpack_layers(blob, int(sizes[0]))
             gen.flush_sends()
         return received
 

@@ -25,6 +25,7 @@ optimizer-state keys) that travels through the store: nothing received is unpick
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -219,3 +220,31 @@ class Shard:
                     for p in self.layers[i].parameters()
                 )
             )
+
+
+def pack_layers(layers: list[tuple[dict, list[torch.Tensor]]]) -> tuple[torch.Tensor, int]:
+    """Exported layers as one byte buffer: the headers' JSON, then every tensor's bytes in
+    order. A transfer is then two messages (its length, the buffer) whatever the number of
+    tensors: on a link with 100 us latency, a block's 50 tensors sent one by one cost more
+    than its bytes."""
+    header = json.dumps([h for h, _ in layers]).encode()
+    parts = [torch.frombuffer(bytearray(header), dtype=torch.uint8)]
+    parts += [t.reshape(-1).view(torch.uint8) for _, tensors in layers for t in tensors]
+    return (torch.cat(parts) if len(parts) > 1 else parts[0]), len(header)
+
+
+def unpack_layers(blob: torch.Tensor, header_len: int) -> list[tuple[dict, list[torch.Tensor]]]:
+    """The inverse of ``pack_layers`` (tensors are copies, not views of ``blob``)."""
+    headers = json.loads(blob[:header_len].numpy().tobytes())
+    offset = header_len
+    out = []
+    for header in headers:
+        tensors = Shard.empty_tensors(header)
+        for t in tensors:
+            n = t.numel() * t.element_size()
+            t.reshape(-1).view(torch.uint8).copy_(blob[offset : offset + n])
+            offset += n
+        out.append((header, tensors))
+    if offset != blob.numel():
+        raise ValueError(f"migration buffer of {blob.numel()} bytes, {offset} accounted for")
+    return out

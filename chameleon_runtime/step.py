@@ -30,6 +30,7 @@ import torch
 from chameleon_runtime.comm import Aborted, Generation
 from chameleon_runtime.control import Control
 from chameleon_runtime.data import Batches
+from chameleon_runtime.memory import Meter
 from chameleon_runtime.shard import Shard
 from planner.plan import Plan
 from planner.program import Bucket, ComputeOp, OpKind, buckets_of, ops_for, position_in_home
@@ -150,6 +151,7 @@ def run_step(
     batches: Batches,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     activation_shapes: Sequence[Shape],
+    meter: Meter,
     lr: float | None = None,
     forget: Sequence[str] = (),
 ) -> StepResult:
@@ -159,15 +161,16 @@ def run_step(
     ledger = Ledger(part, activation_shapes, shard)
     try:
         return _run(
-            step, part, shard, gen, control, batches, loss_fn, activation_shapes, lr, ledger, forget
-        )
+            step, part, shard, gen, control, batches, loss_fn, activation_shapes, meter, lr,
+            ledger, forget,
+        )  # fmt: skip
     except BaseException:
         ledger.drain(gen)
         raise
 
 
 def _run(
-    step, part, shard, gen, control, batches, loss_fn, activation_shapes, lr, ledger, forget
+    step, part, shard, gen, control, batches, loss_fn, activation_shapes, meter, lr, ledger, forget
 ) -> StepResult:  # noqa: ANN001
     started = time.perf_counter()
     m_total = part.plan.num_micro_batches
@@ -188,15 +191,19 @@ def _run(
                 )
                 x.requires_grad_(True)
             c0 = time.thread_time()
-            y = shard.forward(x, first, end, step=step, micro_batch=mb)
+            with meter.saving(mb):
+                y = shard.forward(x, first, end, step=step, micro_batch=mb)
+                if op.next is None:
+                    loss = loss_fn(y, batches.targets(step, mb)) / m_total
             cpu += time.thread_time() - c0
             if op.next is None:
-                loss = loss_fn(y, batches.targets(step, mb)) / m_total
                 partial_loss += loss.item()
                 stash[mb] = (x, loss)
             else:
                 ledger.send(gen, y.detach(), op.next, _tag(mb, False))
                 stash[mb] = (x, y)
+            meter.keep(mb, *stash[mb])
+            meter.sample()
         else:
             x, y = stash.pop(mb)
             grad = (
@@ -206,13 +213,18 @@ def _run(
             )
             c0 = time.thread_time()
             y.backward(grad)
+            cpu += time.thread_time() - c0
+            meter.release(mb)
+            meter.sample(*(() if x.grad is None else (x.grad,)))  # and the layers' .grad
+            c0 = time.thread_time()
             shard.accumulate(first, end)  # exact float64 sums: any order (chameleon_runtime.shard)
             cpu += time.thread_time() - c0
             if op.prev is not None:
                 ledger.send(gen, x.grad, op.prev, _tag(mb, True))
     for bucket in part.buckets:  # layers held here alone have no bucket: their sum is total
-        _exchange(bucket, part.worker, shard, gen, ledger)
+        _exchange(bucket, part.worker, shard, gen, ledger, meter)
     shard.round_grads(first, end)
+    meter.sample()
     gen.flush_sends()
     last_stage = part.last_stage_workers()
     if part.is_last_stage:
@@ -231,7 +243,9 @@ def _run(
     return StepResult(loss=total, seconds=time.perf_counter() - started, compute_cpu_s=cpu)
 
 
-def _exchange(bucket: Bucket, me: int, shard: Shard, gen: Generation, ledger: Ledger) -> None:
+def _exchange(
+    bucket: Bucket, me: int, shard: Shard, gen: Generation, ledger: Ledger, meter: Meter
+) -> None:
     """Sum a bucket's gradients over its holders: send my float64 sums to every other
     holder, receive theirs, add in holder order (every holder computes the same bits, and
     the same bits as any other grouping of the micro-batches would)."""
@@ -246,4 +260,5 @@ def _exchange(bucket: Bucket, me: int, shard: Shard, gen: Generation, ledger: Le
     total = parts[bucket.holders[0]].clone()
     for h in bucket.holders[1:]:
         total += parts[h]
+    meter.sample(total, *parts.values())
     shard.set_flat_sums(bucket.first_layer, bucket.end_layer, total)

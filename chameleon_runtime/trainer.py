@@ -35,6 +35,7 @@ from chameleon_runtime import checkpoint
 from chameleon_runtime.comm import Aborted, CommError, Generation, Kept, settle
 from chameleon_runtime.control import Control
 from chameleon_runtime.data import Batches
+from chameleon_runtime.memory import Meter
 from chameleon_runtime.pace import Pace
 from chameleon_runtime.profile import measure, probe, profile_job
 from chameleon_runtime.recovery import RecoveryMixin
@@ -118,6 +119,7 @@ class Trainer(RecoveryMixin):
         self.checkpoint_every = checkpoint_every
         self.device = device
         self.shard = Shard(self.factory, optimizer, seed=seed, device=device)
+        self.meter = Meter(self.shard)
         self.generation = 0
         self.applied = 0
         self.recoveries = 0
@@ -267,7 +269,8 @@ class Trainer(RecoveryMixin):
                 result = run_step(
                     step=self.step, part=self.part, shard=self.shard, gen=self.gen,
                     control=self.control, batches=self.batches, loss_fn=self.loss_fn,
-                    activation_shapes=self.activation_shapes, lr=lr, forget=forget,
+                    activation_shapes=self.activation_shapes, meter=self.meter, lr=lr,
+                    forget=forget,
                 )  # fmt: skip
             except (Aborted, CommError) as exc:
                 self._recover(str(exc))
@@ -286,7 +289,8 @@ class Trainer(RecoveryMixin):
             status.update(
                 phase="train", generation=self.generation, step=self.step, progress=progress,
                 step_s=result.seconds, slowest_step_s=slowest, cpu_s=cpu_s,
-                compute_cpu_s=result.compute_cpu_s, **pace.means(),
+                compute_cpu_s=result.compute_cpu_s, peak_bytes=self.meter.peak_bytes,
+                **pace.means(),
             )  # fmt: skip
             checkpointed = self._checkpoint_if_due(done)
             forget = self.control.keys.step_keys(

@@ -178,6 +178,14 @@ def _parser() -> _Parser:
         help="force a recovery policy (chameleon_runtime jobs)",
     )
     add(
+        "--migration-schedule",
+        choices=["matched", "naive"],
+        default="matched",
+        help="how a re-partition moves layer state: matched (sources balanced, transfers in "
+        "parallel rounds) or naive (Oobleck's restorer: each piece from its first holder, one "
+        "transfer at a time; for comparison)",
+    )
+    add(
         "--mtbf",
         default=None,
         help="expected time to the next failure, D in the policy score (90s, 30m, 3h); "
@@ -234,6 +242,7 @@ class RunArgs:
     faults: tuple[FaultSpec, ...]
     config: str | None
     policy: str
+    migration_schedule: str
     mtbf_s: float | None  # None: learned (planner.failures)
     plain: bool
     script: str
@@ -388,6 +397,7 @@ def parse_run_args(argv: list[str]) -> RunArgs:
         faults=faults,
         config=ns.config,
         policy=ns.policy,
+        migration_schedule=ns.migration_schedule,
         mtbf_s=mtbf_s,
         plain=ns.plain,
         script=ns.training_script,

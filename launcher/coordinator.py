@@ -63,6 +63,7 @@ class Coordinator:
         kill: Callable[[list[int], str, float], None],  # ranks, why, silent for (s)
         model: JobModel,
         policy: str = "auto",
+        migration_schedule: str = "matched",
         timeouts: rc.Timeouts | None = None,
         watch: WatchTimeouts | None = None,
         max_rejoins: int = 0,
@@ -92,7 +93,12 @@ class Coordinator:
         self.recovered = 0  # the first ``recovered`` failures were recovered from in place
         self._fatal: str | None = None
         self.planner = Planner(
-            model=model, policy=policy, gone=self.gone, emit=emit, attempt=attempt
+            model=model,
+            policy=policy,
+            gone=self.gone,
+            emit=emit,
+            attempt=attempt,
+            naive_migration=migration_schedule == "naive",
         )
         self.view = WorkerStoreView(attempt, "", 0, hosted=lambda: store)
         self._statuses: dict[int, WorkerStatus] = {}
@@ -362,6 +368,12 @@ class Coordinator:
         last, at = self._last_step_event
         if top > last and (now - at >= 1.0 or last < self._gen_start):
             chief = statuses.get(min(state.live)) if state.live else None
+            peaks = [
+                (s.peak_bytes, r)
+                for r, s in statuses.items()
+                if s.peak_bytes is not None and s.generation == state.generation
+            ]
+            peak = max(peaks, default=(None, None))
             self.emit(
                 "step",
                 step=top,
@@ -370,6 +382,9 @@ class Coordinator:
                 rank=min(state.live) if chief else None,
                 fds=chief.fds if chief else None,
                 threads=chief.threads if chief else None,
+                # the largest worker's tensors at their peak, this generation
+                peak_bytes=peak[0],
+                peak_rank=peak[1],
             )
             self._last_step_event = (top, now)
             self._first_step_pending = False

@@ -141,6 +141,7 @@ class Leader:
                 kill=self._kill,
                 model=model,
                 policy=a.policy,
+                migration_schedule=a.migration_schedule,
                 watch=watch,
                 max_rejoins=a.max_rejoins,
                 started_at=agent.started_at,

@@ -36,9 +36,11 @@ class Planner:
         gone: set[int],
         emit: Callable[..., object],
         attempt: int,
+        naive_migration: bool = False,
     ) -> None:
         self.model = model
         self.policy = policy
+        self.naive_migration = naive_migration  # --migration-schedule naive
         self.gone = gone  # ranks whose node is lost (shared with the coordinator)
         self.emit = emit
         self.attempt = attempt
@@ -135,12 +137,13 @@ class Planner:
             self.emit("plan_chosen", policy="restart", **basis)
             why = "the planner chose restart" if chosen else "no in-place policy is feasible"
             return rc.Planned(start.generation, restart=True, reason=why), None
+        migration = chosen.migration.naive() if self.naive_migration else chosen.migration
         message = PlanMessage.build(
             generation=start.generation,
             policy=chosen.policy.value,
             resume_step=start.resume_step,
             plan=chosen.plan,
-            migration=chosen.migration,
+            migration=migration,
             estimated_step_s=chosen.estimate.step_s if chosen.estimate else None,
         )
         why = (
@@ -169,10 +172,11 @@ class Planner:
             transition_s=chosen.transition.total_s,
             transition_parts_s={
                 "search": chosen.transition.search_s,
-                "migration": chosen.transition.migration_s,
+                "migration": migration.est_time_s,
                 "groups": chosen.transition.groups_s,
             },
-            moved_bytes=chosen.migration.num_bytes,
+            moved_bytes=migration.num_bytes,
+            migration_schedule="naive" if self.naive_migration else "matched",
             transfers=len(message.transfers),
             joined=list(start.joining),
             plan=message.plan.model_dump(mode="json"),

@@ -127,6 +127,10 @@ class TrainingConfig(_Strict):
     rank_order: RankOrder = RankOrder.TP_PP_DP
     mtbf_hours: Positive | None = None  # D fixed for the job; unset: from device_mtbf_hours
     checkpoint_interval_s: Positive = 1800.0
+    # Bytes per parameter of the gradient sums a holder keeps between passes; unset: the
+    # precision's. chameleon_runtime sums in float64 (8), which makes a recovered run's
+    # weights equal to a failure-free run's.
+    grad_sum_bytes: PositiveInt | None = None
 
     @model_validator(mode="after")
     def _batches(self) -> TrainingConfig:
@@ -238,7 +242,7 @@ def to_job(config: JobConfig, table: CostTable | None = None) -> Job:
         global_batch_size=t.global_batch_size,
         micro_batch_size=t.micro_batch_size,
         param_bytes=act_bytes,
-        grad_bytes=act_bytes,
+        grad_bytes=t.grad_sum_bytes or act_bytes,
         optimizer_bytes=_optimizer_bytes(t),
         dp=t.dp,
         pp=t.pp,

@@ -12,9 +12,11 @@ Durations (PAPER.md, unified performance model):
   aggregate bandwidth;
 - commit barrier: two store round trips; optimizer: the sum over the worker's layers.
 
-Memory of a worker: parameters, gradients and optimizer state of its layers, plus the
-activations stashed for the micro-batches in flight (1F1B keeps n - k of them on stage k
-of n), plus one micro-batch's input and output buffers.
+Memory of a worker (what chameleon_runtime.memory measures): parameters, gradient sums and
+optimizer state of its layers, plus the largest of what a step holds beside them: the
+activations saved for the micro-batches in flight (1F1B keeps n - k of them on stage k of
+n) with each one's output, the gradients a backward has just made, a bucket's exchange
+buffers, or the rounded gradients the optimizer steps with.
 """
 
 from __future__ import annotations
@@ -77,7 +79,27 @@ class CostModel:
         training = self.job.training
         return int(self.job.model.total("num_params", first, end) * training.moved_bytes_per_param)
 
-    def memory_bytes(self, first: int, end: int, in_flight: int) -> int:
-        stash = self.job.model.total("stash_bytes", first, end)
-        buffers = self.boundary_bytes(first) + self.job.model.layers[end - 1].activation_bytes
-        return int(self.state_bytes(first, end) + in_flight * stash + buffers)
+    def exchange_bytes(self, holders: int, first: int, end: int) -> int:
+        """A bucket's exchange holds this worker's sums, one copy from every other holder
+        and their total at once."""
+        params = self.job.model.total("num_params", first, end)
+        return int((holders + 1) * params * self.job.training.grad_bytes)
+
+    def memory_bytes(self, first: int, end: int, in_flight: int, exchange: int = 0) -> int:
+        """Peak bytes of a worker's tensors: its state, plus the largest of what a step
+        holds beside it at one time (``exchange``: its largest bucket's exchange_bytes)."""
+        model, training = self.job.model, self.job.training
+        stash = model.total("stash_bytes", first, end)
+        # What a micro-batch in flight keeps besides what autograd saves: its output, for
+        # the backward (the last stage keeps only the loss).
+        out = model.layers[end - 1].activation_bytes if end < model.num_layers else 0
+        params = model.total("num_params", first, end)
+        held = stash + out
+        transient = max(
+            in_flight * held,  # after a forward at the most micro-batches in flight
+            # after a backward: one fewer in flight; the layers' .grad and the input's
+            max(0, in_flight - 1) * held + params * training.param_bytes + self.boundary_bytes(first),
+            exchange,
+            params * training.param_bytes,  # every layer's rounded .grad for the optimizer
+        )
+        return int(self.state_bytes(first, end) + transient)

@@ -67,9 +67,17 @@ def estimate(job: Job, plan: Plan, *, memo: Memo | None = None) -> Estimate:
     costs = CostModel(job)
     ranges = {s.worker: (s.first_layer, s.end_layer) for s in plan.stages}
     compute_end, in_flight = _compute_phase(job, plan, costs, ranges, {} if memo is None else memo)
-    timing = finish_step(compute_end, buckets_of(plan, job.model.layer_params), ranges, costs)
+    buckets = buckets_of(plan, job.model.layer_params)
+    timing = finish_step(compute_end, buckets, ranges, costs)
     step_s = max(timing.step_s, shared_host_bound_s(job, plan, costs, ranges))
-    memory = {w: costs.memory_bytes(*ranges[w], in_flight.get(w, 0)) for w in ranges}
+    exchange: dict[int, int] = {}
+    for b in buckets:
+        need = costs.exchange_bytes(len(b.holders), b.first_layer, b.end_layer)
+        for h in b.holders:
+            exchange[h] = max(exchange.get(h, 0), need)
+    memory = {
+        w: costs.memory_bytes(*ranges[w], in_flight.get(w, 0), exchange.get(w, 0)) for w in ranges
+    }
     return Estimate(
         plan=plan,
         step_s=step_s,

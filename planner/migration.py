@@ -23,6 +23,8 @@ class Migration:
     rounds: tuple[int, ...]  # round of each transfer
     est_time_s: float
     naive_est_time_s: float
+    # Oobleck's restorer on the same plan change, for comparison: one transfer per round.
+    naive_transfers: tuple[Transfer, ...] = ()
 
     @property
     def num_bytes(self) -> int:
@@ -31,6 +33,16 @@ class Migration:
     @property
     def num_rounds(self) -> int:
         return max(self.rounds, default=-1) + 1
+
+    def naive(self) -> Migration:
+        """This migration carried out under the naive schedule."""
+        return Migration(
+            transfers=self.naive_transfers,
+            rounds=tuple(range(len(self.naive_transfers))),
+            est_time_s=self.naive_est_time_s,
+            naive_est_time_s=self.naive_est_time_s,
+            naive_transfers=self.naive_transfers,
+        )
 
 
 NO_MIGRATION = Migration(transfers=(), rounds=(), est_time_s=0.0, naive_est_time_s=0.0)
@@ -44,19 +56,28 @@ def holdings_of(plan: Plan, alive: set[int] | frozenset[int] | None = None) -> d
     }
 
 
+def transfer_s(costs: CostModel, t: Transfer) -> float:
+    """One transfer as the runtime makes it: two messages (its sizes, then its layers
+    packed in one buffer), each a latency and the sender's CPU per message."""
+    link = costs.job.link(t.src, t.dst)
+    return link.transfer_s(t.num_bytes) + link.latency_s + 2 * costs.job.cluster.message_cpu_s
+
+
 def plan_migration(costs: CostModel, *, holdings: Mapping[int, Range], target: Plan) -> Migration:
-    """Transfers that give every worker of ``target`` the layers it lacks, scheduled."""
+    """Transfers that give every worker of ``target`` the layers it lacks, scheduled; both
+    schedules end with the members' agreement that every transfer arrived."""
     targets = {s.worker: (s.first_layer, s.end_layer) for s in target.stages}
     transfers = choose_sources(costs, holdings=holdings, targets=targets)
     if not transfers:
         return NO_MIGRATION
-    tasks = [Task((t.src, t.dst), costs.transfer_s(t.src, t.dst, t.num_bytes)) for t in transfers]
+    tasks = [Task((t.src, t.dst), transfer_s(costs, t)) for t in transfers]
     rounds = colour_rounds(tasks)
     naive = choose_sources(costs, holdings=holdings, targets=targets, balanced=False)
-    naive_s = sum(costs.transfer_s(t.src, t.dst, t.num_bytes) for t in naive)
+    agreement = costs.commit_s()
     return Migration(
         transfers=tuple(transfers),
         rounds=tuple(rounds),
-        est_time_s=rounds_time_s(tasks, rounds),
-        naive_est_time_s=naive_s,
+        est_time_s=rounds_time_s(tasks, rounds) + agreement,
+        naive_est_time_s=sum(transfer_s(costs, t) for t in naive) + agreement,
+        naive_transfers=tuple(naive),
     )

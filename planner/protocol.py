@@ -74,6 +74,7 @@ class WorkerStatus(_Message):
     mean_cpu_s: float | None = None
     mean_compute_cpu_s: float | None = None
     waiting_on: WaitingOn | None = None
+    peak_bytes: int | None = None  # tensor bytes at this generation's peak (runtime.memory)
     fds: int | None = None  # open file descriptors and threads: bounded-state evidence
     threads: int | None = None
 
