@@ -247,18 +247,27 @@ def _exchange(
     bucket: Bucket, me: int, shard: Shard, gen: Generation, ledger: Ledger, meter: Meter
 ) -> None:
     """Sum a bucket's gradients over its holders: send my float64 sums to every other
-    holder, receive theirs, add in holder order (every holder computes the same bits, and
-    the same bits as any other grouping of the micro-batches would)."""
+    holder, then receive theirs one at a time in holder order and add each as it comes
+    (every holder computes the same bits, and the same bits as any other grouping of the
+    micro-batches would). At most three bucket-sized buffers live at once (mine, the
+    total, one received), however many holders share the bucket."""
     tag = BUCKET_TAG + bucket.index
     mine = shard.flat_sums(bucket.first_layer, bucket.end_layer)
-    others = [h for h in bucket.holders if h != me]
-    for h in others:
-        ledger.send(gen, mine, h, tag)
-    parts = {me: mine}
-    for h in others:
-        parts[h] = ledger.recv(gen, torch.empty_like(mine), h, tag)
-    total = parts[bucket.holders[0]].clone()
-    for h in bucket.holders[1:]:
-        total += parts[h]
-    meter.sample(total, *parts.values())
+    for h in bucket.holders:
+        if h != me:
+            ledger.send(gen, mine, h, tag)
+    total: torch.Tensor | None = None
+    scratch: torch.Tensor | None = None
+    for h in bucket.holders:
+        if h == me:
+            part = mine
+        else:
+            scratch = torch.empty_like(mine) if scratch is None else scratch
+            part = ledger.recv(gen, scratch, h, tag)
+        if total is None:
+            total = part.clone()
+        else:
+            total += part
+    assert total is not None
+    meter.sample(*(t for t in (total, mine, scratch) if t is not None))
     shard.set_flat_sums(bucket.first_layer, bucket.end_layer, total)

@@ -39,13 +39,13 @@ from launcher.watch import Timeouts as WatchTimeouts
 from launcher.worker_store import WorkerStoreView
 from launcher.workers import Console, Reaper
 from planner.failures import DEFAULT_DEVICE_MTBF_H, FailureRate
+from planner.protocol import RECOVERY_POLL_S
 
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 # Workers of a failed round are useless (their collectives are broken): give them a short
 # grace to flush, not the full shutdown timeout.
 RESTART_GRACE_S = 2.0
 SYNC_PERIOD_S = 0.25
-RECOVERY_POLL_S = 0.005
 
 
 @dataclass

@@ -174,6 +174,7 @@ class Planner:
                 "search": chosen.transition.search_s,
                 "migration": migration.est_time_s,
                 "groups": chosen.transition.groups_s,
+                "protocol": chosen.transition.protocol_s,
             },
             moved_bytes=migration.num_bytes,
             migration_schedule="naive" if self.naive_migration else "matched",

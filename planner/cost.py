@@ -80,10 +80,13 @@ class CostModel:
         return int(self.job.model.total("num_params", first, end) * training.moved_bytes_per_param)
 
     def exchange_bytes(self, holders: int, first: int, end: int) -> int:
-        """A bucket's exchange holds this worker's sums, one copy from every other holder
-        and their total at once."""
+        """A bucket's exchange (chameleon_runtime.step) holds three bucket-sized buffers
+        at once: this worker's sums, their running total and the one just received,
+        however many holders share it; a bucket held alone is not exchanged."""
+        if holders < 2:
+            return 0
         params = self.job.model.total("num_params", first, end)
-        return int((holders + 1) * params * self.job.training.grad_bytes)
+        return int(3 * params * self.job.training.grad_bytes)
 
     def memory_bytes(self, first: int, end: int, in_flight: int, exchange: int = 0) -> int:
         """Peak bytes of a worker's tensors: its state, plus the largest of what a step

@@ -48,7 +48,7 @@ def initial_plan(job: Job, partitioner: Partitioner | None = None) -> Plan:
         raise LayoutError(
             f"global batch {t.global_batch_size} is not a multiple of micro-batch {t.micro_batch_size}"
         )
-    partitioner = partitioner or Partitioner(CostModel(job))
+    partitioner = partitioner or Partitioner(CostModel(job), replicated=t.dp > 1)
     split = partitioner.fastest(t.pp)
     if split is None:
         raise LayoutError(

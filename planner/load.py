@@ -17,6 +17,7 @@ Nothing changes where the job was not fitted (``fitted_workers`` 0) or on device
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import replace
 
 from planner.plan import Plan
@@ -48,14 +49,22 @@ def scaled(job: Job, k: float) -> Job:
     return replace(job, model=replace(job.model, layers=layers))
 
 
-
-def busiest_host(job: Job, plan: Plan) -> int:
-    """Workers of ``plan`` on its busiest host."""
+def busiest_host(job: Job, plan: Plan | Iterable[int]) -> int:
+    """Workers of ``plan`` (or of a set of workers) on its busiest host."""
     per_host: dict[int, int] = {}
-    for w in plan.workers:
+    for w in plan.workers if isinstance(plan, Plan) else plan:
         host = job.node_of(w) // max(1, job.cluster.nodes_per_host)
         per_host[host] = per_host.get(host, 0) + 1
     return max(per_host.values(), default=0)
+
+
+def wake_s(job: Job, active: Iterable[int]) -> float:
+    """The fitted wake-up wait of a worker blocked on a message, while the ``active``
+    workers run."""
+    c = job.cluster
+    if not c.host_cores or not c.fitted_workers:
+        return c.message_wait_s
+    return c.message_wait_s * busiest_host(job, active) / c.fitted_workers
 
 
 def at_load(job: Job, plan: Plan) -> tuple[Job, int | None]:

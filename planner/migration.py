@@ -8,10 +8,10 @@ transfer at a time. Both are estimated on the same transfers' link costs.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from planner.colouring import Task, colour_rounds, rounds_time_s
+from planner.colouring import Task, colour_rounds
 from planner.cost import CostModel
 from planner.matching import Range, Transfer, choose_sources
 from planner.plan import Plan
@@ -56,16 +56,36 @@ def holdings_of(plan: Plan, alive: set[int] | frozenset[int] | None = None) -> d
     }
 
 
-def transfer_s(costs: CostModel, t: Transfer) -> float:
-    """One transfer as the runtime makes it: two messages (its sizes, then its layers
-    packed in one buffer), each a latency and the sender's CPU per message."""
-    link = costs.job.link(t.src, t.dst)
-    return link.transfer_s(t.num_bytes) + link.latency_s + 2 * costs.job.cluster.message_cpu_s
+def transfer_s(costs: CostModel, t: Transfer, *, runnable: int = 2) -> float:
+    """One transfer as the runtime makes it: two messages back to back (its sizes, then
+    its layers packed in one buffer), so one latency, the bytes, and the CPU of both
+    messages. On a shared host the link's latency holds a fitted wake-up wait for the
+    job's load (planner.load); a migration wakes only its ``runnable`` senders and
+    receivers, so the wait scales to them."""
+    job = costs.job
+    c = job.cluster
+    link = job.link(t.src, t.dst)
+    latency = link.latency_s
+    if c.host_cores and c.fitted_workers:
+        latency += c.message_wait_s * (runnable / c.fitted_workers - 1)
+    return latency + t.num_bytes / link.bandwidth_bytes_per_s + 2 * c.message_cpu_s
+
+
+def schedule_s(costs: CostModel, transfers: Sequence[Transfer], rounds: Sequence[int]) -> float:
+    """Round after round, each as long as its slowest transfer, with every transfer of
+    the round (two processes each) running at once."""
+    by_round: dict[int, list[Transfer]] = {}
+    for t, r in zip(transfers, rounds, strict=True):
+        by_round.setdefault(r, []).append(t)
+    return sum(
+        max(transfer_s(costs, t, runnable=2 * len(ts)) for t in ts) for ts in by_round.values()
+    )
 
 
 def plan_migration(costs: CostModel, *, holdings: Mapping[int, Range], target: Plan) -> Migration:
-    """Transfers that give every worker of ``target`` the layers it lacks, scheduled; both
-    schedules end with the members' agreement that every transfer arrived."""
+    """Transfers that give every worker of ``target`` the layers it lacks, scheduled. The
+    members' agreement that every transfer arrived is the protocol's, charged with it
+    (planner.transition.protocol)."""
     targets = {s.worker: (s.first_layer, s.end_layer) for s in target.stages}
     transfers = choose_sources(costs, holdings=holdings, targets=targets)
     if not transfers:
@@ -73,11 +93,10 @@ def plan_migration(costs: CostModel, *, holdings: Mapping[int, Range], target: P
     tasks = [Task((t.src, t.dst), transfer_s(costs, t)) for t in transfers]
     rounds = colour_rounds(tasks)
     naive = choose_sources(costs, holdings=holdings, targets=targets, balanced=False)
-    agreement = costs.commit_s()
     return Migration(
         transfers=tuple(transfers),
         rounds=tuple(rounds),
-        est_time_s=rounds_time_s(tasks, rounds) + agreement,
-        naive_est_time_s=sum(transfer_s(costs, t) for t in naive) + agreement,
+        est_time_s=schedule_s(costs, transfers, rounds),
+        naive_est_time_s=sum(transfer_s(costs, t) for t in naive),
         naive_transfers=tuple(naive),
     )

@@ -3,23 +3,25 @@
 PAPER.md splits layers evenly and places leftover layers to balance. We do the general
 version of that: the split that minimises the slowest stage's forward+backward time
 subject to every stage fitting in a worker's memory (stage k of n holds n - k micro-batches
-of activations under 1F1B), with the leftovers going to the *first* stages' neighbours
-last: we fill from the last stage backwards, because later stages stash fewer micro-batches
-and so have more room. On uniform layers this is the even split.
+of activations under 1F1B). Ties go to the split whose first stages are shortest: earlier
+stages keep more micro-batches in flight, so later stages have more room. On uniform
+layers this is the even split with the leftovers last.
 
-Both greedy directions are exact for feasibility here: the constraints on a stage depend
-only on its index and its range, and a sub-range of a feasible range is feasible, so
-taking the longest feasible suffix never hurts the stages before it.
+A stage's memory is not monotone in its range (it keeps its last layer's output for the
+backward, and the last stage keeps none), so no greedy packing is exact. A dynamic
+program is: a stage's micro-batches in flight depend only on how many stages follow it,
+so ``best[j][f]``, the smallest bottleneck of layers [f, L) split into the last j stages,
+serves every stage count at once. Rows are built on demand, O(L^2) each.
 """
 
 from __future__ import annotations
 
-from bisect import bisect_left
 from dataclasses import dataclass
 
 from planner.cost import CostModel
 
 _INF = float("inf")
+_EPS = 1e-12
 
 
 @dataclass(frozen=True)
@@ -37,19 +39,25 @@ class Partition:
 
 
 class Partitioner:
-    """Memoised fastest feasible partitions of one job's model, for any stage count."""
+    """Memoised fastest feasible partitions of one job's model, for any stage count.
 
-    def __init__(self, costs: CostModel) -> None:
+    ``replicated``: the stages will have replicas in other pipelines, so each also holds
+    a gradient exchange's buffers at the end of the step (``CostModel.exchange_bytes``;
+    for a stage's whole range, the most any of its buckets can need)."""
+
+    def __init__(self, costs: CostModel, *, replicated: bool = False) -> None:
         self._costs = costs
+        self._replicated = replicated
         model = costs.job.model
         self._num_layers = model.num_layers
-        self._time = [
-            costs.forward_s(i, i + 1) + costs.backward_s(i, i + 1) for i in range(model.num_layers)
-        ]
         self._prefix_time = [0.0]
-        for t in self._time:
-            self._prefix_time.append(self._prefix_time[-1] + t)
+        for i in range(model.num_layers):
+            step = costs.forward_s(i, i + 1) + costs.backward_s(i, i + 1)
+            self._prefix_time.append(self._prefix_time[-1] + step)
         self._limit = costs.job.worker_memory_bytes
+        # _best[j - 1][f]: the bottleneck of [f, L) over the last j stages (inf: none fits)
+        self._best: list[list[float]] = []
+        self._most_in_flight: dict[tuple[int, int], int] = {}
         self._cache: dict[int, Partition | None] = {}
 
     def fastest(self, num_stages: int) -> Partition | None:
@@ -61,69 +69,75 @@ class Partitioner:
     def _stage_time(self, first: int, end: int) -> float:
         return self._prefix_time[end] - self._prefix_time[first]
 
-    def _fits(self, first: int, end: int, stage: int, num_stages: int) -> bool:
-        return self._costs.memory_bytes(first, end, num_stages - stage) <= self._limit
+    def _fits(self, first: int, end: int, in_flight: int) -> bool:
+        """Whether [first, end) fits with ``in_flight`` micro-batches. Memory grows with
+        the micro-batches in flight, so one bisection per range answers every count."""
+        key = (first, end)
+        most = self._most_in_flight.get(key)
+        if most is None:
+            lo, hi = 0, self._num_layers  # no stage holds more than there are stages
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if self._memory_bytes(first, end, mid) <= self._limit:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            most = self._most_in_flight[key] = lo
+        return in_flight <= most
 
-    def _longest_suffix(self, end: int, stage: int, num_stages: int, cap_s: float) -> int:
-        """Smallest ``first`` such that [first, end) fits stage ``stage`` within cap_s."""
-        lowest_time = bisect_left(self._prefix_time, self._prefix_time[end] - cap_s - 1e-12, 0, end)
-        first = max(lowest_time, stage)  # leave one layer for each stage before this one
-        while first < end and not self._fits(first, end, stage, num_stages):
-            first += 1
-        return first
+    def _memory_bytes(self, first: int, end: int, in_flight: int) -> int:
+        exchange = self._costs.exchange_bytes(2, first, end) if self._replicated else 0
+        return self._costs.memory_bytes(first, end, in_flight, exchange)
 
-    def _greedy(self, num_stages: int, cap_s: float) -> list[int] | None:
-        """Boundaries from packing stages from the last backwards, or None if the layers
-        do not all fit in ``num_stages`` stages of at most ``cap_s``."""
-        bounds = [self._num_layers]
-        end = self._num_layers
-        for stage in range(num_stages - 1, -1, -1):
-            first = 0 if stage == 0 else self._longest_suffix(end, stage, num_stages, cap_s)
-            if first >= end:
-                return None
-            if stage == 0 and (
-                self._stage_time(0, end) > cap_s + 1e-12 or not self._fits(0, end, 0, num_stages)
-            ):
-                return None
-            bounds.append(first)
-            end = first
-        return bounds[::-1]
+    def _row(self, stages_after: int) -> list[float]:
+        """``best`` for the last ``stages_after`` stages, building the rows it needs."""
+        n = self._num_layers
+        while len(self._best) < stages_after:
+            j = len(self._best) + 1
+            row = [_INF] * (n + 1)
+            if j == 1:
+                for f in range(n):
+                    if self._fits(f, n, 1):
+                        row[f] = self._stage_time(f, n)
+            else:
+                after = self._best[-1]
+                for f in range(n - j + 1):
+                    best = _INF
+                    for e in range(f + 1, n - j + 2):
+                        rest = after[e]
+                        if rest == _INF:
+                            continue
+                        here = self._stage_time(f, e)
+                        if here >= best:
+                            break  # longer first stages only take longer
+                        if self._fits(f, e, j):
+                            best = min(best, max(here, rest))
+                    row[f] = best
+            self._best.append(row)
+        return self._best[stages_after - 1]
 
     def _solve(self, num_stages: int) -> Partition | None:
-        if not 1 <= num_stages <= self._num_layers:
+        n = self._num_layers
+        if not 1 <= num_stages <= n:
             return None
-        if self._greedy(num_stages, _INF) is None:
+        bottleneck = self._row(num_stages)[0]
+        if bottleneck == _INF:
             return None  # memory alone rules it out
-        cap = max(max(self._time), self._prefix_time[-1] / num_stages)
-        while True:
-            bounds = self._greedy(num_stages, cap)
-            if bounds is not None:
-                break
-            cap = self._next_cap(num_stages, cap)
+        bounds, first = [0], 0
+        for j in range(num_stages, 1, -1):
+            after = self._row(j - 1)
+            # the shortest first stage that still reaches the optimum
+            first = next(
+                e
+                for e in range(first + 1, n - j + 2)
+                if self._stage_time(first, e) <= bottleneck + _EPS
+                and after[e] <= bottleneck + _EPS
+                and self._fits(first, e, j)
+            )
+            bounds.append(first)
+        bounds.append(n)
         stage_s = tuple(self._stage_time(a, b) for a, b in zip(bounds, bounds[1:], strict=False))
         return Partition(boundaries=tuple(bounds), stage_s=stage_s)
-
-    def _next_cap(self, num_stages: int, cap_s: float) -> float:
-        """The smallest cap above ``cap_s`` at which some stage of the greedy can take one
-        more layer: the next point where the greedy's answer can change. Stages held back
-        by memory rather than time give no candidate, since a larger cap cannot help them."""
-        best = _INF
-        end = self._num_layers
-        for stage in range(num_stages - 1, 0, -1):
-            first = self._longest_suffix(end, stage, num_stages, cap_s)
-            if first > stage:
-                grown = self._stage_time(first - 1, end)
-                if grown > cap_s:
-                    best = min(best, grown)
-            if first >= end:
-                break
-            end = first
-        rest = self._stage_time(0, end)
-        if rest > cap_s:
-            best = min(best, rest)
-        if best == _INF:  # cannot happen when a cap of infinity fits; never loop forever
-            raise AssertionError("partition search made no progress")
-        return best
 
 
 def balanced_split(weights: list[float] | tuple[float, ...], num_stages: int) -> tuple[int, ...]:

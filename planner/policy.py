@@ -12,6 +12,10 @@
 
 Every candidate says why when it is infeasible: a stage with no surviving replica, or the
 worker over its memory and by how much.
+
+Both in-place policies also pay the recovery protocol's messages (``planner.transition.
+protocol``: the survivors' reports, the plan's publication, the agreements), which on a
+large job is seconds of store round trips and on a busy host milliseconds of wake-ups.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from planner.migration import NO_MIGRATION, Migration, holdings_of, plan_migrati
 from planner.plan import Plan, Route, Stage
 from planner.reroute import RerouteInfeasible, reroute_plan
 from planner.search import Proposal, Search
-from planner.transition import groups_s
+from planner.transition import groups_s, protocol
 from planner.workload import Job
 
 
@@ -42,12 +46,20 @@ class Transition:
     search_s: float = 0.0
     migration_s: float = 0.0
     groups_s: float = 0.0  # communicators built (planner.transition)
+    protocol_s: float = 0.0  # the recovery protocol's messages (planner.transition)
     restart_s: float = 0.0
     lost_work_s: float = 0.0
 
     @property
     def total_s(self) -> float:
-        return self.search_s + self.migration_s + self.groups_s + self.restart_s + self.lost_work_s
+        return (
+            self.search_s
+            + self.migration_s
+            + self.groups_s
+            + self.protocol_s
+            + self.restart_s
+            + self.lost_work_s
+        )
 
 
 @dataclass(frozen=True)
@@ -83,7 +95,10 @@ def reroute_candidate(search: Search, current: Plan, failed: Sequence[int]) -> C
     except RerouteInfeasible as exc:
         return Candidate(Policy.REROUTE, reason=str(exc))
     est = search.estimate(plan)
-    transition = Transition(groups_s=groups_s(job, current, plan, failed))
+    transition = Transition(
+        groups_s=groups_s(job, current, plan, failed),
+        protocol_s=protocol(job, plan, survivors=plan.workers).total_s,
+    )
     if not est.feasible:
         return Candidate(Policy.REROUTE, reason=overflow_reason(est, job), plan=plan, estimate=est)
     return Candidate(
@@ -115,6 +130,7 @@ def reparallelize_candidates(
             search_s=search_s,
             migration_s=migration.est_time_s,
             groups_s=groups_s(job, current, proposal.plan, failed, members=sources),
+            protocol_s=protocol(job, proposal.plan, survivors=survivors, members=sources).total_s,
         )
         out.append(
             Candidate(

@@ -31,6 +31,10 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
+# How often the leader's agent looks at its inbox while a recovery is under way; the
+# planner charges half of it per message the leader waits for (planner.transition).
+RECOVERY_POLL_S = 0.005
+
 # What a worker is doing; the launcher's timeouts depend on it (launcher/watch.py).
 WorkerPhase = Literal[
     "startup",  # importing, building its layers, loading a checkpoint, its first step

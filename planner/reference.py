@@ -22,12 +22,12 @@ def exhaustive(search: Search, current: Plan, survivors: Sequence[int]) -> list[
     """Every feasible plan of the search space above, fastest first."""
     job = search.job
     m_total = job.training.num_micro_batches
-    lengths = [
-        n for n in range(1, min(len(survivors), job.model.num_layers) + 1) if search.template(n)
-    ]
+    lengths = search.usable_lengths(len(survivors))
     out: list[Proposal] = []
     for shape in length_multisets(len(survivors), lengths):
         kinds = _as_shape(shape)
+        if not search.fits(kinds):
+            continue
         counts = allocate_kinds(search.kinds(kinds), m_total)
         plan = search.realise(
             current=current,

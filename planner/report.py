@@ -44,6 +44,7 @@ class TransitionOut(BaseModel):
     search_s: float
     migration_s: float
     groups_s: float
+    protocol_s: float
     restart_s: float
     lost_work_s: float
 
@@ -153,6 +154,7 @@ def _candidate_out(job: Job, decision: Decision, c: Candidate) -> CandidateOut:
             search_s=t.search_s,
             migration_s=t.migration_s,
             groups_s=t.groups_s,
+            protocol_s=t.protocol_s,
             restart_s=t.restart_s,
             lost_work_s=t.lost_work_s,
         )

@@ -72,16 +72,19 @@ class Search:
     def __init__(self, job: Job) -> None:
         self.job = job
         self.costs = CostModel(job)
-        self.partitioner = Partitioner(self.costs)
-        self._templates: dict[int, Template | None] = {}
+        # A lone pipeline's stages exchange no gradients; replicated ones hold the
+        # exchange's buffers too, so they may need a longer pipeline (planner.partition).
+        self._partitioners = {r: Partitioner(self.costs, replicated=r) for r in (False, True)}
+        self._templates: dict[tuple[int, bool], Template | None] = {}
         self.memo: Memo = {}  # timings of distinct pipelines, shared by every estimate
-        self._alone: dict[tuple[int, int], float] = {}
+        self._alone: dict[tuple[int, int, bool], float] = {}
         self._ranked: dict[int, list[tuple[float, Shape, list[list[int]]]]] = {}
 
     def warm_up(self, *, failures: int = 1) -> Search:
         """Ahead of any failure: every template the job can use, and the shape ranking for
         up to ``failures`` lost workers (it depends on how many survive, not on which)."""
         for length in range(1, min(self.job.num_workers, self.job.model.num_layers) + 1):
+            self.template(length, replicated=False)
             self.template(length)
         for lost in range(1, failures + 1):
             if self.job.num_workers > lost:
@@ -91,15 +94,29 @@ class Search:
     def estimate(self, plan: Plan) -> Estimate:
         return estimate(self.job, plan, memo=self.memo)
 
-    def template(self, length: int) -> Template | None:
-        if length not in self._templates:
-            split = self.partitioner.fastest(length)
-            self._templates[length] = (
+    def template(self, length: int, *, replicated: bool = True) -> Template | None:
+        """The template of ``length`` stages, for a pipeline with replicas (the default)
+        or a lone one; None when no split of that length fits."""
+        key = (length, replicated)
+        if key not in self._templates:
+            split = self._partitioners[replicated].fastest(length)
+            self._templates[key] = (
                 None
                 if split is None
                 else make_template(self.costs, split, spans_nodes=self._spans_nodes(length))
             )
-        return self._templates[length]
+        return self._templates[key]
+
+    def usable_lengths(self, num_workers: int) -> list[int]:
+        """Pipeline lengths some shape over ``num_workers`` can use (a lone pipeline needs
+        the least memory, so this is every length that fits alone)."""
+        top = min(num_workers, self.job.model.num_layers)
+        return [n for n in range(1, top + 1) if self.template(n, replicated=False)]
+
+    def fits(self, shape: Shape) -> bool:
+        """Whether every pipeline of ``shape`` has a template that fits as it will run."""
+        replicated = _replicated(shape)
+        return all(self.template(n, replicated=replicated) for n, _count in shape)
 
     def _spans_nodes(self, length: int) -> bool:
         return length * self.job.tp > self.job.cluster.devices_per_node
@@ -124,11 +141,10 @@ class Search:
         workers idle, or the all-reduce inside one node, can win there). Beyond: a's count
         within ``COUNT_SLACK`` of the most that fit, b filling the rest.
         """
-        lengths = [
-            n for n in range(1, min(num_workers, self.job.model.num_layers) + 1) if self.template(n)
-        ]
+        lengths = self.usable_lengths(num_workers)
         if num_workers <= ALL_SHAPES:
-            return [_as_shape(ms) for ms in length_multisets(num_workers, lengths)]
+            every = (_as_shape(ms) for ms in length_multisets(num_workers, lengths))
+            return [shape for shape in every if self.fits(shape)]
         small = num_workers <= SMALL_CLUSTER
         found: list[Shape] = []
         for a in lengths:
@@ -142,14 +158,16 @@ class Search:
                     fill = rest // b
                     for count_b in range(fill, 0 if small else fill - 1, -1):
                         found.append(((a, count_a), (b, count_b)))
-        return found
+        return [shape for shape in found if self.fits(shape)]
 
-    def pipeline_alone_s(self, length: int, num_micro_batches: int) -> float:
+    def pipeline_alone_s(
+        self, length: int, num_micro_batches: int, *, replicated: bool = True
+    ) -> float:
         """A template pipeline running ``num_micro_batches`` alone, timed on its step
         graph (the phi-grid; memoised)."""
-        key = (length, num_micro_batches)
+        key = (length, num_micro_batches, replicated)
         if key not in self._alone:
-            t = self.template(length)
+            t = self.template(length, replicated=replicated)
             assert t is not None
             self._alone[key] = (
                 max(
@@ -167,7 +185,8 @@ class Search:
         return self._alone[key]
 
     def kinds(self, shape: Shape) -> list[Kind]:
-        return [(self.template(n), count) for n, count in shape]  # type: ignore[misc]
+        replicated = _replicated(shape)
+        return [(self.template(n, replicated=replicated), count) for n, count in shape]  # type: ignore[misc]
 
     def rank_shapes(self, num_workers: int) -> list[tuple[float, Shape, list[list[int]]]]:
         """``_rank_shapes``, memoised per number of workers."""
@@ -222,7 +241,7 @@ class Search:
                 break
             if exact:
                 slowest = max(
-                    self.pipeline_alone_s(t.length, max(c))
+                    self.pipeline_alone_s(t.length, max(c), replicated=_replicated(shape))
                     for (t, _n), c in zip(kinds, counts, strict=True)
                 )
             else:
@@ -242,7 +261,8 @@ class Search:
     ) -> Plan:
         """Place a shape on real workers: matching picks who holds what."""
         holdings = holdings_of(current, set(survivors))
-        bounds = [self.template(n).partition.boundaries for n, count in shape for _ in range(count)]  # type: ignore[union-attr]
+        kinds = self.kinds(shape)
+        bounds = [t.partition.boundaries for t, count in kinds for _ in range(count)]
         slots = [list(zip(b, b[1:], strict=False)) for b in bounds]
         placed = assign_slots(
             self.costs,
@@ -326,6 +346,10 @@ def length_multisets(
         yield (n,)
         for rest in length_multisets(total - n, lengths, largest=n):
             yield (n, *rest)
+
+
+def _replicated(shape: Shape) -> bool:
+    return sum(count for _n, count in shape) > 1
 
 
 def _as_shape(lengths: Sequence[int]) -> Shape:

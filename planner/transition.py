@@ -22,6 +22,21 @@ the one the runtime will pay.
   reroute sends across pipelines goes over the point-to-point communicators the backends
   make on first use between two ranks, not counted here.
 
+The recovery protocol itself (launcher/recovery.py, chameleon_runtime/recovery.py) costs
+what its messages cost, phase by phase (``protocol``): a worker blocked in a store wait
+is woken (the host's fitted wake-up wait, ``planner.load.wake_s``, plus a round trip), the
+leader's agent notices a report within half its poll period on average
+(``RECOVERY_POLL_S``), and each store operation on the path is a round trip:
+
+- collect: the abort to every member's mailbox, one wake-up, the ``Ready`` report, the
+  poll, and the leader reading every report;
+- plan: the poll that finds the decision made, and its three keys published (the
+  decision's own time is measured by the planner and added to it);
+- confirm: one wake-up for the plan (read in two round trips), the ``groups`` agreement
+  (the offer, the arrival, a wake-up, the others' offers), the ``migrated`` agreement
+  (an arrival and a wake-up; held whether or not anything moved), the ``Applied`` report,
+  the poll and the leader reading every report.
+
 Building a group of n costs ``pg_init_base_s + pg_init_per_worker_s * n`` (every member
 publishes its address and connects). A worker builds its groups one after another and
 workers build theirs side by side, so the cost is the busiest worker's sum, plus the
@@ -31,10 +46,14 @@ groups at once costs a round trip per member of each.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection, Iterable
+from dataclasses import dataclass
 
+from planner.load import wake_s
 from planner.plan import Plan
 from planner.program import buckets_of
+from planner.protocol import RECOVERY_POLL_S
 from planner.workload import Job
 
 Group = frozenset[int]
@@ -81,3 +100,53 @@ def groups_s(
     job: Job, current: Plan, new: Plan, failed: Collection[int], *, members: Iterable[int] = ()
 ) -> float:
     return build_s(job, groups_to_build(job, current, new, failed, members=members))
+
+
+@dataclass(frozen=True)
+class Protocol:
+    """The recovery protocol's own time per phase, beside the decision, the groups and
+    the migration (module doc)."""
+
+    collect_s: float
+    plan_s: float
+    confirm_s: float
+    agreement_s: float  # one all-or-none agreement (part of confirm's)
+
+    @property
+    def total_s(self) -> float:
+        return self.collect_s + self.plan_s + self.confirm_s
+
+
+def plan_phase_s(job: Job, decision_s: float) -> float:
+    """The plan phase of a recovery whose decision took ``decision_s``: the planner starts
+    on one of the leader's ticks, which come every ``RECOVERY_POLL_S``, and is noticed on
+    the first tick after it is done; then its three keys are published. (A candidate's
+    ``Protocol.plan_s`` charges the expected half period instead: the decision's own
+    time is not known before it is made.)"""
+    ticks = max(1, math.ceil(decision_s / RECOVERY_POLL_S))
+    return ticks * RECOVERY_POLL_S + 3 * job.cluster.store_round_trip_s
+
+
+def protocol(
+    job: Job, new: Plan, *, survivors: Collection[int], members: Iterable[int] = ()
+) -> Protocol:
+    """What the protocol's messages cost for a recovery of the live ``survivors`` into
+    ``new`` (``members``: transfer sources beyond its workers; module doc). Wake-ups in
+    collect wait behind every survivor; in confirm, behind the new generation's members
+    (a worker the plan leaves out blocks, idle)."""
+    joined = set(new.workers) | set(members)
+    rt = job.cluster.store_round_trip_s
+    poll = RECOVERY_POLL_S / 2
+
+    def reports(count: int) -> float:  # the leader notices, then reads every report
+        return poll + (count + 1) * rt
+
+    wake_collect = wake_s(job, survivors) + rt
+    wake = wake_s(job, joined) + rt
+    agreement = rt + wake
+    return Protocol(
+        collect_s=len(survivors) * rt + wake_collect + rt + reports(len(survivors)),
+        plan_s=poll + 3 * rt,
+        confirm_s=wake + 2 * rt + (2 * rt + agreement) + agreement + rt + reports(len(joined)),
+        agreement_s=agreement,
+    )

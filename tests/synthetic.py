@@ -27,6 +27,7 @@ def uniform_job(
     spare_nodes: int = 0,
     rank_order: RankOrder = RankOrder.TP_PP_DP,
     commit_s: float = 0.0,
+    stash_bytes: int = 100,
 ) -> Job:
     """Identical layers, free communication by default: step times are round numbers."""
     num_workers = dp * pp
@@ -52,7 +53,7 @@ def uniform_job(
             backward_s=backward_s,
             optimizer_s=0.0,
             activation_bytes=100,
-            stash_bytes=100,
+            stash_bytes=stash_bytes,
         )
         for i in range(num_layers)
     )
@@ -120,5 +121,8 @@ def random_job(rng: random.Random) -> Job:
     plan = initial_plan(roomy)
     costs = CostModel(roomy)
     bounds = [plan.stage_of[w].first_layer for w in plan.pipelines[0]] + [num_layers]
-    need = max(costs.memory_bytes(bounds[i], bounds[i + 1], pp - i) for i in range(pp))
+    need = max(
+        costs.memory_bytes(a, b, pp - i, costs.exchange_bytes(dp, a, b))
+        for i, (a, b) in enumerate(zip(bounds, bounds[1:]))
+    )
     return Job(cluster(int(need * rng.choice([1.0, 1.1, 1.5, 3.0]))), model, training)

@@ -31,11 +31,12 @@ def test_fast_search_is_as_good_as_exhaustive(seed):
 
 
 def test_golden_plan_when_memory_forces_three_stages():
-    # 8 identical layers, 2 pipelines of 4; a worker can hold at most 3 layers, so every
-    # pipeline needs 3 or more stages. Worker 5 dies: the intact pipeline stays, the 3
+    # 8 identical layers, 2 pipelines of 4; a worker of two pipelines can hold at most 3
+    # layers (16 kB of state and 6 kB of exchange buffers each), so every pipeline needs
+    # 3 or more stages. Worker 5 dies: the intact pipeline stays, the 3
     # survivors of the other form a 3-stage pipeline, and micro-batches split 10 / 6 so
     # both finish together ((10 + 3) * 6 = 78 and (6 + 2) * 9 = 72, vs 81 for 9 / 7).
-    job = uniform_job(dp=2, pp=4, num_layers=8, micro_batches=16, memory_bytes=50_000)
+    job = uniform_job(dp=2, pp=4, num_layers=8, micro_batches=16, memory_bytes=70_000)
     current = initial_plan(job)
     best = Search(job).propose(current, [w for w in current.workers if w != 5])[0]
     assert sorted(len(p) for p in best.plan.pipelines) == [3, 4]
@@ -49,4 +50,4 @@ def test_golden_plan_when_memory_forces_three_stages():
 def test_templates_are_reused_across_decisions():
     job = uniform_job(dp=2, pp=4, num_layers=8)
     search = Search(job).warm_up()
-    assert set(search._templates) == set(range(1, 9))
+    assert set(search._templates) == {(n, r) for n in range(1, 9) for r in (False, True)}
