@@ -58,13 +58,20 @@ def busiest_host(job: Job, plan: Plan | Iterable[int]) -> int:
     return max(per_host.values(), default=0)
 
 
-def wake_s(job: Job, active: Iterable[int]) -> float:
-    """The fitted wake-up wait of a worker blocked on a message, while the ``active``
-    workers run."""
+def wait_at_s(job: Job, runnable: int) -> float:
+    """The fitted wake-up wait of a message while ``runnable`` processes share its host's
+    cores: it scales by runnable / fitted (module doc); unchanged where nothing was
+    fitted."""
     c = job.cluster
     if not c.host_cores or not c.fitted_workers:
         return c.message_wait_s
-    return c.message_wait_s * busiest_host(job, active) / c.fitted_workers
+    return c.message_wait_s * runnable / c.fitted_workers
+
+
+def wake_s(job: Job, active: Iterable[int]) -> float:
+    """The fitted wake-up wait of a worker blocked on a message, while the ``active``
+    workers run."""
+    return wait_at_s(job, busiest_host(job, active))
 
 
 def at_load(job: Job, plan: Plan) -> tuple[Job, int | None]:
@@ -78,9 +85,7 @@ def at_load(job: Job, plan: Plan) -> tuple[Job, int | None]:
         return job, None
     k = (1 + c.contention * (n - 1)) / (1 + c.contention * (n0 - 1))
     moved = scaled(job, k)
-    wait = c.message_wait_s
-    share = n / n0
     cluster = replace(
         moved.cluster, worker_overhead_s=c.worker_overhead_s * k, message_cpu_s=c.message_cpu_s * k
     )
-    return waiting(replace(moved, cluster=cluster), wait * share - wait), n
+    return waiting(replace(moved, cluster=cluster), wait_at_s(job, n) - c.message_wait_s), n

@@ -8,11 +8,13 @@ transfer at a time. Both are estimated on the same transfers' link costs.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from planner.colouring import Task, colour_rounds
+from planner.colouring import Task, colour_rounds, rounds_time_s
 from planner.cost import CostModel
+from planner.load import wait_at_s
 from planner.matching import Range, Transfer, choose_sources
 from planner.plan import Plan
 
@@ -61,25 +63,23 @@ def transfer_s(costs: CostModel, t: Transfer, *, runnable: int = 2) -> float:
     its layers packed in one buffer), so one latency, the bytes, and the CPU of both
     messages. On a shared host the link's latency holds a fitted wake-up wait for the
     job's load (planner.load); a migration wakes only its ``runnable`` senders and
-    receivers, so the wait scales to them."""
+    receivers, so the wait is theirs."""
     job = costs.job
     c = job.cluster
     link = job.link(t.src, t.dst)
-    latency = link.latency_s
-    if c.host_cores and c.fitted_workers:
-        latency += c.message_wait_s * (runnable / c.fitted_workers - 1)
+    latency = link.latency_s - c.message_wait_s + wait_at_s(job, runnable)
     return latency + t.num_bytes / link.bandwidth_bytes_per_s + 2 * c.message_cpu_s
 
 
 def schedule_s(costs: CostModel, transfers: Sequence[Transfer], rounds: Sequence[int]) -> float:
     """Round after round, each as long as its slowest transfer, with every transfer of
     the round (two processes each) running at once."""
-    by_round: dict[int, list[Transfer]] = {}
-    for t, r in zip(transfers, rounds, strict=True):
-        by_round.setdefault(r, []).append(t)
-    return sum(
-        max(transfer_s(costs, t, runnable=2 * len(ts)) for t in ts) for ts in by_round.values()
-    )
+    per_round = Counter(rounds)
+    tasks = [
+        Task((t.src, t.dst), transfer_s(costs, t, runnable=2 * per_round[r]))
+        for t, r in zip(transfers, rounds, strict=True)
+    ]
+    return rounds_time_s(tasks, rounds)
 
 
 def plan_migration(costs: CostModel, *, holdings: Mapping[int, Range], target: Plan) -> Migration:
