@@ -43,7 +43,7 @@ import torch
 from chameleon_runtime.comm import Aborted, CommError, Generation, Kept
 from chameleon_runtime.memory import Meter
 from chameleon_runtime.shard import Shard, pack_layers, unpack_layers
-from chameleon_runtime.step import MyPart
+from planner.program import WorkerProgram, worker_program
 from planner.protocol import Applied, Joined, Ready
 from planner.wire import PlanMessage
 
@@ -72,7 +72,7 @@ class RecoveryMixin:
     generation: int
     applied: int  # the last generation whose migration this worker completed
     plan: Plan
-    part: MyPart | None
+    part: WorkerProgram | None
     gen: Generation | None
     kept: Kept | None  # the group of the last generation applied, for the next to carry over
     groups_s: float  # what building (or carrying over) the last group took
@@ -111,7 +111,7 @@ class RecoveryMixin:
         self.groups_s = time.perf_counter() - t0
         self.meter.reset()  # a new layout: its own peak
         self.part = (
-            MyPart.of(plan, self.rank, self.layer_params) if self.rank in plan.stage_of else None
+            worker_program(plan, self.rank, self.layer_params) if self.rank in plan.stage_of else None
         )
 
     def _keep(self, kept: Kept | None) -> None:

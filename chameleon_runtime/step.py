@@ -1,12 +1,13 @@
 """One training step of one worker: the program ``planner.program`` made for it, executed.
 
-For each pass in order: a forward receives its input from ``prev`` (or reads the data),
+Its passes, in order: a forward receives its input from ``prev`` (or reads the data),
 runs the worker's layers and sends the output to ``next`` (or computes the loss, scaled by
 1/M for M micro-batches per step, so the step's gradient is the global batch's mean); a
 backward receives the output gradient from ``next`` (or starts from the loss) and sends
-the input gradient to ``prev``. Then each bucket's gradients are exchanged among its
-holders and summed in holder order (bit-identical on every holder), the commit barrier,
-and the optimizer step. Any error or abort leaves the step unapplied on every worker (the
+the input gradient to ``prev``. Then its tail, operation by operation: each bucket's
+gradients exchanged among its holders and summed in holder order (bit-identical on every
+holder), the sums rounded, the loss reported, the commit barrier, the optimizer step, the
+loss read. Nothing else runs per step: the estimator times this same program. Any error or abort leaves the step unapplied on every worker (the
 commit is an all-or-none agreement, chameleon_runtime.control).
 
 Everything between workers is point to point, and every message of a step is known up
@@ -32,49 +33,10 @@ from chameleon_runtime.control import Control
 from chameleon_runtime.data import Batches
 from chameleon_runtime.memory import Meter
 from chameleon_runtime.shard import Shard
-from planner.plan import Plan
-from planner.program import Bucket, ComputeOp, OpKind, buckets_of, ops_for, position_in_home
+from planner.program import Bucket, OpKind, TailKind, WorkerProgram
 from planner.protocol import commit_name
 
 BUCKET_TAG = 1_000_000
-
-
-@dataclass(frozen=True)
-class MyPart:
-    """What this worker runs under one plan."""
-
-    plan: Plan
-    worker: int
-    first_layer: int
-    end_layer: int
-    ops: tuple[ComputeOp, ...]
-    buckets: tuple[Bucket, ...]  # the buckets I hold, in issue order
-    all_buckets: tuple[Bucket, ...]
-
-    @classmethod
-    def of(cls, plan: Plan, worker: int, layer_params: Sequence[int]) -> MyPart:
-        stage = plan.stage_of[worker]
-        ops = ops_for([r for r in plan.routes if worker in r.hops], position_in_home(plan)).get(
-            worker, []
-        )
-        everything = buckets_of(plan, layer_params)
-        mine = sorted(
-            (b for b in everything if worker in b.holders), key=lambda b: (b.round, b.index)
-        )
-        return cls(
-            plan, worker, stage.first_layer, stage.end_layer, tuple(ops), tuple(mine), everything
-        )
-
-    @property
-    def members(self) -> list[int]:
-        return sorted(self.plan.workers)
-
-    @property
-    def is_last_stage(self) -> bool:
-        return self.end_layer == self.plan.num_layers
-
-    def last_stage_workers(self) -> list[int]:
-        return sorted(s.worker for s in self.plan.stages if s.end_layer == self.plan.num_layers)
 
 
 def _tag(micro_batch: int, backward: bool) -> int:
@@ -89,7 +51,7 @@ class Ledger:
     """Every message of this worker's step, both ways, until it happens: what it owes
     (sends) and what it is owed (receives), each with its shape."""
 
-    def __init__(self, part: MyPart, shapes: Sequence[Shape], shard: Shard) -> None:
+    def __init__(self, part: WorkerProgram, shapes: Sequence[Shape], shard: Shard) -> None:
         first, end = part.first_layer, part.end_layer
         out = shapes[end - 1]
         inp = shapes[first - 1] if first > 0 else None
@@ -144,7 +106,7 @@ class StepResult:
 def run_step(
     *,
     step: int,
-    part: MyPart,
+    part: WorkerProgram,
     shard: Shard,
     gen: Generation,
     control: Control,
@@ -221,25 +183,31 @@ def _run(
             cpu += time.thread_time() - c0
             if op.prev is not None:
                 ledger.send(gen, x.grad, op.prev, _tag(mb, True))
-    for bucket in part.buckets:  # layers held here alone have no bucket: their sum is total
-        _exchange(bucket, part.worker, shard, gen, ledger, meter)
-    shard.round_grads(first, end)
-    meter.sample()
-    gen.flush_sends()
-    last_stage = part.last_stage_workers()
-    if part.is_last_stage:
-        control.put(keys.loss(gen.generation, step, part.worker), repr(partial_loss))
-    agreed = control.agree(gen.generation, commit_name(step), len(part.members))
-    if not agreed.held:
-        raise Aborted(f"generation {gen.generation} aborted at step {step}")
-    if agreed.last:
-        control.forget(list(forget))
-    c0 = time.thread_time()
-    shard.step(lr)
-    cpu += time.thread_time() - c0
-    shard.zero_grad()
-    losses = control.store.multi_get([keys.loss(gen.generation, step, w) for w in last_stage])
-    total = sum(float(v) for v in losses)
+    total = 0.0
+    for op in part.tail:  # layers held here alone have no bucket: their sum is total
+        kind = op.kind
+        if kind is TailKind.EXCHANGE:
+            _exchange(op.bucket, part.worker, shard, gen, ledger, meter)
+        elif kind is TailKind.ROUND:
+            shard.round_grads(first, end)
+            meter.sample()
+            gen.flush_sends()
+        elif kind is TailKind.REPORT_LOSS:
+            control.put(keys.loss(gen.generation, step, part.worker), repr(partial_loss))
+        elif kind is TailKind.COMMIT:
+            agreed = control.agree(gen.generation, commit_name(step), len(part.members))
+            if not agreed.held:
+                raise Aborted(f"generation {gen.generation} aborted at step {step}")
+            if agreed.last:
+                control.forget(list(forget))
+        elif kind is TailKind.OPTIMIZE:
+            c0 = time.thread_time()
+            shard.step(lr)
+            cpu += time.thread_time() - c0
+            shard.zero_grad()
+        elif kind is TailKind.READ_LOSS:
+            keys_ = [keys.loss(gen.generation, step, w) for w in part.last_stage_workers()]
+            total = sum(float(v) for v in control.store.multi_get(keys_))
     return StepResult(loss=total, seconds=time.perf_counter() - started, compute_cpu_s=cpu)
 
 

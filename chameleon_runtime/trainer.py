@@ -40,9 +40,10 @@ from chameleon_runtime.pace import Pace
 from chameleon_runtime.profile import measure, probe, profile_job
 from chameleon_runtime.recovery import RecoveryMixin
 from chameleon_runtime.shard import LayerFactory, OptimizerFactory, Shard
-from chameleon_runtime.step import MyPart, run_step
+from chameleon_runtime.step import run_step
 from planner.partition import balanced_split
 from planner.plan import Plan, pipelines_plan, split_evenly
+from planner.program import WorkerProgram
 from planner.protocol import Finish, checkpoint_name
 from planner.wire import JobDescription, LayerCostWire, PlanMessage
 
@@ -125,7 +126,7 @@ class Trainer(RecoveryMixin):
         self.recoveries = 0
         self.gen: Generation | None = None
         self.kept: Kept | None = None
-        self.part: MyPart | None = None
+        self.part: WorkerProgram | None = None
 
     # -- setup -------------------------------------------------------------------------
 

@@ -10,7 +10,8 @@ Durations (PAPER.md, unified performance model):
   slowest link among them plus 2(n-1) latencies (or, for the runtime's point-to-point
   exchange, n-1 sends of the whole bucket); within a node over a mesh, on the device's
   aggregate bandwidth;
-- commit barrier: two store round trips; optimizer: the sum over the worker's layers.
+- commit barrier: two store round trips; the loss: one round trip to write a last stage's
+  share, one to read the step's; optimizer: the sum over the worker's layers.
 
 Memory of a worker (what chameleon_runtime.memory measures): parameters, gradient sums and
 optimizer state of its layers, plus the largest of what a step holds beside them: the
@@ -70,6 +71,10 @@ class CostModel:
 
     def commit_s(self) -> float:
         return 2 * self.job.cluster.store_round_trip_s
+
+    def store_s(self) -> float:
+        """One store operation (a share of the loss written or read)."""
+        return self.job.cluster.store_round_trip_s
 
     def state_bytes(self, first: int, end: int) -> int:
         training = self.job.training

@@ -68,7 +68,7 @@ def estimate(job: Job, plan: Plan, *, memo: Memo | None = None) -> Estimate:
     ranges = {s.worker: (s.first_layer, s.end_layer) for s in plan.stages}
     compute_end, in_flight = _compute_phase(job, plan, costs, ranges, {} if memo is None else memo)
     buckets = buckets_of(plan, job.model.layer_params)
-    timing = finish_step(compute_end, buckets, ranges, costs)
+    timing = finish_step(compute_end, buckets, ranges, costs, plan.num_layers)
     step_s = max(timing.step_s, shared_host_bound_s(job, plan, costs, ranges))
     exchange: dict[int, int] = {}
     for b in buckets:

@@ -9,10 +9,14 @@ from ``prev`` (None on the first stage) and sends its output to ``next``; a back
 receives the output gradient from ``next`` and sends the input gradient to ``prev``.
 Sends are asynchronous; a pass waits only for its own input.
 
-After its last backward a worker all-reduces its gradients bucket by bucket (a bucket is
-a run of layers with the same set of holders), in the rounds given by colouring the
-buckets' conflict graph. Then every worker joins the commit barrier (the step is applied
-by all or by none, so a failure never leaves replicas disagreeing) and steps its optimizer.
+After its last backward comes the worker's ``tail``, the rest of its step, in order:
+each bucket's exchange (a bucket is a run of layers with the same set of holders; its
+holders sum their gradients, in the rounds given by colouring the buckets' conflict
+graph), the gradients rounded, the last stage's share of the loss into the store, the
+commit barrier (the step is applied by all or by none, so a failure never leaves replicas
+disagreeing), the optimizer, and the step's loss read back. The runtime
+(chameleon_runtime.step) runs exactly these operations and nothing else per step; the
+estimator (planner.timing) charges each of them.
 
 Order within a worker: every pass gets a potential from its micro-batch's position q in
 its home pipeline and its hop k on a route of n hops,
@@ -46,6 +50,15 @@ class OpKind(StrEnum):
     BACKWARD = "B"
 
 
+class TailKind(StrEnum):
+    EXCHANGE = "exchange"  # one bucket's gradients summed among its holders
+    ROUND = "round"  # float64 sums rounded to the parameters' dtype; queued sends flushed
+    REPORT_LOSS = "report_loss"  # the last stage's share of the loss, into the store
+    COMMIT = "commit"  # the all-or-none barrier over the plan's workers
+    OPTIMIZE = "optimize"
+    READ_LOSS = "read_loss"  # the step's loss: every last-stage worker's share
+
+
 class ComputeOp(NamedTuple):
     kind: OpKind
     micro_batch: int
@@ -62,14 +75,40 @@ class Bucket:
     round: int
 
 
+class TailOp(NamedTuple):
+    kind: TailKind
+    bucket: Bucket | None = None  # EXCHANGE only
+
+
 @dataclass(frozen=True)
 class WorkerProgram:
+    """One worker's whole step: what chameleon_runtime.step executes for it."""
+
+    plan: Plan
     worker: int
     first_layer: int
     end_layer: int
     ops: tuple[ComputeOp, ...]
-    buckets: tuple[int, ...]  # indices into StepProgram.buckets, in issue order
+    tail: tuple[TailOp, ...]
     max_in_flight: int  # micro-batches whose activations are stashed at once
+
+    @property
+    def buckets(self) -> tuple[Bucket, ...]:
+        """The buckets this worker exchanges, in issue order."""
+        return tuple(op.bucket for op in self.tail if op.bucket is not None)
+
+    @property
+    def members(self) -> list[int]:
+        """The workers of the commit barrier."""
+        return sorted(self.plan.workers)
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.end_layer == self.plan.num_layers
+
+    def last_stage_workers(self) -> list[int]:
+        """Whose shares of the loss make the step's loss."""
+        return last_stage_workers(self.plan)
 
 
 @dataclass(frozen=True)
@@ -88,26 +127,52 @@ class StepProgram:
 def build_program(plan: Plan, layer_params: Sequence[int]) -> StepProgram:
     """Every worker's program; ``layer_params`` (parameters per layer) orders the buckets."""
     buckets = buckets_of(plan, layer_params)
-    per_worker_buckets: dict[int, list[Bucket]] = {w: [] for w in plan.workers}
-    for bucket in buckets:
-        for worker in bucket.holders:
-            per_worker_buckets[worker].append(bucket)
     work = ops_for(plan.routes, position_in_home(plan))
-    programs = []
-    for stage in plan.stages:
-        ops = work.get(stage.worker, [])
-        mine = sorted(per_worker_buckets[stage.worker], key=lambda b: (b.round, b.index))
-        programs.append(
-            WorkerProgram(
-                worker=stage.worker,
-                first_layer=stage.first_layer,
-                end_layer=stage.end_layer,
-                ops=tuple(ops),
-                buckets=tuple(b.index for b in mine),
-                max_in_flight=max_in_flight(ops),
-            )
-        )
-    return StepProgram(plan=plan, workers=tuple(programs), buckets=buckets)
+    programs = tuple(
+        _program(plan, stage.worker, work.get(stage.worker, []), buckets) for stage in plan.stages
+    )
+    return StepProgram(plan=plan, workers=programs, buckets=buckets)
+
+
+def worker_program(plan: Plan, worker: int, layer_params: Sequence[int]) -> WorkerProgram:
+    """One worker's program (what the runtime builds for itself: only its own routes)."""
+    routes = [r for r in plan.routes if worker in r.hops]
+    ops = ops_for(routes, position_in_home(plan)).get(worker, [])
+    return _program(plan, worker, ops, buckets_of(plan, layer_params))
+
+
+def _program(
+    plan: Plan, worker: int, ops: Sequence[ComputeOp], buckets: Sequence[Bucket]
+) -> WorkerProgram:
+    stage = plan.stage_of[worker]
+    return WorkerProgram(
+        plan=plan,
+        worker=worker,
+        first_layer=stage.first_layer,
+        end_layer=stage.end_layer,
+        ops=tuple(ops),
+        tail=tail_of(worker, buckets, last_stage=stage.end_layer == plan.num_layers),
+        max_in_flight=max_in_flight(ops),
+    )
+
+
+def tail_of(worker: int, buckets: Iterable[Bucket], *, last_stage: bool) -> tuple[TailOp, ...]:
+    """What follows a worker's passes (module doc): its buckets in (round, index) order,
+    the order every holder of a bucket reaches it in, so no two holders wait on each
+    other in a cycle."""
+    mine = sorted((b for b in buckets if worker in b.holders), key=lambda b: (b.round, b.index))
+    return (
+        *(TailOp(TailKind.EXCHANGE, b) for b in mine),
+        TailOp(TailKind.ROUND),
+        *((TailOp(TailKind.REPORT_LOSS),) if last_stage else ()),
+        TailOp(TailKind.COMMIT),
+        TailOp(TailKind.OPTIMIZE),
+        TailOp(TailKind.READ_LOSS),
+    )
+
+
+def last_stage_workers(plan: Plan) -> list[int]:
+    return sorted(s.worker for s in plan.stages if s.end_layer == plan.num_layers)
 
 
 def position_in_home(plan: Plan) -> dict[int, int]:

@@ -8,6 +8,13 @@ when it is. Every op is visited once, so a 16k-worker step takes well under a se
 
 A program whose workers wait on each other in a cycle would deadlock at run time; here it
 raises ``ScheduleDeadlock`` naming the stuck ops, so no such plan is ever handed out.
+
+``simulate`` walks every worker's whole program, tail included (planner.program: each
+bucket's exchange once all its holders reach it, the commit once every worker does, the
+store operations of the loss, the optimizer). ``estimate`` takes two fast paths over the
+same graph, tests hold them equal: ``simulate_pipeline`` for whole pipelines and
+``finish_step``, which visits the buckets in the one (round, index) order every tail
+follows.
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from planner.cost import CostModel
-from planner.program import Bucket, ComputeOp, OpKind, StepProgram
+from planner.program import Bucket, ComputeOp, OpKind, StepProgram, TailKind, TailOp
 
 
 class ScheduleDeadlock(RuntimeError):
@@ -39,7 +46,73 @@ def simulate(program: StepProgram, costs: CostModel) -> Timing:
     """Time a whole step program."""
     ranges = {w.worker: (w.first_layer, w.end_layer) for w in program.workers}
     compute_end = simulate_compute({w.worker: w.ops for w in program.workers}, ranges, costs)
-    return finish_step(compute_end, program.buckets, ranges, costs)
+    return simulate_tails(compute_end, {w.worker: w.tail for w in program.workers}, ranges, costs)
+
+
+def simulate_tails(
+    compute_end: Mapping[int, float],
+    tails: Mapping[int, Sequence[TailOp]],
+    ranges: Mapping[int, tuple[int, int]],
+    costs: CostModel,
+) -> Timing:
+    """Every worker's tail from the end of its passes: an exchange ends when the last of
+    its holders reaches it plus its duration, the commit when the last worker does plus
+    its own; the rest runs on the worker alone."""
+    t = {w: compute_end.get(w, 0.0) for w in tails}
+    cursor = dict.fromkeys(tails, 0)
+    arrived: dict[object, dict[int, float]] = {}
+    allreduce_end: dict[int, float] = {}
+    commit_end = 0.0
+    everyone = tuple(tails)
+    moved = True
+    while moved:
+        moved = False
+        for w in everyone:
+            tail = tails[w]
+            while cursor[w] < len(tail):
+                kind, bucket = tail[cursor[w]]
+                if kind is TailKind.EXCHANGE or kind is TailKind.COMMIT:
+                    assert bucket is not None or kind is TailKind.COMMIT
+                    key, group = (bucket.index, bucket.holders) if bucket else ("commit", everyone)
+                    here = arrived.setdefault(key, {})
+                    here[w] = t[w]
+                    if len(here) < len(group):
+                        break
+                    if bucket is not None:
+                        end = max(here.values()) + costs.allreduce_s(
+                            bucket.holders, bucket.first_layer, bucket.end_layer
+                        )
+                    else:
+                        end = commit_end = max(here.values()) + costs.commit_s()
+                    for h in group:
+                        t[h] = end
+                        cursor[h] += 1
+                else:
+                    if kind is TailKind.ROUND:
+                        allreduce_end[w] = t[w]
+                    t[w] += _local_s(kind, ranges[w], costs)
+                    cursor[w] += 1
+                moved = True
+    stuck = [w for w in everyone if cursor[w] < len(tails[w])]
+    if stuck:
+        sample = ", ".join(f"worker {w} at {tails[w][cursor[w]].kind.value}" for w in stuck[:4])
+        raise ScheduleDeadlock(f"{len(stuck)} workers wait on each other: {sample}")
+    return Timing(
+        step_s=max(t.values(), default=0.0),
+        compute_end_s=dict(compute_end),
+        allreduce_end_s=allreduce_end,
+        commit_end_s=commit_end,
+    )
+
+
+def _local_s(kind: TailKind, layers: tuple[int, int], costs: CostModel) -> float:
+    """A tail operation a worker runs alone. Rounding the gradients is CPU beyond the
+    layers: on shared hosts the fitted per-worker overhead holds it (planner.fit)."""
+    if kind is TailKind.OPTIMIZE:
+        return costs.optimizer_s(*layers)
+    if kind is TailKind.REPORT_LOSS or kind is TailKind.READ_LOSS:
+        return costs.store_s()
+    return 0.0
 
 
 def simulate_compute(
@@ -131,16 +204,23 @@ def finish_step(
     buckets: Sequence[Bucket],
     ranges: Mapping[int, tuple[int, int]],
     costs: CostModel,
+    num_layers: int,
 ) -> Timing:
-    """Add the bucket all-reduces (in round order), the commit barrier and the optimizer."""
+    """``simulate_tails`` of the tails ``planner.program.tail_of`` makes, without making
+    them: the buckets in the (round, index) order every tail has them in, then the last
+    stages' loss, the commit, the optimizer and the loss read back."""
     comm_free = {w: compute_end.get(w, 0.0) for w in ranges}
     for bucket in sorted(buckets, key=lambda b: (b.round, b.index)):
         start = max(comm_free[h] for h in bucket.holders)
         end = start + costs.allreduce_s(bucket.holders, bucket.first_layer, bucket.end_layer)
         for h in bucket.holders:
             comm_free[h] = end
-    commit_end = max(comm_free.values(), default=0.0) + costs.commit_s()
-    step = max((commit_end + costs.optimizer_s(*r) for r in ranges.values()), default=commit_end)
+    store = costs.store_s()
+    reported = (t + store if ranges[w][1] == num_layers else t for w, t in comm_free.items())
+    commit_end = max(reported, default=0.0) + costs.commit_s()
+    step = max(
+        (commit_end + costs.optimizer_s(*r) + store for r in ranges.values()), default=commit_end
+    )
     return Timing(
         step_s=step,
         compute_end_s=dict(compute_end),

@@ -11,7 +11,13 @@ from planner.layout import initial_plan
 from planner.plan import Plan, Route, Stage
 from planner.program import build_program, ops_for
 from planner.reroute import reroute_plan
-from planner.timing import ScheduleDeadlock, simulate, simulate_compute, simulate_pipeline
+from planner.timing import (
+    ScheduleDeadlock,
+    simulate,
+    simulate_compute,
+    simulate_pipeline,
+    simulate_tails,
+)
 from tests.synthetic import random_job, uniform_job
 
 
@@ -121,11 +127,12 @@ def test_a_cyclic_program_is_reported_as_a_deadlock():
         plan,
         (
             type(first)(
+                plan,
                 first.worker,
                 first.first_layer,
                 first.end_layer,
                 swapped,
-                first.buckets,
+                first.tail,
                 first.max_in_flight,
             ),
             program.workers[1],
@@ -155,3 +162,22 @@ def test_plan_rejects_routes_that_skip_layers():
         Plan(2, 1, (Stage(0, 0, 2), Stage(1, 0, 2)), (Route(0, (0,), (0,)), Route(1, (1,), (0,))))
     with pytest.raises(ValueError, match="not routed"):
         Plan(2, 2, (Stage(0, 0, 2),), (Route(0, (0,), (0,)),))
+
+
+def test_a_tail_exchange_waits_for_its_last_holder_and_a_crossed_order_deadlocks():
+    from planner.program import Bucket, TailKind, TailOp
+
+    job = uniform_job(dp=2, pp=1, num_layers=2, micro_batches=2)
+    costs = CostModel(job)
+    b0 = Bucket(index=0, first_layer=0, end_layer=1, holders=(0, 1), round=0)
+    b1 = Bucket(index=1, first_layer=1, end_layer=2, holders=(0, 1), round=1)
+    tail = (TailOp(TailKind.EXCHANGE, b0), TailOp(TailKind.EXCHANGE, b1), TailOp(TailKind.COMMIT))
+    ranges = {0: (0, 2), 1: (0, 2)}
+    timing = simulate_tails({0: 1.0, 1: 3.0}, {0: tail, 1: tail}, ranges, costs)
+    first = 3.0 + costs.allreduce_s((0, 1), 0, 1)
+    assert timing.commit_end_s == pytest.approx(
+        first + costs.allreduce_s((0, 1), 1, 2) + costs.commit_s()
+    )
+    crossed = (tail[1], tail[0], tail[2])
+    with pytest.raises(ScheduleDeadlock, match="worker 0 at exchange"):
+        simulate_tails({0: 0.0, 1: 0.0}, {0: tail, 1: crossed}, ranges, costs)

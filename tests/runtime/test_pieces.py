@@ -12,8 +12,9 @@ from chameleon_runtime import checkpoint
 from chameleon_runtime.data import Batches
 from chameleon_runtime.pace import Pace
 from chameleon_runtime.shard import Shard
-from chameleon_runtime.step import Ledger, MyPart
+from chameleon_runtime.step import Ledger
 from planner.plan import pipelines_plan
+from planner.program import worker_program
 
 
 def factory(i: int) -> nn.Module:
@@ -90,7 +91,7 @@ def test_the_ledger_lists_every_message_of_a_step_both_ways():
     plan = _plan()
     shard = Shard(factory, adam, seed=0)
     shard.ensure(2, 4)
-    part = MyPart.of(plan, 1, [20, 20, 20, 20])
+    part = worker_program(plan, 1, [20, 20, 20, 20])
     shapes = [(torch.Size([2, 4]), torch.float32)] * 4
     ledger = Ledger(part, shapes, shard)
     # Worker 1 (stage 1 of pipeline 0) receives 2 activations, sends 2 gradients, and
