@@ -187,7 +187,7 @@ def measure_steps(trainer: Any, steps: int) -> dict[str, float]:
                 activation_shapes=trainer.activation_shapes, meter=trainer.meter, forget=forget,
             )  # fmt: skip
             now = time.process_time()
-            rows.append((result.seconds, now - mark, result.compute_cpu_s))
+            rows.append((result.seconds, now - mark, result.compute_cpu_s, result.pass_cpu_s))
             mark = now
             forget = trainer.control.keys.step_keys(
                 0, step, trainer.part.last_stage_workers(), checkpointed=False
@@ -199,7 +199,24 @@ def measure_steps(trainer: Any, steps: int) -> dict[str, float]:
         "step_s": statistics.median(r[0] for r in settled),
         "cpu_s": statistics.median(r[1] for r in settled),
         "compute_cpu_s": statistics.median(r[2] for r in settled),
+        "pass_cpu_s": statistics.median(r[3] for r in settled),
     }
+
+
+def measure_move(shard: Shard, layers: list[int]) -> float:
+    """CPU per parameter of moving ``layers`` besides the transfer itself, as a migration
+    does (chameleon_runtime.recovery): export and pack on the sender, unpack, build the
+    layer and load its state on the receiver (here a fresh shard)."""
+    from chameleon_runtime.shard import pack_layers, unpack_layers
+
+    fresh = Shard(shard.factory, shard.make_optimizer, seed=shard.seed, device=shard.device)
+    params = sum(p.numel() for i in layers for p in shard.layers[i].parameters())
+    c0 = time.thread_time()
+    for i in layers:
+        blob, header_len = pack_layers([shard.export_layer(i)])
+        for header, tensors in unpack_layers(blob, header_len):
+            fresh.import_layer(header, tensors)
+    return (time.thread_time() - c0) / max(1, params)
 
 
 def measure_alone(trainer: Any, reps: int = 3) -> float:
@@ -232,6 +249,7 @@ def _steps_measured(control: Any, world: int, plan: Any) -> Any:
         step_s=statistics.median(x["step_s"] for x in rows.values()),
         cpu_s={r: x["cpu_s"] for r, x in rows.items()},
         compute_cpu_s={r: x["compute_cpu_s"] for r, x in rows.items()},
+        pass_cpu_s={r: x["pass_cpu_s"] for r, x in rows.items()},
         alone_passes_cpu_s=float(control.wait(control.keys.profile("alone"))),
     )
 
@@ -253,6 +271,8 @@ def profile_job(trainer: Any, out: Path) -> None:
     names = trainer.layer_names
     for cost in measure(trainer.shard, list(range(trainer.num_layers)), sample, names, reps=5):
         control.put(keys.profile(f"{rank}/{cost.name}"), cost.model_dump_json())
+    move = measure_move(trainer.shard, list(range(trainer.num_layers)))
+    control.put(keys.profile(f"move/{rank}"), repr(move))
     control.agree(0, "profile/start", world)
     t0 = time.perf_counter()
     gen = Generation(
@@ -306,6 +326,9 @@ def profile_job(trainer: Any, out: Path) -> None:
         else None,
         store_round_trip_s=store_rt,
         pg_init_base_s=pg_init_s,
+        move_cpu_s_per_param=statistics.median(
+            float(control.wait(keys.profile(f"move/{r}"))) for r in range(world)
+        ),
         steps=_steps_measured(control, world, trainer.plan),
     )
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -101,6 +101,9 @@ class StepResult:
     # CPU time this thread spent in the layers' passes and the optimizer: against the
     # process's CPU time per step it splits a worker's load into compute and overhead.
     compute_cpu_s: float = 0.0
+    # CPU time this thread spent in the pass loop beyond the layers: receiving, sending,
+    # stashing, the memory meter (the planner charges it per pass: planner.fit).
+    pass_cpu_s: float = 0.0
 
 
 def run_step(
@@ -142,6 +145,7 @@ def _run(
     partial_loss = 0.0
     cpu = 0.0
     keys = control.keys
+    loop0 = time.thread_time()
     for op in part.ops:
         mb = op.micro_batch
         if op.kind is OpKind.FORWARD:
@@ -183,6 +187,7 @@ def _run(
             cpu += time.thread_time() - c0
             if op.prev is not None:
                 ledger.send(gen, x.grad, op.prev, _tag(mb, True))
+    pass_cpu = time.thread_time() - loop0 - cpu
     total = 0.0
     for op in part.tail:  # layers held here alone have no bucket: their sum is total
         kind = op.kind
@@ -208,7 +213,12 @@ def _run(
         elif kind is TailKind.READ_LOSS:
             keys_ = [keys.loss(gen.generation, step, w) for w in part.last_stage_workers()]
             total = sum(float(v) for v in control.store.multi_get(keys_))
-    return StepResult(loss=total, seconds=time.perf_counter() - started, compute_cpu_s=cpu)
+    return StepResult(
+        loss=total,
+        seconds=time.perf_counter() - started,
+        compute_cpu_s=cpu,
+        pass_cpu_s=max(0.0, pass_cpu),
+    )
 
 
 def _exchange(

@@ -286,11 +286,14 @@ class Trainer(RecoveryMixin):
             # whose cores the workers share, this is what each step costs the host.
             cpu_now = time.process_time()
             cpu_s, cpu_mark = cpu_now - cpu_mark, cpu_now
-            pace.add(self.generation, result.seconds, cpu_s, result.compute_cpu_s)
+            pace.add(
+                self.generation, result.seconds, cpu_s, result.compute_cpu_s, result.pass_cpu_s
+            )
             status.update(
                 phase="train", generation=self.generation, step=self.step, progress=progress,
                 step_s=result.seconds, slowest_step_s=slowest, cpu_s=cpu_s,
-                compute_cpu_s=result.compute_cpu_s, peak_bytes=self.meter.peak_bytes,
+                compute_cpu_s=result.compute_cpu_s, pass_cpu_s=result.pass_cpu_s,
+                peak_bytes=self.meter.peak_bytes,
                 **pace.means(),
             )  # fmt: skip
             checkpointed = self._checkpoint_if_due(done)

@@ -56,8 +56,8 @@ class JobModel:
     cluster: Any = None  # planner.workload.Cluster from --config
     description: Any = None  # planner.wire.JobDescription, once the workers published it
     factor: float | None = None
-    # cores, overhead per worker, message wait, CPU per message (planner.fit)
-    host: tuple[float, float, float, float] | None = None
+    # cores, overhead per worker, message wait, CPU per message, CPU per pass (planner.fit)
+    host: tuple[float, float, float, float, float] | None = None
     wait_s: float = 0.0  # the last message wait a fit could determine
     measured_s: float | None = None
     fitted_generation: int = -1
@@ -107,9 +107,13 @@ class JobModel:
             self._fit(job, current, statuses, generation, measured)
         job = scaled(job, self.factor)
         if self.host is not None:
-            cores, overhead, wait, per_message = self.host
+            cores, overhead, wait, per_message, per_pass = self.host
             cluster = replace(
-                job.cluster, host_cores=cores, worker_overhead_s=overhead, message_cpu_s=per_message
+                job.cluster,
+                host_cores=cores,
+                worker_overhead_s=overhead,
+                message_cpu_s=per_message,
+                pass_cpu_s=per_pass,
             )
             job = replace(job, cluster=cluster)
             job = waiting(job, wait)
@@ -149,20 +153,17 @@ class JobModel:
             for w in current.workers
             if (s := statistics_of(statuses, w)) and s.generation == generation
         }
-        fit = fit_host(
-            job,
-            current,
-            measured,
-            {w: s.mean_cpu_s or s.cpu_s for w, s in beats.items()},
-            {w: s.mean_compute_cpu_s or s.compute_cpu_s for w, s in beats.items()},
-        )
+        cpu = {w: s.mean_cpu_s or s.cpu_s for w, s in beats.items()}
+        compute = {w: s.mean_compute_cpu_s or s.compute_cpu_s for w, s in beats.items()}
+        passes = {w: s.mean_pass_cpu_s or s.pass_cpu_s or 0.0 for w, s in beats.items()}
+        fit = fit_host(job, current, measured, cpu, compute, pass_cpu_s=passes)
         if fit is not None:
             self.factor = fit.factor
             # Keep what an earlier plan with more messages showed of waiting: a data
             # parallel step that the host bounds says nothing about it.
             wait = fit.wait_s if fit.wait_s is not None else self.wait_s
             self.wait_s = wait
-            self.host = (fit.cores, fit.overhead_s, wait, fit.message_cpu_s)
+            self.host = (fit.cores, fit.overhead_s, wait, fit.message_cpu_s, fit.pass_cpu_s)
         else:
             alone = replace(job, cluster=replace(job.cluster, host_cores=None))
             k = 1.0
@@ -182,6 +183,11 @@ class JobModel:
             worker_overhead_s=host[1] if host else None,
             message_wait_s=host[2] if host else None,
             message_cpu_s=host[3] if host else None,
+            pass_cpu_s=host[4] if host else None,
+            # What the fit was made from, per worker: CPU per step, all of it and its passes'.
+            cpu_s={w: round(x, 6) for w, x in cpu.items()},
+            compute_cpu_s={w: round(x, 6) for w, x in compute.items()},
+            pass_loop_cpu_s={w: round(x, 6) for w, x in passes.items()},
         )
 
     def search(self, job: Any) -> Any:

@@ -215,6 +215,7 @@ def to_job(config: JobConfig, table: CostTable | None = None) -> Job:
         pg_base = table.pg_init_base_s if table.pg_init_base_s is not None else pg_base
         pg_per = table.pg_init_per_worker_s if table.pg_init_per_worker_s is not None else pg_per
         store_rt = table.store_round_trip_s if table.store_round_trip_s is not None else store_rt
+    move_cpu = table.move_cpu_s_per_param if table is not None else None
     cluster = Cluster(
         name=c.name,
         num_nodes=c.num_nodes,
@@ -227,6 +228,7 @@ def to_job(config: JobConfig, table: CostTable | None = None) -> Job:
         pg_init_base_s=pg_base,
         pg_init_per_worker_s=pg_per,
         store_round_trip_s=store_rt,
+        move_cpu_s_per_param=move_cpu or 0.0,
         allreduce=c.collectives,
         intra_node_aggregate_bytes_per_s=(
             c.intra_node_aggregate_bandwidth_gb_per_s * 1e9
@@ -299,7 +301,7 @@ def _fitted(job: Job, table: CostTable) -> Job:
     if not set(plan.workers) <= set(range(job.num_workers)):
         return job  # profiled on more workers than this config has: layer costs only
     fit = fit_host(
-        job, plan, steps.step_s, steps.cpu_s, steps.compute_cpu_s,
+        job, plan, steps.step_s, steps.cpu_s, steps.compute_cpu_s, pass_cpu_s=steps.pass_cpu_s,
         alone_passes_cpu_s=steps.alone_passes_cpu_s,
     )  # fmt: skip
     return fit.apply(job) if fit is not None else job

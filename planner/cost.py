@@ -2,7 +2,7 @@
 
 Durations (PAPER.md, unified performance model):
 - forward/backward of a micro-batch on a worker: the sum over its layers (profiled or
-  analytic, see ``planner.config``);
+  analytic, see ``planner.config``), plus the runtime's own CPU per pass where measured;
 - activation or gradient transfer between two workers: latency + bytes / bandwidth on
   the intra- or inter-node link between the two (one pair's link, not a device's
   aggregate: a migration between two NPUs of a mesh uses the one link between them);
@@ -33,10 +33,10 @@ class CostModel:
     job: Job
 
     def forward_s(self, first: int, end: int) -> float:
-        return self.job.model.total("forward_s", first, end)
+        return self.job.model.total("forward_s", first, end) + self.job.cluster.pass_cpu_s
 
     def backward_s(self, first: int, end: int) -> float:
-        return self.job.model.total("backward_s", first, end)
+        return self.job.model.total("backward_s", first, end) + self.job.cluster.pass_cpu_s
 
     def optimizer_s(self, first: int, end: int) -> float:
         return self.job.model.total("optimizer_s", first, end)

@@ -49,6 +49,8 @@ class StepsMeasured(_Strict):
     step_s: NonNegative  # median over workers of each one's median step
     cpu_s: dict[int, NonNegative]  # per worker: the process's CPU per step
     compute_cpu_s: dict[int, NonNegative]  # per worker: its passes' and optimizer's CPU
+    # per worker: the pass loop's CPU beyond the layers (None: a table from before it)
+    pass_cpu_s: dict[int, NonNegative] | None = None
     # One process alone, every layer: one step's forward and backward passes, CPU time.
     alone_passes_cpu_s: NonNegative | None = None
 
@@ -67,6 +69,9 @@ class CostTable(_Strict):
     store_round_trip_s: NonNegative | None = None
     pg_init_base_s: NonNegative | None = None
     pg_init_per_worker_s: NonNegative | None = None
+    # CPU per parameter to move a layer besides the transfer: export and pack it on the
+    # sender, unpack, build and load it on the receiver (chameleon_runtime.recovery).
+    move_cpu_s_per_param: NonNegative | None = None
     steps: StepsMeasured | None = None
 
     def to_layers(self, *, micro_batch_size: int, tp: int) -> tuple[Layer, ...]:

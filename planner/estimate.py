@@ -120,6 +120,15 @@ def message_ops(plan: Plan, layer_params: Sequence[int]) -> dict[int, int]:
     return ops
 
 
+def passes_of(plan: Plan) -> dict[int, int]:
+    """Forward and backward passes per worker in one step."""
+    passes: dict[int, int] = {}
+    for route in plan.routes:
+        for w in route.hops:
+            passes[w] = passes.get(w, 0) + 2 * len(route.micro_batches)
+    return passes
+
+
 def worker_compute_s(
     plan: Plan, costs: CostModel, ranges: dict[int, tuple[int, int]] | None = None
 ) -> dict[int, float]:
@@ -127,12 +136,9 @@ def worker_compute_s(
     optimizer update."""
     if ranges is None:
         ranges = {s.worker: (s.first_layer, s.end_layer) for s in plan.stages}
-    passes: dict[int, int] = {}
-    for route in plan.routes:
-        for w in route.hops:
-            passes[w] = passes.get(w, 0) + len(route.micro_batches)
+    passes = passes_of(plan)
     return {
-        w: passes.get(w, 0) * (costs.forward_s(first, end) + costs.backward_s(first, end))
+        w: passes.get(w, 0) // 2 * (costs.forward_s(first, end) + costs.backward_s(first, end))
         + costs.optimizer_s(first, end)
         for w, (first, end) in ranges.items()
     }

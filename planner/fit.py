@@ -5,8 +5,10 @@ the layers (the fit is stored in the cost table and applied when a config loads 
 by the launcher on every running generation (launcher/calibration.py).
 
 Layer times become the CPU time the workers measured for their passes (a worker that has
-a core runs at that speed); each worker's CPU beyond its layers is its overhead (Python,
-messages, the store); the host bound is all of it over the cores. A step slower than
+a core runs at that speed); the CPU the runtime's loop spends around each pass (measured
+apart: receiving, sending, stashing, the meter) is charged per pass, whatever the layers;
+each worker's CPU beyond both is its overhead (other threads, the step's tail, the store);
+the host bound is all of it over the cores. A step slower than
 that bound waits on messages: on a busy host a message's wake-up costs far more than the
 link's latency, so the latency that makes the measured plan's critical path its measured
 step is fitted. Where waiting cannot explain the step, the host is taken to keep busy
@@ -20,7 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 from planner.cost import CostModel
-from planner.estimate import estimate, message_ops, worker_compute_s
+from planner.estimate import estimate, message_ops, passes_of, worker_compute_s
 from planner.load import busiest_host, scaled, waiting
 from planner.plan import Plan
 from planner.workload import Job
@@ -55,6 +57,7 @@ class HostFit:
     wait_s: float | None  # extra latency per message; None: waiting does not explain it
     workers: int = 0  # per host, when fitted
     contention: float = 0.0  # planner.load
+    pass_cpu_s: float = 0.0  # per forward or backward pass, beyond its layers
 
     def apply(self, job: Job, *, wait_s: float | None = None) -> Job:
         """``job`` fitted; planner.load moves it to other loads when ``contention`` was
@@ -66,6 +69,7 @@ class HostFit:
             host_cores=self.cores,
             worker_overhead_s=self.overhead_s,
             message_cpu_s=self.message_cpu_s,
+            pass_cpu_s=self.pass_cpu_s,
             fitted_workers=self.workers if self.contention or wait else 0,
             contention=self.contention,
             message_wait_s=wait,
@@ -80,23 +84,37 @@ def fit_host(
     cpu_s: Mapping[int, float],
     compute_cpu_s: Mapping[int, float],
     *,
+    pass_cpu_s: Mapping[int, float] | None = None,
     alone_passes_cpu_s: float | None = None,
 ) -> HostFit | None:
     """Fit ``job`` on a shared host to ``plan``'s measured step and its workers' CPU per
     step (all of it, and their passes'): module doc. None without a host to fit. With
     ``alone_passes_cpu_s`` (one step's passes by one process alone), also how a pass's
-    CPU grows with the processes sharing the cores (planner.load)."""
+    CPU grows with the processes sharing the cores (planner.load). With ``pass_cpu_s``
+    (per worker, the pass loop's CPU beyond the layers), the CPU of a pass beyond them."""
+    job = replace(job, cluster=replace(job.cluster, pass_cpu_s=0.0))  # fitted here, afresh
     workers = [w for w in plan.workers if w in cpu_s and w in compute_cpu_s]
     compute = worker_compute_s(plan, CostModel(job))
     modelled = sum(compute.get(w, 0.0) for w in workers)
     if not job.cluster.host_cores or not workers or modelled <= 0:
         return None
     factor = sum(compute_cpu_s[w] for w in workers) / modelled
-    overhead, per_message = _overhead(plan, job, workers, cpu_s, compute_cpu_s)
+    passes = passes_of(plan)
+    per_pass = 0.0
+    if pass_cpu_s and all(w in pass_cpu_s for w in workers):
+        total = sum(passes.get(w, 0) for w in workers)
+        per_pass = sum(pass_cpu_s[w] for w in workers) / total if total else 0.0
+    beyond = {w: compute_cpu_s[w] + per_pass * passes.get(w, 0) for w in workers}
+    overhead, per_message = _overhead(plan, job, workers, cpu_s, beyond)
     cores = float(job.cluster.host_cores)
     fitted = replace(
         scaled(job, factor),
-        cluster=replace(job.cluster, worker_overhead_s=overhead, message_cpu_s=per_message),
+        cluster=replace(
+            job.cluster,
+            worker_overhead_s=overhead,
+            message_cpu_s=per_message,
+            pass_cpu_s=per_pass,
+        ),
     )
     wait = fit_wait(fitted, plan, measured_step_s)
     if wait is None:
@@ -114,7 +132,7 @@ def fit_host(
         contention = max(0.0, (factor / alone - 1) / (n0 - 1)) if alone > 0 else 0.0
     return HostFit(
         factor=factor, cores=cores, overhead_s=overhead, message_cpu_s=per_message,
-        wait_s=wait, workers=n0, contention=contention,
+        pass_cpu_s=per_pass, wait_s=wait, workers=n0, contention=contention,
     )  # fmt: skip
 
 
@@ -125,7 +143,7 @@ def _overhead(
     cpu_s: Mapping[int, float],
     compute_cpu_s: Mapping[int, float],
 ) -> tuple[float, float]:
-    """(base, per message) CPU beyond the layers, by least squares over the workers: a
+    """(base, per message) CPU beyond ``compute_cpu_s``, by least squares over the workers: a
     pipeline's middle stages send and receive twice what its ends do, which separates
     the two. One message count for all (data parallel only): all of it is base."""
     ops = message_ops(plan, job.model.layer_params)

@@ -73,13 +73,32 @@ def transfer_s(costs: CostModel, t: Transfer, *, runnable: int = 2) -> float:
 
 def schedule_s(costs: CostModel, transfers: Sequence[Transfer], rounds: Sequence[int]) -> float:
     """Round after round, each as long as its slowest transfer, with every transfer of
-    the round (two processes each) running at once."""
+    the round (two processes each) running at once; then the layers installed."""
     per_round = Counter(rounds)
     tasks = [
         Task((t.src, t.dst), transfer_s(costs, t, runnable=2 * per_round[r]))
         for t, r in zip(transfers, rounds, strict=True)
     ]
-    return rounds_time_s(tasks, rounds)
+    return rounds_time_s(tasks, rounds) + install_s(costs, transfers)
+
+
+def install_s(costs: CostModel, transfers: Sequence[Transfer]) -> float:
+    """The CPU a migration spends on its layers besides sending them (packing, unpacking,
+    building each received layer and loading its state: profiled per parameter), the
+    same under any schedule: each receiver installs what it got, at once with the others,
+    so the busiest receiver's share, or on hosts whose workers share cores, all of it
+    over the cores if that is longer."""
+    job = costs.job
+    per_param = job.cluster.move_cpu_s_per_param
+    if not per_param:
+        return 0.0
+    work: dict[int, float] = {}
+    for t in transfers:
+        params = job.model.total("num_params", t.first_layer, t.end_layer)
+        work[t.dst] = work.get(t.dst, 0.0) + params * per_param
+    busiest = max(work.values(), default=0.0)
+    cores = job.cluster.host_cores
+    return max(busiest, sum(work.values()) / cores) if cores else busiest
 
 
 def plan_migration(costs: CostModel, *, holdings: Mapping[int, Range], target: Plan) -> Migration:
@@ -97,6 +116,6 @@ def plan_migration(costs: CostModel, *, holdings: Mapping[int, Range], target: P
         transfers=tuple(transfers),
         rounds=tuple(rounds),
         est_time_s=schedule_s(costs, transfers, rounds),
-        naive_est_time_s=sum(transfer_s(costs, t) for t in naive),
+        naive_est_time_s=sum(transfer_s(costs, t) for t in naive) + install_s(costs, naive),
         naive_transfers=tuple(naive),
     )

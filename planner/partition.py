@@ -52,8 +52,9 @@ class Partitioner:
         self._num_layers = model.num_layers
         self._prefix_time = [0.0]
         for i in range(model.num_layers):
-            step = costs.forward_s(i, i + 1) + costs.backward_s(i, i + 1)
+            step = model.total("forward_s", i, i + 1) + model.total("backward_s", i, i + 1)
             self._prefix_time.append(self._prefix_time[-1] + step)
+        self._per_stage_s = 2 * costs.job.cluster.pass_cpu_s  # a forward's and a backward's
         self._limit = costs.job.worker_memory_bytes
         # _best[j - 1][f]: the bottleneck of [f, L) over the last j stages (inf: none fits)
         self._best: list[list[float]] = []
@@ -67,7 +68,7 @@ class Partitioner:
         return self._cache[num_stages]
 
     def _stage_time(self, first: int, end: int) -> float:
-        return self._prefix_time[end] - self._prefix_time[first]
+        return self._prefix_time[end] - self._prefix_time[first] + self._per_stage_s
 
     def _fits(self, first: int, end: int, in_flight: int) -> bool:
         """Whether [first, end) fits with ``in_flight`` micro-batches. Memory grows with

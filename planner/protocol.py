@@ -74,9 +74,11 @@ class WorkerStatus(_Message):
     slowest_step_s: float | None = None
     cpu_s: float | None = None
     compute_cpu_s: float | None = None
+    pass_cpu_s: float | None = None  # the pass loop's CPU beyond the layers
     mean_step_s: float | None = None  # chameleon_runtime.pace, for the launcher's fit
     mean_cpu_s: float | None = None
     mean_compute_cpu_s: float | None = None
+    mean_pass_cpu_s: float | None = None
     waiting_on: WaitingOn | None = None
     peak_bytes: int | None = None  # tensor bytes at this generation's peak (runtime.memory)
     fds: int | None = None  # open file descriptors and threads: bounded-state evidence

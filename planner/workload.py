@@ -83,6 +83,12 @@ class Cluster:
     worker_overhead_s: float = 0.0
     # ... and the CPU each point-to-point send or receive costs it (planner.fit).
     message_cpu_s: float = 0.0
+    # ... and the CPU of each forward or backward pass beyond its layers (the runtime's
+    # loop: receiving, sending, stashing, metering), whatever the layers: planner.cost
+    # adds it to every pass.
+    pass_cpu_s: float = 0.0
+    # CPU per parameter moved, beyond the transfer (pack, unpack, build, load): profiled.
+    move_cpu_s_per_param: float = 0.0
     # A fit to measured steps (planner.fit) was made with this many workers per host
     # (0: none); how a pass's CPU grows per extra process, and the message wake-up wait
     # included in the links' latency at that load (planner.load moves it to others).

@@ -5,6 +5,7 @@ from dataclasses import replace
 
 import pytest
 
+from planner.cost import CostModel
 from planner.estimate import estimate, message_ops
 from planner.fit import fit_host
 from planner.layout import initial_plan
@@ -64,6 +65,23 @@ def test_the_fit_separates_base_and_per_message_cpu_and_reproduces_the_step():
     assert estimate(fitted, plan).step_s == pytest.approx(0.200, rel=0.02)
 
 
+def test_the_pass_loop_cpu_is_charged_per_pass_apart_from_the_overhead():
+    job = _shared_host(uniform_job(dp=2, pp=2, num_layers=4, micro_batches=8))
+    plan = initial_plan(job)
+    compute = {w: 0.030 for w in plan.workers}
+    # Every worker runs 8 passes per step (4 micro-batches, forward and backward): 0.4 ms
+    # of loop CPU each, then a base of 2 ms beyond it.
+    loop = {w: 8 * 0.0004 for w in plan.workers}
+    cpu = {w: compute[w] + loop[w] + 0.002 for w in plan.workers}
+    fit = fit_host(job, plan, 0.200, cpu, compute, pass_cpu_s=loop)
+    assert fit.pass_cpu_s == pytest.approx(0.0004)
+    assert fit.overhead_s == pytest.approx(0.002)
+    fitted = fit.apply(job)
+    costs = CostModel(fitted)
+    layers = fitted.model.total("forward_s", 0, 2)
+    assert costs.forward_s(0, 2) == pytest.approx(layers + 0.0004)
+
+
 def test_a_fit_moves_to_another_load_by_the_measured_contention():
     job = _shared_host(
         uniform_job(dp=4, pp=2, num_layers=4, micro_batches=8, forward_s=0.001, backward_s=0.002)
@@ -88,4 +106,17 @@ def test_a_fit_moves_to_another_load_by_the_measured_contention():
     assert load == 4
     k = (1 + 0.1 * 3) / (1 + 0.1 * 7)
     assert moved.model.layers[0].forward_s == pytest.approx(fitted.model.layers[0].forward_s * k)
-    assert moved.cluster.worker_overhead_s == pytest.approx(fitted.cluster.worker_overhead_s * k)
+    # The runtime's own CPU does not scale with the passes' contention (planner.load).
+    assert moved.cluster.worker_overhead_s == fitted.cluster.worker_overhead_s > 0
+
+
+def test_a_wake_up_waits_only_while_more_processes_are_runnable_than_cores():
+    from planner.load import wait_at_s
+
+    job = _shared_host(uniform_job(dp=4, pp=2, num_layers=4, micro_batches=8))
+    fitted = replace(
+        job, cluster=replace(job.cluster, fitted_workers=8, message_wait_s=0.006, host_cores=2)
+    )
+    assert wait_at_s(fitted, 8) == pytest.approx(0.006)
+    assert wait_at_s(fitted, 5) == pytest.approx(0.006 * 3 / 6)
+    assert wait_at_s(fitted, 2) == 0.0 and wait_at_s(fitted, 1) == 0.0
