@@ -7,8 +7,9 @@ backward receives the output gradient from ``next`` (or starts from the loss) an
 the input gradient to ``prev``. Then its tail, operation by operation: each bucket's
 gradients exchanged among its holders and summed in holder order (bit-identical on every
 holder), the sums rounded, the loss reported, the commit barrier, the optimizer step, the
-loss read. Nothing else runs per step: the estimator times this same program. Any error or abort leaves the step unapplied on every worker (the
-commit is an all-or-none agreement, chameleon_runtime.control).
+loss read. Nothing else runs per step: the estimator times this same program. Any error
+or abort leaves the step unapplied on every worker (the commit is an all-or-none
+agreement, chameleon_runtime.control).
 
 Everything between workers is point to point, and every message of a step is known up
 front, so an aborted step can be drained: the worker sends zeros for every message it

@@ -120,13 +120,13 @@ def message_ops(plan: Plan, layer_params: Sequence[int]) -> dict[int, int]:
     return ops
 
 
-def passes_of(plan: Plan) -> dict[int, int]:
-    """Forward and backward passes per worker in one step."""
-    passes: dict[int, int] = {}
+def micro_batches_of(plan: Plan) -> dict[int, int]:
+    """Micro-batches through each worker in one step (a forward and a backward pass each)."""
+    through: dict[int, int] = {}
     for route in plan.routes:
         for w in route.hops:
-            passes[w] = passes.get(w, 0) + 2 * len(route.micro_batches)
-    return passes
+            through[w] = through.get(w, 0) + len(route.micro_batches)
+    return through
 
 
 def worker_compute_s(
@@ -136,9 +136,9 @@ def worker_compute_s(
     optimizer update."""
     if ranges is None:
         ranges = {s.worker: (s.first_layer, s.end_layer) for s in plan.stages}
-    passes = passes_of(plan)
+    through = micro_batches_of(plan)
     return {
-        w: passes.get(w, 0) // 2 * (costs.forward_s(first, end) + costs.backward_s(first, end))
+        w: through.get(w, 0) * (costs.forward_s(first, end) + costs.backward_s(first, end))
         + costs.optimizer_s(first, end)
         for w, (first, end) in ranges.items()
     }

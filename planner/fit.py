@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 from planner.cost import CostModel
-from planner.estimate import estimate, message_ops, passes_of, worker_compute_s
+from planner.estimate import estimate, message_ops, micro_batches_of, worker_compute_s
 from planner.load import busiest_host, scaled, waiting
 from planner.plan import Plan
 from planner.workload import Job
@@ -99,7 +99,7 @@ def fit_host(
     if not job.cluster.host_cores or not workers or modelled <= 0:
         return None
     factor = sum(compute_cpu_s[w] for w in workers) / modelled
-    passes = passes_of(plan)
+    passes = {w: 2 * m for w, m in micro_batches_of(plan).items()}  # forward and backward
     per_pass = 0.0
     if pass_cpu_s and all(w in pass_cpu_s for w in workers):
         total = sum(passes.get(w, 0) for w in workers)
