@@ -21,6 +21,11 @@ measured:
   first holder, one transfer at a time): the measured ratio naive / ours beside the
   model's.
 
+Every layout and both recoveries run ``--rounds`` times (3), one round after another, so
+that the machine's drift over minutes (a layout's median step moves by 10-15% between
+runs on the 2-core test machine) falls on every row alike; a row's measured value is the
+median of its runs. The naive migration runs once, after the last round.
+
 Targets: step time within 15%, peak memory within 10%, transitions within 25%, on every
 row. It exits non-zero if a row misses and prints the worst row last (relative to its
 target).
@@ -59,6 +64,7 @@ class Row:
     predicted: float
     measured: float
     unit: str  # "ms" or "MiB"
+    runs: int = 1  # the measured value is the median over this many runs
 
     @property
     def error(self) -> float:
@@ -76,6 +82,7 @@ class Row:
             f"  {self.kind:10} {self.name:52} {self.predicted * scale:9.2f} {self.unit:3} "
             f"{self.measured * scale:9.2f} {self.unit:3} {self.error:6.1%} "
             f"(target {TARGETS[self.kind]:.0%}){flag}"
+            + (f"  [{self.runs} of {ARGS.rounds} runs]" if self.runs != ARGS.rounds else "")
         )
 
 
@@ -202,49 +209,78 @@ def transition_rows(job, policy: str, run_: Run) -> tuple[list[Row], str]:  # no
     return rows, info
 
 
+def one_round(work: Path, config: Path, job, k: int, migrations: dict) -> tuple[list[Row], list[str]]:  # noqa: ANN001
+    """Every layout and both recoveries once (round ``k``): their rows, and what is not
+    predicted."""
+    rows: list[Row] = []
+    infos: list[str] = []
+    for workers, stages in ARGS.layouts:
+        name = f"{workers // stages}x{stages}"
+        r = run(work, config, f"{name}-{k}", workers, stages, [])
+        rows += layout_rows(job, f"{name} ({workers} workers)", r.first("resumed")["plan"], r, 0, ARGS.skip)
+        print(f"  round {k + 1}: measured {name}", flush=True)
+    fault = f"kill:rank=5,step={ARGS.kill_at}"
+    for policy in ("reroute", "reparallelize"):
+        extra = ["--policy", policy, "--inject-fault", fault, "--migration-schedule", "matched"]
+        r = run(work, config, f"{policy}-{k}", 8, 4, extra)
+        done, chosen = r.first("recovered"), r.first("plan_chosen")
+        name = f"8 workers, rank 5 lost: {policy} ({chosen['label']})"
+        rows += layout_rows(job, name, chosen["plan"], r, done["generation"], 3)
+        moved, info = transition_rows(job, policy, r)
+        rows += moved
+        infos.append(info)
+        if policy == "reparallelize":
+            migrations["matched"] = (done["migration_s"], chosen)
+        print(f"  round {k + 1}: measured {name}", flush=True)
+    return rows, infos
+
+
+def naive_migration(work: Path, config: Path, migrations: dict) -> None:
+    """The last round's re-partition once more under the naive schedule. The choice
+    follows the run's own step calibration, so a run may place the re-partition
+    differently: run again (a few times at most) until it makes the same migration."""
+    extra = ["--policy", "reparallelize", "--inject-fault", f"kill:rank=5,step={ARGS.kill_at}",
+             "--migration-schedule", "naive"]  # fmt: skip
+    for attempt in range(NAIVE_ATTEMPTS):
+        r = run(work, config, f"naive-{attempt}", 8, 4, extra)
+        if r.first("plan_chosen")["plan"] == migrations["matched"][1]["plan"]:
+            break
+    migrations["naive"] = (r.first("recovered")["migration_s"], r.first("plan_chosen"))
+    print("  measured the naive migration", flush=True)
+
+
+def pooled(rounds: list[list[Row]]) -> list[Row]:
+    """One row per name: the median over the rounds that measured it (a re-partition
+    may choose another plan in another round: a row of its own)."""
+    by_name: dict[tuple[str, str], list[Row]] = {}
+    for rows in rounds:
+        for r in rows:
+            by_name.setdefault((r.kind, r.name), []).append(r)
+    return [
+        Row(kind, name, statistics.median(r.predicted for r in rs),
+            statistics.median(r.measured for r in rs), rs[0].unit, len(rs))  # fmt: skip
+        for (kind, name), rs in by_name.items()
+    ]
+
+
 def main() -> int:
     from planner.config import load_job
 
     work = Path(tempfile.mkdtemp(prefix="estimator-"))
-    rows: list[Row] = []
+    rounds: list[list[Row]] = []
     infos: list[str] = []
     migrations: dict[str, tuple[float, dict]] = {}
     try:
         config = profile(work)
         job = load_job(config)
-        for workers, stages in ARGS.layouts:
-            name = f"{workers // stages}x{stages}"
-            r = run(work, config, name, workers, stages, [])
-            rows += layout_rows(job, f"{name} ({workers} workers)", r.first("resumed")["plan"], r, 0, ARGS.skip)
-            print(f"  measured {name}", flush=True)
-        fault = f"kill:rank=5,step={ARGS.kill_at}"
-        for policy, schedule in (("reroute", "matched"), ("reparallelize", "matched"), ("reparallelize", "naive")):
-            extra = ["--policy", policy, "--inject-fault", fault, "--migration-schedule", schedule]
-            r = run(work, config, f"{policy}-{schedule}", 8, 4, extra)
-            done = r.first("recovered")
-            if schedule == "naive":
-                # The choice follows the run's own step calibration, so a run may place
-                # the re-partition differently: run again (a few times at most) until it
-                # makes the same migration as the matched run did.
-                for attempt in range(1, NAIVE_ATTEMPTS):
-                    if r.first("plan_chosen")["plan"] == migrations["matched"][1]["plan"]:
-                        break
-                    r = run(work, config, f"{policy}-{schedule}-{attempt}", 8, 4, extra)
-                done = r.first("recovered")
-                migrations["naive"] = (done["migration_s"], r.first("plan_chosen"))
-                print("  measured the naive migration", flush=True)
-                continue
-            chosen = r.first("plan_chosen")
-            name = f"8 workers, rank 5 lost: {policy} ({chosen['label']})"
-            rows += layout_rows(job, name, chosen["plan"], r, done["generation"], 3)
-            moved, info = transition_rows(job, policy, r)
-            rows += moved
-            infos.append(info)
-            if policy == "reparallelize":
-                migrations["matched"] = (done["migration_s"], chosen)
-            print(f"  measured {name}", flush=True)
+        for k in range(ARGS.rounds):
+            rows, more = one_round(work, config, job, k, migrations)
+            rounds.append(rows)
+            infos += more
+        naive_migration(work, config, migrations)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    rows = pooled(rounds)
 
     print("\nPredicted from one profile against measured")
     print(f"  {'':10} {'':52} {'predicted':>13} {'measured':>13} {'error':>6}")
@@ -296,6 +332,10 @@ if __name__ == "__main__":
     parser.add_argument("--skip", type=int, default=8, help="warm-up steps left out")
     parser.add_argument("--kill-at", type=int, default=10)
     parser.add_argument("--timeout", type=float, default=300)
+    parser.add_argument(
+        "--rounds", type=int, default=3,
+        help="runs of every layout and recovery, interleaved; each row is their median",
+    )  # fmt: skip
     ARGS = parser.parse_args()
     ARGS.layouts = [(8, 4), (8, 2), (6, 3), (4, 4), (4, 2), (4, 1), (2, 1)]
     sys.exit(main())

@@ -97,6 +97,13 @@ def profile(ctx: typer.Context) -> None:
         ),
         ("store round trip", fmt_s(table["store_round_trip_s"])),
         ("group creation", fmt_s(table["pg_init_base_s"])),
+        (
+            "CPU per MiB messaged",
+            fmt_s(table["message_cpu_s_per_byte"] * 2**20)
+            if table.get("message_cpu_s_per_byte") is not None
+            else "not measured (one worker)",
+        ),
+        ("step tail CPU per 1M params", fmt_s((table.get("tail_cpu_s_per_param") or 0) * 1e6)),
     ]
     Output(choose_mode(json=False, plain=ns.plain)).show(
         [

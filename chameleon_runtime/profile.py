@@ -7,7 +7,9 @@
   micro-batch of the real shape, while the other workers run too (on a shared host that
   contention is part of what a step costs); bytes stashed for backward, counted exactly
   with saved-tensor hooks.
-- ``link_cost``: latency and bandwidth between two workers, by ping-pong.
+- ``link_cost``: latency, bandwidth and CPU per byte between two workers, by ping-pong.
+- ``measure_move``, ``measure_tail``: the CPU per parameter of moving a layer, and of a
+  step's tail.
 
 ``chameleon profile`` runs a training script with CHAMELEON_PROFILE set: the Trainer then
 measures instead of training (``profile_job``) and writes a cost table.
@@ -132,16 +134,18 @@ def measure(
 
 def link_cost(
     gen: Any, me: int, peer: int, *, sizes: tuple[int, ...] = (256, 1 << 22), reps: int = 5
-) -> tuple[float, float]:
-    """(latency s, bandwidth bytes/s) between two workers, from ping-pongs of a small and a
-    large float32 message: latency from the small, bandwidth from the large."""
-    times = {}
+) -> tuple[float, float, float]:
+    """(latency s, bandwidth bytes/s, CPU s per byte) between two workers, from ping-pongs
+    of a small and a large float32 message: latency from the small, bandwidth and this
+    process's CPU per byte sent or received (all its threads: the copies and the
+    kernel's TCP) from the difference."""
+    times, cpu = {}, {}
     for size in sizes:
         buf = torch.zeros(size // 4)
-        samples = []
+        samples, cpu_samples = [], []
         for rep in range(reps + 1):
             tag = 3_000_000 + size % 1000 * 10 + rep
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             if me < peer:
                 gen.send(buf, peer, tag)
                 gen.flush_sends()
@@ -152,15 +156,39 @@ def link_cost(
                 gen.flush_sends()
             if rep:
                 samples.append((time.perf_counter() - t0) / 2)
+                cpu_samples.append(time.process_time() - c0)  # one send, one receive
         times[size] = statistics.median(samples)
+        cpu[size] = statistics.median(cpu_samples)
     small, large = sizes[0], sizes[-1]
     latency = times[small]
     bandwidth = (large - small) / max(times[large] - times[small], 1e-9)
-    return latency, bandwidth
+    per_byte = max(0.0, cpu[large] - cpu[small]) / (2 * (large - small))
+    return latency, bandwidth, per_byte
 
 
-# Real steps run after the layers are measured; the first few pay for warm-up.
-PROFILE_STEPS = 16
+def measure_tail(shard: Shard, layers: list[int], reps: int = 5) -> float:
+    """CPU per parameter held of a step's tail beyond the optimizer, as
+    chameleon_runtime.step runs it with one other holder: the float64 sums flattened,
+    summed with a received copy, put back, rounded and zeroed. The median of ``reps``."""
+    first, end = min(layers), max(layers) + 1
+    params = sum(p.numel() for i in layers for p in shard.layers[i].parameters())
+    times = []
+    for _ in range(reps + 1):
+        c0 = time.thread_time()
+        mine = shard.flat_sums(first, end)
+        total = mine.clone()
+        total += mine
+        shard.set_flat_sums(first, end, total)
+        shard.round_grads(first, end)
+        shard.zero_grad()
+        times.append(time.thread_time() - c0)
+    return statistics.median(times[1:]) / max(1, params)
+
+
+# Real steps run first, in processes as fresh as a run's; the first few pay for warm-up.
+# A step's time varies by 10% or more from one to the next on a shared host: 34 steps
+# give a median within a few percent of a long run's.
+PROFILE_STEPS = 40
 PROFILE_WARMUP_STEPS = 6
 
 
@@ -174,6 +202,7 @@ def measure_steps(trainer: Any, steps: int) -> dict[str, float]:
 
     plan = trainer.initial_plan()
     stage = plan.stage_of[trainer.rank]
+    trainer.shard.ensure(stage.first_layer, stage.end_layer)
     trainer.shard.keep_only(stage.first_layer, stage.end_layer)
     trainer._enter(0, plan, plan.workers)
     rows = []
@@ -189,6 +218,9 @@ def measure_steps(trainer: Any, steps: int) -> dict[str, float]:
             now = time.process_time()
             rows.append((result.seconds, now - mark, result.compute_cpu_s, result.pass_cpu_s))
             mark = now
+            trainer.control.status.update(
+                phase="train", step=step + 1, progress=step + 1, step_s=result.seconds
+            )  # as a run reports every step
             forget = trainer.control.keys.step_keys(
                 0, step, trainer.part.last_stage_workers(), checkpointed=False
             )
@@ -219,6 +251,33 @@ def measure_move(shard: Shard, layers: list[int]) -> float:
     return (time.thread_time() - c0) / max(1, params)
 
 
+def measure_wake(control: Any, rank: int, world: int, reps: int = 7) -> float | None:
+    """Seconds from one store write until every other worker, blocked waiting for it,
+    has woken and answered with a store operation of its own: the shape of each step of
+    the recovery protocol (an abort or a plan wakes the members, who report or agree).
+    Rank 0 writes and measures, the others answer; the median of ``reps``. None (rank 0
+    aside) on other ranks, or alone."""
+    keys, store = control.keys, control.store
+    samples = []
+    for k in range(reps + 1):
+        ready, go, done = (keys.profile(f"wake/{k}/{x}") for x in ("ready", "go", "done"))
+        if rank != 0:
+            store.add(ready, 1)
+            control.wait(go)
+            if store.add(keys.profile(f"wake/{k}/answers"), 1) == world - 1:
+                store.set(done, "1")
+            continue
+        while int(store.add(ready, 0)) < world - 1:
+            time.sleep(0.001)
+        time.sleep(0.02)  # every other worker is blocked in its wait by now
+        t0 = time.perf_counter()
+        store.set(go, "1")
+        control.wait(done)
+        if k:
+            samples.append(time.perf_counter() - t0)
+    return statistics.median(samples) if rank == 0 and samples else None
+
+
 def measure_alone(trainer: Any, reps: int = 3) -> float:
     """CPU time of one whole step's passes and optimizer in this one process (it holds
     every layer while profiling): the median of ``reps`` after a warm-up."""
@@ -241,9 +300,7 @@ def _steps_measured(control: Any, world: int, plan: Any) -> Any:
     from planner.costtable import StepsMeasured
     from planner.wire import PlanWire
 
-    rows = {
-        r: json.loads(control.wait(control.keys.profile(f"steps/{r}"))) for r in range(world)
-    }
+    rows = {r: json.loads(control.wait(control.keys.profile(f"steps/{r}"))) for r in range(world)}
     return StepsMeasured(
         plan=PlanWire.of(plan).model_dump(mode="json"),
         step_s=statistics.median(x["step_s"] for x in rows.values()),
@@ -267,12 +324,16 @@ def profile_job(trainer: Any, out: Path) -> None:
     trainer.layer_params, trainer.activation_shapes, trainer.layer_names = probe(
         trainer.factory, trainer.num_layers, sample, seed=trainer.seed
     )
+    sample_steps = measure_steps(trainer, PROFILE_STEPS)
+    wake = measure_wake(control, rank, world) if world >= 2 else None
     trainer.shard.ensure(0, trainer.num_layers)
     names = trainer.layer_names
     for cost in measure(trainer.shard, list(range(trainer.num_layers)), sample, names, reps=5):
         control.put(keys.profile(f"{rank}/{cost.name}"), cost.model_dump_json())
     move = measure_move(trainer.shard, list(range(trainer.num_layers)))
     control.put(keys.profile(f"move/{rank}"), repr(move))
+    tail = measure_tail(trainer.shard, list(range(trainer.num_layers)))
+    control.put(keys.profile(f"tail/{rank}"), repr(tail))
     control.agree(0, "profile/start", world)
     t0 = time.perf_counter()
     gen = Generation(
@@ -293,7 +354,6 @@ def profile_job(trainer: Any, out: Path) -> None:
     if rank == 0:
         control.put(keys.profile("alone"), repr(measure_alone(trainer)))
     control.agree(0, "profile/alone", world)
-    sample_steps = measure_steps(trainer, PROFILE_STEPS)
     control.put(keys.profile(f"steps/{rank}"), json.dumps(sample_steps))
     control.agree(0, "profile/done", world)
     if rank != 0:
@@ -328,6 +388,11 @@ def profile_job(trainer: Any, out: Path) -> None:
         pg_init_base_s=pg_init_s,
         move_cpu_s_per_param=statistics.median(
             float(control.wait(keys.profile(f"move/{r}"))) for r in range(world)
+        ),
+        message_cpu_s_per_byte=link[2] if link else None,
+        store_wake_s=wake,
+        tail_cpu_s_per_param=statistics.median(
+            float(control.wait(keys.profile(f"tail/{r}"))) for r in range(world)
         ),
         steps=_steps_measured(control, world, trainer.plan),
     )

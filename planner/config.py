@@ -216,6 +216,8 @@ def to_job(config: JobConfig, table: CostTable | None = None) -> Job:
         pg_per = table.pg_init_per_worker_s if table.pg_init_per_worker_s is not None else pg_per
         store_rt = table.store_round_trip_s if table.store_round_trip_s is not None else store_rt
     move_cpu = table.move_cpu_s_per_param if table is not None else None
+    byte_cpu = table.message_cpu_s_per_byte if table is not None else None
+    tail_cpu = table.tail_cpu_s_per_param if table is not None else None
     cluster = Cluster(
         name=c.name,
         num_nodes=c.num_nodes,
@@ -229,6 +231,8 @@ def to_job(config: JobConfig, table: CostTable | None = None) -> Job:
         pg_init_per_worker_s=pg_per,
         store_round_trip_s=store_rt,
         move_cpu_s_per_param=move_cpu or 0.0,
+        message_cpu_s_per_byte=byte_cpu or 0.0,
+        tail_cpu_s_per_param=tail_cpu or 0.0,
         allreduce=c.collectives,
         intra_node_aggregate_bytes_per_s=(
             c.intra_node_aggregate_bandwidth_gb_per_s * 1e9

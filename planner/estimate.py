@@ -14,7 +14,14 @@ from dataclasses import dataclass
 from planner.cost import CostModel
 from planner.load import at_load
 from planner.plan import Plan, Route
-from planner.program import buckets_of, max_in_flight, ops_for, position_in_home
+from planner.program import (
+    buckets_of,
+    build_program,
+    max_in_flight,
+    ops_for,
+    position_in_home,
+)
+from planner.sharing import simulate_shared
 from planner.timing import finish_step, simulate_compute, simulate_pipeline
 from planner.workload import Job
 
@@ -68,8 +75,10 @@ def estimate(job: Job, plan: Plan, *, memo: Memo | None = None) -> Estimate:
     ranges = {s.worker: (s.first_layer, s.end_layer) for s in plan.stages}
     compute_end, in_flight = _compute_phase(job, plan, costs, ranges, {} if memo is None else memo)
     buckets = buckets_of(plan, job.model.layer_params)
-    timing = finish_step(compute_end, buckets, ranges, costs, plan.num_layers)
-    step_s = max(timing.step_s, shared_host_bound_s(job, plan, costs, ranges))
+    if job.cluster.host_cores:
+        step_s = shared_host_step_s(job, plan, costs, ranges)
+    else:
+        step_s = finish_step(compute_end, buckets, ranges, costs, plan.num_layers).step_s
     exchange: dict[int, int] = {}
     for b in buckets:
         need = costs.exchange_bytes(len(b.holders), b.first_layer, b.end_layer)
@@ -87,22 +96,40 @@ def estimate(job: Job, plan: Plan, *, memo: Memo | None = None) -> Estimate:
     )
 
 
-def shared_host_bound_s(
+def shared_host_step_s(
     job: Job, plan: Plan, costs: CostModel, ranges: dict[int, tuple[int, int]]
 ) -> float:
-    """On hosts whose workers share CPU cores: the busiest host's CPU work (every pass of
-    every micro-batch, the optimizer, each worker's overhead) over its cores, plus the
-    commit. 0 otherwise."""
+    """On hosts whose workers share CPU cores: the step program run with each host's
+    runnable workers sharing its cores (planner.sharing)."""
     cluster = job.cluster
-    if not cluster.host_cores:
-        return 0.0
-    busy: dict[int, float] = {}
+    assert cluster.host_cores
+    per_host = max(1, cluster.nodes_per_host)
+    return simulate_shared(
+        build_program(plan, job.model.layer_params),
+        costs,
+        cores=cluster.host_cores,
+        host_of={w: job.node_of(w) // per_host for w in ranges},
+        own_cpu_s=runtime_cpu_s(job, plan, costs, ranges),
+    )
+
+
+def runtime_cpu_s(
+    job: Job, plan: Plan, costs: CostModel, ranges: dict[int, tuple[int, int]] | None = None
+) -> dict[int, float]:
+    """Each worker's CPU per step beyond its passes and optimizer, on a shared host: a
+    base, each message, each byte messaged, each parameter's share of the tail."""
+    cluster = job.cluster
+    if ranges is None:
+        ranges = {s.worker: (s.first_layer, s.end_layer) for s in plan.stages}
     ops = message_ops(plan, job.model.layer_params) if cluster.message_cpu_s else {}
-    for w, work in worker_compute_s(plan, costs, ranges).items():
-        host = job.node_of(w) // max(1, cluster.nodes_per_host)
-        overhead = cluster.worker_overhead_s + cluster.message_cpu_s * ops.get(w, 0)
-        busy[host] = busy.get(host, 0.0) + work + overhead
-    return max(busy.values(), default=0.0) / cluster.host_cores + costs.commit_s()
+    sent = message_bytes(plan, costs, ranges) if cluster.message_cpu_s_per_byte else {}
+    return {
+        w: cluster.worker_overhead_s
+        + cluster.message_cpu_s * ops.get(w, 0)
+        + cluster.message_cpu_s_per_byte * sent.get(w, 0)
+        + cluster.tail_cpu_s_per_param * job.model.total("num_params", first, end)
+        for w, (first, end) in ranges.items()
+    }
 
 
 def message_ops(plan: Plan, layer_params: Sequence[int]) -> dict[int, int]:
@@ -118,6 +145,29 @@ def message_ops(plan: Plan, layer_params: Sequence[int]) -> dict[int, int]:
         for w in bucket.holders:
             ops[w] = ops.get(w, 0) + 2 * (len(bucket.holders) - 1)
     return ops
+
+
+def message_bytes(
+    plan: Plan, costs: CostModel, ranges: dict[int, tuple[int, int]]
+) -> dict[int, int]:
+    """Bytes each worker sends and receives point to point in one step, the messages of
+    ``message_ops``: an activation and its gradient across each boundary per
+    micro-batch, a bucket's gradient sums to and from each other holder."""
+    sent: dict[int, int] = {}
+    for route in plan.routes:
+        n, m = len(route.hops), len(route.micro_batches)
+        for k, w in enumerate(route.hops):
+            first, end = ranges[w]
+            edge = (costs.boundary_bytes(first) if k > 0 else 0) + (
+                costs.boundary_bytes(end) if k < n - 1 else 0
+            )
+            sent[w] = sent.get(w, 0) + 2 * edge * m
+    training = costs.job.training
+    for bucket in buckets_of(plan, costs.job.model.layer_params):
+        size = costs.job.model.total("num_params", bucket.first_layer, bucket.end_layer)
+        for w in bucket.holders:
+            sent[w] = sent.get(w, 0) + 2 * (len(bucket.holders) - 1) * size * training.grad_bytes
+    return sent
 
 
 def micro_batches_of(plan: Plan) -> dict[int, int]:

@@ -7,12 +7,13 @@ by the launcher on every running generation (launcher/calibration.py).
 Layer times become the CPU time the workers measured for their passes (a worker that has
 a core runs at that speed); the CPU the runtime's loop spends around each pass (measured
 apart: receiving, sending, stashing, the meter) is charged per pass, whatever the layers;
-each worker's CPU beyond both is its overhead (other threads, the step's tail, the store);
-the host bound is all of it over the cores. A step slower than
-that bound waits on messages: on a busy host a message's wake-up costs far more than the
-link's latency, so the latency that makes the measured plan's critical path its measured
-step is fitted. Where waiting cannot explain the step, the host is taken to keep busy
-only the cores it was measured to keep busy.
+what the profile measured on its own (CPU per byte messaged, the tail's CPU per parameter
+held) is charged as measured; each worker's CPU beyond all that is a base plus a share
+per message (other threads, the store), fitted. The step is then the program run with
+the host's cores shared (planner.sharing); on a busy host a message's wake-up costs far
+more than the link's latency, so the latency that makes that step the measured one is
+fitted. A single-stage plan, which has few messages, fits the cores it keeps busy
+instead where the step is longer than its CPU explains.
 """
 
 from __future__ import annotations
@@ -22,7 +23,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 from planner.cost import CostModel
-from planner.estimate import estimate, message_ops, micro_batches_of, worker_compute_s
+from planner.estimate import (
+    estimate,
+    message_ops,
+    micro_batches_of,
+    runtime_cpu_s,
+    worker_compute_s,
+)
 from planner.load import busiest_host, scaled, waiting
 from planner.plan import Plan
 from planner.workload import Job
@@ -34,6 +41,7 @@ def fit_wait(job: Job, plan: Plan, measured: float, rounds: int = 30) -> float |
     """The extra latency per message that makes ``plan``'s estimate ``measured`` (the
     estimate grows with it), or None where none does: the estimate without any is
     already there, or no amount of waiting reaches it."""
+
     def predicted(extra: float) -> float:
         return estimate(waiting(job, extra), plan).step_s
 
@@ -44,8 +52,6 @@ def fit_wait(job: Job, plan: Plan, measured: float, rounds: int = 30) -> float |
         mid = (low + high) / 2
         low, high = (mid, high) if predicted(mid) < measured else (low, mid)
     return (low + high) / 2
-
-
 
 
 @dataclass(frozen=True)
@@ -92,7 +98,8 @@ def fit_host(
     ``alone_passes_cpu_s`` (one step's passes by one process alone), also how a pass's
     CPU grows with the processes sharing the cores (planner.load). With ``pass_cpu_s``
     (per worker, the pass loop's CPU beyond the layers), the CPU of a pass beyond them."""
-    job = replace(job, cluster=replace(job.cluster, pass_cpu_s=0.0))  # fitted here, afresh
+    # fitted here, afresh
+    job = replace(job, cluster=replace(job.cluster, pass_cpu_s=0.0))
     workers = [w for w in plan.workers if w in cpu_s and w in compute_cpu_s]
     compute = worker_compute_s(plan, CostModel(job))
     modelled = sum(compute.get(w, 0.0) for w in workers)
@@ -104,7 +111,13 @@ def fit_host(
     if pass_cpu_s and all(w in pass_cpu_s for w in workers):
         total = sum(passes.get(w, 0) for w in workers)
         per_pass = sum(pass_cpu_s[w] for w in workers) / total if total else 0.0
-    beyond = {w: compute_cpu_s[w] + per_pass * passes.get(w, 0) for w in workers}
+    # What the profile measured apart (CPU per byte messaged, the tail's per parameter)
+    # is known; the base and the CPU per message are fitted to the rest.
+    known = runtime_cpu_s(
+        replace(job, cluster=replace(job.cluster, worker_overhead_s=0.0, message_cpu_s=0.0)),
+        plan, CostModel(job),
+    )  # fmt: skip
+    beyond = {w: compute_cpu_s[w] + per_pass * passes.get(w, 0) + known[w] for w in workers}
     overhead, per_message = _overhead(plan, job, workers, cpu_s, beyond)
     cores = float(job.cluster.host_cores)
     fitted = replace(
@@ -116,11 +129,19 @@ def fit_host(
             pass_cpu_s=per_pass,
         ),
     )
-    wait = fit_wait(fitted, plan, measured_step_s)
-    if wait is None:
-        hosts = -(-job.cluster.num_nodes // max(1, job.cluster.nodes_per_host))
-        busy = sum(cpu_s[w] for w in workers) * len(plan.workers) / len(workers)
-        cores = busy / measured_step_s / hosts
+    # The step program under processor sharing (planner.sharing) is fitted to the
+    # measured step by a wake-up wait per message: on a busy host a message's wake-up
+    # costs far more than the link's latency. Only a pipeline's messages tell it: a
+    # single-stage plan has a few exchanges, and a wait fitted to them would carry
+    # whatever else slows the host; there the cores it keeps busy are fitted instead.
+    if any(len(r.hops) > 1 for r in plan.routes):
+        wait = fit_wait(fitted, plan, measured_step_s)
+    else:
+        wait = None
+        if estimate(fitted, plan).step_s < measured_step_s:
+            hosts = -(-job.cluster.num_nodes // max(1, job.cluster.nodes_per_host))
+            busy = sum(cpu_s[w] for w in workers) * len(plan.workers) / len(workers)
+            cores = min(cores, busy / measured_step_s / hosts)
     n0 = busiest_host(job, plan)
     contention = 0.0
     if alone_passes_cpu_s and n0 > 1:

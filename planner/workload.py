@@ -89,6 +89,12 @@ class Cluster:
     pass_cpu_s: float = 0.0
     # CPU per parameter moved, beyond the transfer (pack, unpack, build, load): profiled.
     move_cpu_s_per_param: float = 0.0
+    # CPU per byte a worker sends or receives point to point (copies, the kernel's TCP):
+    # a data parallel worker exchanges its whole model's gradients every step. Profiled.
+    message_cpu_s_per_byte: float = 0.0
+    # CPU per parameter held of a step's tail beyond the optimizer (flatten, sum and
+    # unflatten a bucket, round the sums, zero them): chameleon_runtime.step. Profiled.
+    tail_cpu_s_per_param: float = 0.0
     # A fit to measured steps (planner.fit) was made with this many workers per host
     # (0: none); how a pass's CPU grows per extra process, and the message wake-up wait
     # included in the links' latency at that load (planner.load moves it to others).

@@ -118,5 +118,6 @@ def test_a_wake_up_waits_only_while_more_processes_are_runnable_than_cores():
         job, cluster=replace(job.cluster, fitted_workers=8, message_wait_s=0.006, host_cores=2)
     )
     assert wait_at_s(fitted, 8) == pytest.approx(0.006)
-    assert wait_at_s(fitted, 5) == pytest.approx(0.006 * 3 / 6)
+    # less than in proportion to the queue (planner.load: measured)
+    assert wait_at_s(fitted, 5) == pytest.approx(0.006 * (3 / 6) ** 0.5)
     assert wait_at_s(fitted, 2) == 0.0 and wait_at_s(fitted, 1) == 0.0
