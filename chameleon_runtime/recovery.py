@@ -210,6 +210,7 @@ class RecoveryMixin:
                 groups_s=self.groups_s,
                 migrate_s=migrate_s,
                 carried=carried,
+                sent_at=time.time(),
             )
         )
 

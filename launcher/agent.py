@@ -86,6 +86,9 @@ class Agent:
         )
         self._signal: int | None = None
         self._stop_heartbeat = threading.Event()
+        # Set by the planner's thread when a decision is ready: the loop publishes it at
+        # once instead of on its next poll (launcher/planning.py).
+        self.nudge = threading.Event()
         self.failures: list[Failure] = []
         self.restarts_used = 0
         self.control: ControlPlane | None = None
@@ -340,7 +343,8 @@ class Agent:
         while True:
             recovering = leader is not None and leader.recovering
             # While a recovery is under way every millisecond counts: poll fast.
-            time.sleep(RECOVERY_POLL_S if recovering else self.args.monitor_interval_s)
+            self.nudge.wait(RECOVERY_POLL_S if recovering else self.args.monitor_interval_s)
+            self.nudge.clear()
             try:
                 # Local processes every interval; the store (remote reports, decisions)
                 # at once when something happened here, else every SYNC_PERIOD_S: on a

@@ -69,6 +69,7 @@ class Coordinator:
         max_rejoins: int = 0,
         started_at: float | None = None,
         on_phase: Callable[[RecoveryPhase], None] | None = None,
+        on_planned: Callable[[], None] | None = None,
     ) -> None:
         self.store = store
         self.keys = Keys(attempt)
@@ -99,6 +100,7 @@ class Coordinator:
             emit=emit,
             attempt=attempt,
             naive_migration=migration_schedule == "naive",
+            on_done=on_planned,
         )
         self.view = WorkerStoreView(attempt, "", 0, hosted=lambda: store)
         self._statuses: dict[int, WorkerStatus] = {}
@@ -164,7 +166,10 @@ class Coordinator:
                 self._apply(rc.ReadyReported(message.rank, report))
             elif isinstance(message, Applied):
                 self._applied[message.rank] = message
-                self._apply(rc.AppliedReported(message.rank, message.generation))
+                # On one host the clocks agree; across hosts the state machine bounds
+                # what skew can do (never before the phase began, nor after this read).
+                lag = max(0.0, time.time() - message.sent_at) if message.sent_at else 0.0
+                self._apply(rc.AppliedReported(message.rank, message.generation, lag))
             elif isinstance(message, Joined):
                 self.rejoins.up(message.rank, message.count, message.generation)
         answer = self.planner.answer(self.plans[0])

@@ -146,6 +146,7 @@ class Leader:
                 max_rejoins=a.max_rejoins,
                 started_at=agent.started_at,
                 on_phase=self.group.on_recovery_phase,
+                on_planned=agent.nudge.set,
             )
         return self.coordinator
 

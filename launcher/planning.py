@@ -37,6 +37,7 @@ class Planner:
         emit: Callable[..., object],
         attempt: int,
         naive_migration: bool = False,
+        on_done: Callable[[], None] | None = None,
     ) -> None:
         self.model = model
         self.policy = policy
@@ -46,6 +47,7 @@ class Planner:
         self.attempt = attempt
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="planner")
         self._pending: _Pending | None = None
+        self.on_done = on_done  # wakes the coordinator's loop: a decision is ready
 
     def start(
         self, start: rc.StartPlanning, base: Any, statuses: Mapping[int, WorkerStatus]
@@ -53,7 +55,11 @@ class Planner:
         """Plan ``start.generation`` from ``base`` (the PlanMessage of the layout held)."""
         current = base.plan.to_plan()
         job = self.model.job(current, statuses, start.base)
-        self._pending = _Pending(start, self._pool.submit(self._decide, start, current, job))
+        future = self._pool.submit(self._decide, start, current, job)
+        if self.on_done is not None:
+            on_done = self.on_done
+            future.add_done_callback(lambda _: on_done())
+        self._pending = _Pending(start, future)
 
     def fail(self, start: rc.StartPlanning, reason: str) -> None:
         """Answer ``start`` with a restart: there is nothing to plan with."""

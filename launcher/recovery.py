@@ -99,6 +99,7 @@ class State:
     aborted: int = -1  # the generation being left (COLLECT, PLAN)
     reports: Mapping[int, Report] = field(default_factory=lambda: _frozen({}))
     confirmations: frozenset[int] = frozenset()
+    resumed_at: float = 0.0  # when the last confirmation so far went back to training
     planning: int | None = None  # the generation number of the plan being computed
     deadline: float | None = None
     recovery: int = 0  # recoveries started in this attempt
@@ -171,6 +172,7 @@ def _begin(state: State, now: float, *, reason: str, lost: frozenset[int]) -> Re
         aborted=state.generation,
         reports=_frozen({}),
         confirmations=frozenset(),
+        resumed_at=0.0,
         planning=None,
         deadline=now + state.timeouts.collect_s,
         recovery=recovery,
@@ -309,6 +311,7 @@ def _planned(state: State, event: Planned, now: float) -> Result:
         layouts=_frozen({**keep, event.generation: _frozen(event.layout)}),
         planning=None,
         confirmations=frozenset(),
+        resumed_at=0.0,
         deadline=now + state.timeouts.confirm_s + 3 * event.transition_s,
     )
     return state, [
@@ -320,16 +323,24 @@ def _planned(state: State, event: Planned, now: float) -> Result:
 def _applied(state: State, event: AppliedReported, now: float) -> Result:
     if state.phase is not Phase.CONFIRM or event.generation != state.generation:
         return state, []
-    state = replace(state, confirmations=state.confirmations | {event.rank})
+    # When this member went back to training, never before the phase began nor after
+    # the leader read it (event.lag_s is on the member's clock).
+    resumed = min(now, max(state.entered_at, now - event.lag_s))
+    state = replace(
+        state,
+        confirmations=state.confirmations | {event.rank},
+        resumed_at=max(state.resumed_at, resumed),
+    )
     if not state.members <= state.confirmations:
         return state, []
-    spent = _enter(state, Phase.RUNNING, now).phases_s
+    end = max(state.entered_at, min(now, state.resumed_at))  # the job trains again
+    spent = _enter(state, Phase.RUNNING, end).phases_s
     recovered = Recovered(
         generation=state.generation,
         resume_step=state.resume_step,
         steps_lost=state.reached - state.resume_step,
         joined=tuple(sorted(state.joining)),
-        duration_s=now - state.started_at,
+        duration_s=end - state.started_at,
         phases_s=spent,
         last_answer=state.last_answer,
     )

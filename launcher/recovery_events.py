@@ -50,6 +50,11 @@ class ReadyReported:
 class AppliedReported:
     rank: int
     generation: int
+    # How long before the leader read the report the worker applied the plan and went
+    # back to training: on a host whose cores the training workers saturate, the
+    # leader's reads lag by many milliseconds, and the transition ends for the job when
+    # its last member trains again, not when the leader gets around to reading it.
+    lag_s: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -110,6 +110,7 @@ class Applied(_Message):
     groups_s: float = 0.0
     migrate_s: float = 0.0
     carried: bool = False  # the group of an earlier generation was kept
+    sent_at: float = 0.0  # the worker's wall clock as it went back to training (0: unknown)
 
 
 class Joined(_Message):

@@ -30,12 +30,15 @@ leader's agent notices a report within half its poll period on average
 
 - collect: the abort to every member's mailbox, one wake-up, the ``Ready`` report, the
   poll, and the leader reading every report;
-- plan: the poll that finds the decision made, and its three keys published (the
-  decision's own time is measured by the planner and added to it);
+- plan: its three keys published, the moment the decision is made (the planner's thread
+  wakes the leader's loop; the decision's own time is measured by the planner and added
+  to it);
 - confirm: one wake-up for the plan (read in two round trips), the ``groups`` agreement
   (the offer, the arrival, a wake-up, the others' offers), the ``migrated`` agreement
-  (an arrival and a wake-up; held whether or not anything moved), the ``Applied`` report,
-  the poll and the leader reading every report.
+  (an arrival and a wake-up; held whether or not anything moved), the ``Applied`` report.
+  Each member trains again as it sends that report, and the phase ends for the job when
+  the last one does (it says when: launcher/recovery.py); the leader may read the
+  reports later, which costs the job nothing.
 
 Building a group of n costs ``pg_init_base_s + pg_init_per_worker_s * n`` (every member
 publishes its address and connects). A worker builds its groups one after another and
@@ -46,7 +49,6 @@ groups at once costs a round trip per member of each.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
@@ -118,13 +120,11 @@ class Protocol:
 
 
 def plan_phase_s(job: Job, decision_s: float) -> float:
-    """The plan phase of a recovery whose decision took ``decision_s``: the planner starts
-    on one of the leader's ticks, which come every ``RECOVERY_POLL_S``, and is noticed on
-    the first tick after it is done; then its three keys are published. (A candidate's
-    ``Protocol.plan_s`` charges the expected half period instead: the decision's own
-    time is not known before it is made.)"""
-    ticks = max(1, math.ceil(decision_s / RECOVERY_POLL_S))
-    return ticks * RECOVERY_POLL_S + 3 * job.cluster.store_round_trip_s
+    """The plan phase of a recovery whose decision took ``decision_s``: the planner's
+    thread wakes the leader's loop the moment it is done (launcher/planning.py), which
+    publishes its three keys. (A candidate's ``Protocol.plan_s`` charges the keys alone:
+    the decision's own time is not known before it is made.)"""
+    return decision_s + 3 * job.cluster.store_round_trip_s
 
 
 def protocol(
@@ -146,7 +146,7 @@ def protocol(
     agreement = rt + wake
     return Protocol(
         collect_s=len(survivors) * rt + wake_collect + rt + reports(len(survivors)),
-        plan_s=poll + 3 * rt,
-        confirm_s=wake + 2 * rt + (2 * rt + agreement) + agreement + rt + reports(len(joined)),
+        plan_s=3 * rt,
+        confirm_s=wake + 2 * rt + (2 * rt + agreement) + agreement + rt,
         agreement_s=agreement,
     )
