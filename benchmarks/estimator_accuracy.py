@@ -65,6 +65,7 @@ class Row:
     measured: float
     unit: str  # "ms" or "MiB"
     runs: int = 1  # the measured value is the median over this many runs
+    spread: tuple[float, float] | None = None  # the least and most of those runs
 
     @property
     def error(self) -> float:
@@ -83,6 +84,11 @@ class Row:
             f"{self.measured * scale:9.2f} {self.unit:3} {self.error:6.1%} "
             f"(target {TARGETS[self.kind]:.0%}){flag}"
             + (f"  [{self.runs} of {ARGS.rounds} runs]" if self.runs != ARGS.rounds else "")
+            + (
+                f"  runs {self.spread[0] * scale:.1f}-{self.spread[1] * scale:.1f}"
+                if self.spread and self.unit == "ms"
+                else ""
+            )
         )
 
 
@@ -181,7 +187,7 @@ def transition_rows(job, policy: str, run_: Run) -> tuple[list[Row], str]:  # no
     if chosen.get("migration_schedule") == "naive":
         migration = migration.naive()
     sources = {t.src for t in migration.transfers}
-    proto = protocol(job, new, survivors=survivors, members=sources)
+    proto = protocol(job, new, survivors=survivors, members=sources, current=current)
     groups = groups_s(job, current, new, failed, members=sources)
     decision_s = chosen["search_ms"] / 1e3
     moved = migration.est_time_s + proto.agreement_s
@@ -258,7 +264,8 @@ def pooled(rounds: list[list[Row]]) -> list[Row]:
             by_name.setdefault((r.kind, r.name), []).append(r)
     return [
         Row(kind, name, statistics.median(r.predicted for r in rs),
-            statistics.median(r.measured for r in rs), rs[0].unit, len(rs))  # fmt: skip
+            statistics.median(r.measured for r in rs), rs[0].unit, len(rs),
+            (min(r.measured for r in rs), max(r.measured for r in rs)))  # fmt: skip
         for (kind, name), rs in by_name.items()
     ]
 

@@ -235,47 +235,24 @@ def measure_steps(trainer: Any, steps: int) -> dict[str, float]:
     }
 
 
-def measure_move(shard: Shard, layers: list[int]) -> float:
+def measure_move(shard: Shard, layers: list[int]) -> tuple[float, float]:
     """CPU per parameter of moving ``layers`` besides the transfer itself, as a migration
-    does (chameleon_runtime.recovery): export and pack on the sender, unpack, build the
-    layer and load its state on the receiver (here a fresh shard)."""
+    does (chameleon_runtime.recovery): (all of it, the sender's share). The sender
+    exports and packs, within its transfer's round; the receiver unpacks, builds the
+    layer and loads its state (here into a fresh shard), after the transfers."""
     from chameleon_runtime.shard import pack_layers, unpack_layers
 
     fresh = Shard(shard.factory, shard.make_optimizer, seed=shard.seed, device=shard.device)
     params = sum(p.numel() for i in layers for p in shard.layers[i].parameters())
+    packing = 0.0
     c0 = time.thread_time()
     for i in layers:
+        p0 = time.thread_time()
         blob, header_len = pack_layers([shard.export_layer(i)])
+        packing += time.thread_time() - p0
         for header, tensors in unpack_layers(blob, header_len):
             fresh.import_layer(header, tensors)
-    return (time.thread_time() - c0) / max(1, params)
-
-
-def measure_wake(control: Any, rank: int, world: int, reps: int = 7) -> float | None:
-    """Seconds from one store write until every other worker, blocked waiting for it,
-    has woken and answered with a store operation of its own: the shape of each step of
-    the recovery protocol (an abort or a plan wakes the members, who report or agree).
-    Rank 0 writes and measures, the others answer; the median of ``reps``. None (rank 0
-    aside) on other ranks, or alone."""
-    keys, store = control.keys, control.store
-    samples = []
-    for k in range(reps + 1):
-        ready, go, done = (keys.profile(f"wake/{k}/{x}") for x in ("ready", "go", "done"))
-        if rank != 0:
-            store.add(ready, 1)
-            control.wait(go)
-            if store.add(keys.profile(f"wake/{k}/answers"), 1) == world - 1:
-                store.set(done, "1")
-            continue
-        while int(store.add(ready, 0)) < world - 1:
-            time.sleep(0.001)
-        time.sleep(0.02)  # every other worker is blocked in its wait by now
-        t0 = time.perf_counter()
-        store.set(go, "1")
-        control.wait(done)
-        if k:
-            samples.append(time.perf_counter() - t0)
-    return statistics.median(samples) if rank == 0 and samples else None
+    return (time.thread_time() - c0) / max(1, params), packing / max(1, params)
 
 
 def measure_alone(trainer: Any, reps: int = 3) -> float:
@@ -325,13 +302,13 @@ def profile_job(trainer: Any, out: Path) -> None:
         trainer.factory, trainer.num_layers, sample, seed=trainer.seed
     )
     sample_steps = measure_steps(trainer, PROFILE_STEPS)
-    wake = measure_wake(control, rank, world) if world >= 2 else None
     trainer.shard.ensure(0, trainer.num_layers)
     names = trainer.layer_names
     for cost in measure(trainer.shard, list(range(trainer.num_layers)), sample, names, reps=5):
         control.put(keys.profile(f"{rank}/{cost.name}"), cost.model_dump_json())
-    move = measure_move(trainer.shard, list(range(trainer.num_layers)))
+    move, pack = measure_move(trainer.shard, list(range(trainer.num_layers)))
     control.put(keys.profile(f"move/{rank}"), repr(move))
+    control.put(keys.profile(f"pack/{rank}"), repr(pack))
     tail = measure_tail(trainer.shard, list(range(trainer.num_layers)))
     control.put(keys.profile(f"tail/{rank}"), repr(tail))
     control.agree(0, "profile/start", world)
@@ -389,8 +366,10 @@ def profile_job(trainer: Any, out: Path) -> None:
         move_cpu_s_per_param=statistics.median(
             float(control.wait(keys.profile(f"move/{r}"))) for r in range(world)
         ),
+        pack_cpu_s_per_param=statistics.median(
+            float(control.wait(keys.profile(f"pack/{r}"))) for r in range(world)
+        ),
         message_cpu_s_per_byte=link[2] if link else None,
-        store_wake_s=wake,
         tail_cpu_s_per_param=statistics.median(
             float(control.wait(keys.profile(f"tail/{r}"))) for r in range(world)
         ),

@@ -72,14 +72,13 @@ class CostTable(_Strict):
     # CPU per parameter to move a layer besides the transfer: export and pack it on the
     # sender, unpack, build and load it on the receiver (chameleon_runtime.recovery).
     move_cpu_s_per_param: NonNegative | None = None
+    # ... of which the sender's: export and pack, within its transfer's round.
+    pack_cpu_s_per_param: NonNegative | None = None
     # CPU per byte sent or received point to point (one worker's, both ways).
     message_cpu_s_per_byte: NonNegative | None = None
     # CPU per parameter held of a step's tail beyond the optimizer: a bucket flattened,
     # summed with one other holder's and put back, rounded, zeroed.
     tail_cpu_s_per_param: NonNegative | None = None
-    # One store write waking the other concurrent_workers - 1 workers, blocked on it, until
-    # the last has answered: the shape of each step of the recovery protocol.
-    store_wake_s: NonNegative | None = None
     steps: StepsMeasured | None = None
 
     def to_layers(self, *, micro_batch_size: int, tp: int) -> tuple[Layer, ...]:

@@ -59,16 +59,20 @@ def holdings_of(plan: Plan, alive: set[int] | frozenset[int] | None = None) -> d
 
 
 def transfer_s(costs: CostModel, t: Transfer, *, runnable: int = 2) -> float:
-    """One transfer as the runtime makes it: two messages back to back (its sizes, then
-    its layers packed in one buffer), so one latency, the bytes, and the CPU of both
-    messages. On a shared host the link's latency holds a fitted wake-up wait for the
-    job's load (planner.load); a migration wakes only its ``runnable`` senders and
-    receivers, so the wait is theirs."""
+    """One transfer as the runtime makes it: the sender exports and packs its layers,
+    then two messages back to back (its sizes, then the packed buffer), so the packing,
+    one latency, the bytes, and the CPU of both messages. On a shared host the link's
+    latency holds a fitted wake-up wait for the job's load (planner.load), and the
+    packing shares the cores: a migration wakes only its ``runnable`` senders and
+    receivers, so the wait and the share are theirs."""
     job = costs.job
     c = job.cluster
     link = job.link(t.src, t.dst)
     latency = link.latency_s - c.message_wait_s + wait_at_s(job, runnable)
-    return latency + t.num_bytes / link.bandwidth_bytes_per_s + 2 * c.message_cpu_s
+    pack = c.pack_cpu_s_per_param * job.model.total("num_params", t.first_layer, t.end_layer)
+    if c.host_cores:
+        pack *= max(1.0, runnable / c.host_cores)
+    return pack + latency + t.num_bytes / link.bandwidth_bytes_per_s + 2 * c.message_cpu_s
 
 
 def schedule_s(costs: CostModel, transfers: Sequence[Transfer], rounds: Sequence[int]) -> float:
@@ -83,13 +87,14 @@ def schedule_s(costs: CostModel, transfers: Sequence[Transfer], rounds: Sequence
 
 
 def install_s(costs: CostModel, transfers: Sequence[Transfer]) -> float:
-    """The CPU a migration spends on its layers besides sending them (packing, unpacking,
-    building each received layer and loading its state: profiled per parameter), the
+    """The CPU a migration spends on its layers after the transfers (unpacking, building
+    each received layer and loading its state: profiled per parameter), the
     same under any schedule: each receiver installs what it got, at once with the others,
     so the busiest receiver's share, or on hosts whose workers share cores, all of it
     over the cores if that is longer."""
     job = costs.job
-    per_param = job.cluster.move_cpu_s_per_param
+    # The sender's packing is paid in its transfer's round (transfer_s).
+    per_param = max(0.0, job.cluster.move_cpu_s_per_param - job.cluster.pack_cpu_s_per_param)
     if not per_param:
         return 0.0
     work: dict[int, float] = {}

@@ -97,7 +97,7 @@ def reroute_candidate(search: Search, current: Plan, failed: Sequence[int]) -> C
     est = search.estimate(plan)
     transition = Transition(
         groups_s=groups_s(job, current, plan, failed),
-        protocol_s=protocol(job, plan, survivors=plan.workers).total_s,
+        protocol_s=protocol(job, plan, survivors=plan.workers, current=current).total_s,
     )
     if not est.feasible:
         return Candidate(Policy.REROUTE, reason=overflow_reason(est, job), plan=plan, estimate=est)
@@ -130,7 +130,9 @@ def reparallelize_candidates(
             search_s=search_s,
             migration_s=migration.est_time_s,
             groups_s=groups_s(job, current, proposal.plan, failed, members=sources),
-            protocol_s=protocol(job, proposal.plan, survivors=survivors, members=sources).total_s,
+            protocol_s=protocol(
+                job, proposal.plan, survivors=survivors, members=sources, current=current
+            ).total_s,
         )
         out.append(
             Candidate(

@@ -52,7 +52,8 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
-from planner.load import wake_s
+from planner.cost import CostModel
+from planner.load import busiest_host, wake_s
 from planner.plan import Plan
 from planner.program import buckets_of
 from planner.protocol import RECOVERY_POLL_S
@@ -128,12 +129,18 @@ def plan_phase_s(job: Job, decision_s: float) -> float:
 
 
 def protocol(
-    job: Job, new: Plan, *, survivors: Collection[int], members: Iterable[int] = ()
+    job: Job,
+    new: Plan,
+    *,
+    survivors: Collection[int],
+    members: Iterable[int] = (),
+    current: Plan | None = None,
 ) -> Protocol:
     """What the protocol's messages cost for a recovery of the live ``survivors`` into
     ``new`` (``members``: transfer sources beyond its workers; module doc). Wake-ups in
     collect wait behind every survivor; in confirm, behind the new generation's members
-    (a worker the plan leaves out blocks, idle)."""
+    (a worker the plan leaves out blocks, idle). With ``current`` (the plan the failure
+    hit), collect also waits for the survivors to finish the pass each is in."""
     joined = set(new.workers) | set(members)
     rt = job.cluster.store_round_trip_s
     poll = RECOVERY_POLL_S / 2
@@ -144,9 +151,34 @@ def protocol(
     wake_collect = wake_s(job, survivors) + rt
     wake = wake_s(job, joined) + rt
     agreement = rt + wake
+    busy = in_pass_s(job, current, survivors) if current is not None else 0.0
     return Protocol(
-        collect_s=len(survivors) * rt + wake_collect + rt + reports(len(survivors)),
+        collect_s=len(survivors) * rt + max(wake_collect, busy) + rt + reports(len(survivors)),
         plan_s=3 * rt,
         confirm_s=wake + 2 * rt + (2 * rt + agreement) + agreement + rt,
         agreement_s=agreement,
     )
+
+
+def in_pass_s(job: Job, current: Plan, survivors: Collection[int]) -> float:
+    """How long the last of ``survivors`` takes to finish the pass it is in when the
+    abort comes: a worker notices it only between operations (a blocked receive is
+    interrupted, a running pass is not). A failure lands at a uniform point of each
+    survivor's pass, so the last of k finishes k / (k + 1) of a mean pass later. On a
+    host whose workers share its cores a pass runs at the share every runnable worker
+    gets."""
+    costs = CostModel(job)
+    ranges = {s.worker: (s.first_layer, s.end_layer) for s in current.stages}
+    passes = [
+        (costs.forward_s(*ranges[w]) + costs.backward_s(*ranges[w])) / 2
+        for w in survivors
+        if w in ranges
+    ]
+    if not passes:
+        return 0.0
+    k = len(passes)
+    mean = sum(passes) / k
+    cores = job.cluster.host_cores
+    if cores:
+        mean *= max(1.0, busiest_host(job, current) / cores)
+    return k / (k + 1) * mean

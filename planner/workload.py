@@ -89,6 +89,8 @@ class Cluster:
     pass_cpu_s: float = 0.0
     # CPU per parameter moved, beyond the transfer (pack, unpack, build, load): profiled.
     move_cpu_s_per_param: float = 0.0
+    # ... of which the sender spends packing, in its transfer's round (profiled).
+    pack_cpu_s_per_param: float = 0.0
     # CPU per byte a worker sends or receives point to point (copies, the kernel's TCP):
     # a data parallel worker exchanges its whole model's gradients every step. Profiled.
     message_cpu_s_per_byte: float = 0.0
