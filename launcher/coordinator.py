@@ -294,6 +294,10 @@ class Coordinator:
             "phases_s": dict(action.phases_s),
             "last_answer": action.last_answer,
             **self._measured_parts(action.generation),
+            # The model of the next transitions, moved toward what this one measured.
+            "transition_factor": self.model.observe_transition(
+                action.generation, action.duration_s
+            ),
         }
         if action.joined:
             self.emit("rejoined", ranks=list(action.joined), taken_in=True, **fields)

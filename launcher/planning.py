@@ -178,7 +178,7 @@ class Planner:
             transition_s=chosen.transition.total_s,
             transition_parts_s={
                 "search": chosen.transition.search_s,
-                "migration": migration.est_time_s,
+                "migration": job.cluster.transition_factor * migration.est_time_s,
                 "groups": chosen.transition.groups_s,
                 "protocol": chosen.transition.protocol_s,
             },
@@ -188,6 +188,11 @@ class Planner:
             joined=list(start.joining),
             plan=message.plan.model_dump(mode="json"),
             **basis,
+        )
+        self.model.expect_transition(
+            start.generation,
+            predicted_s=chosen.transition.total_s - chosen.transition.search_s,
+            decision_s=result["search_ms"] / 1e3,
         )
         members = frozenset(chosen.plan.workers) | {t.src for t in message.transfers}
         layout = {s.worker: (s.first_layer, s.end_layer) for s in chosen.plan.stages}

@@ -95,9 +95,10 @@ def reroute_candidate(search: Search, current: Plan, failed: Sequence[int]) -> C
     except RerouteInfeasible as exc:
         return Candidate(Policy.REROUTE, reason=str(exc))
     est = search.estimate(plan)
+    f = job.cluster.transition_factor
     transition = Transition(
-        groups_s=groups_s(job, current, plan, failed),
-        protocol_s=protocol(job, plan, survivors=plan.workers, current=current).total_s,
+        groups_s=f * groups_s(job, current, plan, failed),
+        protocol_s=f * protocol(job, plan, survivors=plan.workers, current=current).total_s,
     )
     if not est.feasible:
         return Candidate(Policy.REROUTE, reason=overflow_reason(est, job), plan=plan, estimate=est)
@@ -126,11 +127,12 @@ def reparallelize_candidates(
         except LostLayers as exc:
             return [Candidate(Policy.REPARALLELIZE, reason=str(exc))]
         sources = {t.src for t in migration.transfers}
+        f = job.cluster.transition_factor  # what this job's recoveries measured
         transition = Transition(
             search_s=search_s,
-            migration_s=migration.est_time_s,
-            groups_s=groups_s(job, current, proposal.plan, failed, members=sources),
-            protocol_s=protocol(
+            migration_s=f * migration.est_time_s,
+            groups_s=f * groups_s(job, current, proposal.plan, failed, members=sources),
+            protocol_s=f * protocol(
                 job, proposal.plan, survivors=survivors, members=sources, current=current
             ).total_s,
         )

@@ -91,6 +91,9 @@ class Cluster:
     move_cpu_s_per_param: float = 0.0
     # ... of which the sender spends packing, in its transfer's round (profiled).
     pack_cpu_s_per_param: float = 0.0
+    # Measured over modelled in-place transitions (migration, groups, protocol) of this
+    # job's recoveries so far (launcher/calibration.py); 1 before any.
+    transition_factor: float = 1.0
     # CPU per byte a worker sends or receives point to point (copies, the kernel's TCP):
     # a data parallel worker exchanges its whole model's gradients every step. Profiled.
     message_cpu_s_per_byte: float = 0.0

@@ -248,3 +248,26 @@ def test_the_message_wait_fitted_makes_the_running_plan_take_its_measured_step()
         micro_batch_counts=[8],
     )  # fmt: skip
     assert fit_wait(job, alone, estimate(job, alone).step_s * 1.5) is None  # no messages
+
+
+def test_measured_transitions_calibrate_the_next_ones():
+    from planner.policy import reroute_candidate
+    from planner.search import Search
+
+    model = JobModel(
+        emit=lambda name, **kw: None, rate=FailureRate(3600.0, fixed_s=3600.0), num_nodes=1,
+        workers_per_node=4, description=DESCRIPTION,
+    )  # fmt: skip
+    plan = two_by_two()
+    before = reroute_candidate(Search(model.job(plan, {}, 0)), plan, [3]).transition
+    # A recovery predicted at 10 ms beside a 5 ms decision measured 45 ms: 4x the model,
+    # of which the factor moves halfway (geometrically) at once.
+    model.expect_transition(1, predicted_s=0.010, decision_s=0.005)
+    assert model.observe_transition(1, 0.045) == pytest.approx(2.0)
+    assert model.observe_transition(1, 0.045) == pytest.approx(2.0)  # counted once
+    after = reroute_candidate(Search(model.job(plan, {}, 0)), plan, [3]).transition
+    assert after.protocol_s == pytest.approx(2 * before.protocol_s)
+    assert after.groups_s == pytest.approx(2 * before.groups_s)
+    # A much faster one moves it back, by at most 2x per recovery.
+    model.expect_transition(2, predicted_s=0.020, decision_s=0.0)
+    assert model.observe_transition(2, 0.0001) == pytest.approx(1.0)
