@@ -136,3 +136,33 @@ def test_migration_schedule_beats_naive_on_a_reshaped_plan():
     migration = plan_migration(costs, holdings=holdings, target=target)
     assert migration.num_bytes > 0
     assert migration.est_time_s < migration.naive_est_time_s
+    assert len(set(migration.rounds)) < len(migration.transfers)  # side by side
+
+
+def test_on_shared_cores_a_migration_goes_one_transfer_at_a_time_when_that_is_faster():
+    from dataclasses import replace
+
+    from planner.load import waiting
+    from planner.workload import Link
+
+    job = uniform_job(dp=4, pp=4, num_layers=20, per_node=16, intra=Link(1e10, 1e-5))
+    holdings = {w: ((w % 4) * 5, (w % 4) * 5 + 5) for w in range(4, 16)}
+    target = pipelines_plan(
+        num_layers=20, num_micro_batches=12,
+        pipelines=[[4, 5, 6], [8, 9, 10], [12, 13, 14], [7, 11, 15]],
+        boundaries=[[0, 7, 14, 20]] * 4, micro_batch_counts=[3, 3, 3, 3],
+    )  # fmt: skip
+    # Packing costs CPU that the transfers of a round share 2 cores for, and a woken
+    # receiver waits longer the more processes run (planner.load): rounds lose.
+    shared = replace(
+        job,
+        cluster=replace(
+            job.cluster, host_cores=2.0, nodes_per_host=1, pack_cpu_s_per_param=1e-6,
+            fitted_workers=16, message_wait_s=0.005,
+        ),
+    )  # fmt: skip
+    shared = waiting(shared, 0.005)  # the fitted wait rides on the links' latency
+    migration = plan_migration(CostModel(shared), holdings=holdings, target=target)
+    assert migration.rounds == tuple(range(len(migration.transfers)))
+    parallel = plan_migration(CostModel(job), holdings=holdings, target=target)
+    assert len(set(parallel.rounds)) < len(parallel.transfers)
