@@ -93,6 +93,7 @@ class Coordinator:
         self.failures: list[Failure] = []
         self.recovered = 0  # the first ``recovered`` failures were recovered from in place
         self._fatal: str | None = None
+        self._settled_generation = 0  # the generation the last recovery confirmed
         self.planner = Planner(
             model=model,
             policy=policy,
@@ -294,11 +295,16 @@ class Coordinator:
             "phases_s": dict(action.phases_s),
             "last_answer": action.last_answer,
             **self._measured_parts(action.generation),
-            # The model of the next transitions, moved toward what this one measured.
+            # The model of the next transitions, moved toward what this one measured: only
+            # by a recovery that made one plan (one hit by another failure ran several,
+            # and its time is theirs together).
             "transition_factor": self.model.observe_transition(
                 action.generation, action.duration_s
-            ),
+            )
+            if action.generation == self._settled_generation + 1
+            else self.model.transition_factor,
         }
+        self._settled_generation = action.generation
         if action.joined:
             self.emit("rejoined", ranks=list(action.joined), taken_in=True, **fields)
         else:
