@@ -22,9 +22,11 @@ from launcher.workers import Console
 CONTEXT = {"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []}
 HELP = """usage: chameleon profile --out TABLE.json [--nproc-per-node N] [--plain] SCRIPT [SCRIPT_ARGS...]
 
-Measure SCRIPT's layers (forward, backward, optimizer time, parameters, activation and
-stashed bytes), the link between two workers and the store, into a cost table that a
-config names with [model] cost_table = "...". SCRIPT must train with chameleon_runtime.
+Run 40 real steps of SCRIPT's own layout, then measure its layers (forward, backward,
+optimizer time, parameters, activation and stashed bytes), the link between two workers
+(latency, bandwidth, CPU per byte), the store, and the CPU of moving a layer and of a
+step's tail, into a cost table that a config names with [model] cost_table = "...".
+SCRIPT must train with chameleon_runtime.
 Every worker measures every layer at once, so run as many workers as the job will run on
 a shared host (the contention is part of a step's cost).
 """
