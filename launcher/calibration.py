@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from planner.fit import fit_host, scaled, waiting
@@ -63,10 +63,10 @@ class JobModel:
     measured_s: float | None = None
     fitted_generation: int = -1
     # Measured over modelled in-place transitions (planner.workload.Cluster), and what the
-    # plan being confirmed was predicted to cost beside its decision: generation ->
-    # (predicted s, the decision's own s).
+    # newest plan chosen was predicted to cost beside its decision: (generation,
+    # predicted s, the decision's own s).
     transition_factor: float = 1.0
-    _expected: dict[int, tuple[float, float]] = field(default_factory=dict)
+    _expected: tuple[int, float, float] | None = None
     _search: Any = None
     _exposed: tuple[float, int] | None = None  # since when, on how many devices
 
@@ -130,16 +130,16 @@ class JobModel:
         """The plan of ``generation`` was chosen for an in-place transition of
         ``predicted_s`` (migration, groups, protocol: already scaled by the factor) after a
         decision of ``decision_s``."""
-        self._expected = {generation: (predicted_s, decision_s)}  # only the newest counts
+        self._expected = (generation, predicted_s, decision_s)  # only the newest counts
 
     def observe_transition(self, generation: int, measured_s: float) -> float:
         """The recovery into ``generation`` took ``measured_s`` (collect, plan, confirm):
         move the factor halfway (geometrically) to what it measured beside the decision,
         as steps calibrate the step model. One noisy recovery moves it by at most 2x."""
-        expected = self._expected.pop(generation, None)
-        if expected is None or expected[0] <= 0:
+        expected, self._expected = self._expected, None
+        if expected is None or expected[0] != generation or expected[1] <= 0:
             return self.transition_factor
-        predicted, decision = expected
+        _, predicted, decision = expected
         ratio = min(4.0, max(0.25, max(0.0, measured_s - decision) / predicted))
         self.transition_factor = min(4.0, max(0.25, self.transition_factor * math.sqrt(ratio)))
         return self.transition_factor

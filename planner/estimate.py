@@ -15,6 +15,7 @@ from planner.cost import CostModel
 from planner.load import at_load
 from planner.plan import Plan, Route
 from planner.program import (
+    StepProgram,
     buckets_of,
     build_program,
     max_in_flight,
@@ -73,11 +74,16 @@ def estimate(job: Job, plan: Plan, *, memo: Memo | None = None) -> Estimate:
         memo = memo.setdefault(("load", load), {})  # type: ignore[assignment]
     costs = CostModel(job)
     ranges = {s.worker: (s.first_layer, s.end_layer) for s in plan.stages}
-    compute_end, in_flight = _compute_phase(job, plan, costs, ranges, {} if memo is None else memo)
     buckets = buckets_of(plan, job.model.layer_params)
     if job.cluster.host_cores:
-        step_s = shared_host_step_s(job, plan, costs, ranges)
+        # The whole program is simulated there; its in-flight counts are read off it.
+        program = build_program(plan, job.model.layer_params)
+        step_s = shared_host_step_s(job, plan, costs, program)
+        in_flight = {w.worker: w.max_in_flight for w in program.workers}
     else:
+        compute_end, in_flight = _compute_phase(
+            job, plan, costs, ranges, {} if memo is None else memo
+        )
         step_s = finish_step(compute_end, buckets, ranges, costs, plan.num_layers).step_s
     exchange: dict[int, int] = {}
     for b in buckets:
@@ -96,20 +102,16 @@ def estimate(job: Job, plan: Plan, *, memo: Memo | None = None) -> Estimate:
     )
 
 
-def shared_host_step_s(
-    job: Job, plan: Plan, costs: CostModel, ranges: dict[int, tuple[int, int]]
-) -> float:
-    """On hosts whose workers share CPU cores: the step program run with each host's
-    runnable workers sharing its cores (planner.sharing)."""
-    cluster = job.cluster
-    assert cluster.host_cores
-    per_host = max(1, cluster.nodes_per_host)
+def shared_host_step_s(job: Job, plan: Plan, costs: CostModel, program: StepProgram) -> float:
+    """On hosts whose workers share CPU cores: ``plan``'s step program run with each
+    host's runnable workers sharing its cores (planner.sharing)."""
+    assert job.cluster.host_cores
     return simulate_shared(
-        build_program(plan, job.model.layer_params),
+        program,
         costs,
-        cores=cluster.host_cores,
-        host_of={w: job.node_of(w) // per_host for w in ranges},
-        own_cpu_s=runtime_cpu_s(job, plan, costs, ranges),
+        cores=job.cluster.host_cores,
+        host_of={w.worker: job.host_of(w.worker) for w in program.workers},
+        own_cpu_s=runtime_cpu_s(job, plan, costs),
     )
 
 

@@ -61,7 +61,7 @@ def busiest_host(job: Job, plan: Plan | Iterable[int]) -> int:
     """Workers of ``plan`` (or of a set of workers) on its busiest host."""
     per_host: dict[int, int] = {}
     for w in plan.workers if isinstance(plan, Plan) else plan:
-        host = job.node_of(w) // max(1, job.cluster.nodes_per_host)
+        host = job.host_of(w)
         per_host[host] = per_host.get(host, 0) + 1
     return max(per_host.values(), default=0)
 

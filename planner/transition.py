@@ -143,17 +143,14 @@ def protocol(
     hit), collect also waits for the survivors to finish the pass each is in."""
     joined = set(new.workers) | set(members)
     rt = job.cluster.store_round_trip_s
-    poll = RECOVERY_POLL_S / 2
-
-    def reports(count: int) -> float:  # the leader notices, then reads every report
-        return poll + (count + 1) * rt
-
+    # The leader notices the Ready reports within half its poll, then reads every one.
+    reports = RECOVERY_POLL_S / 2 + (len(survivors) + 1) * rt
     wake_collect = wake_s(job, survivors) + rt
     wake = wake_s(job, joined) + rt
     agreement = rt + wake
     busy = in_pass_s(job, current, survivors) if current is not None else 0.0
     return Protocol(
-        collect_s=len(survivors) * rt + max(wake_collect, busy) + rt + reports(len(survivors)),
+        collect_s=len(survivors) * rt + max(wake_collect, busy) + rt + reports,
         plan_s=3 * rt,
         confirm_s=wake + 2 * rt + (2 * rt + agreement) + agreement + rt,
         agreement_s=agreement,

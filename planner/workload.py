@@ -233,6 +233,11 @@ class Job:
     def node_of(self, worker: int) -> int:
         return worker * self.tp // self.cluster.devices_per_node
 
+    def host_of(self, worker: int) -> int:
+        """The host whose CPU cores ``worker`` shares (several nodes may be agents on one
+        host: ``Cluster.nodes_per_host``)."""
+        return self.node_of(worker) // max(1, self.cluster.nodes_per_host)
+
     def workers_on_node(self, node: int) -> range:
         per_node = self.cluster.devices_per_node // self.tp
         return range(node * per_node, (node + 1) * per_node)
