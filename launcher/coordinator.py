@@ -8,10 +8,7 @@ publish aborts and plans, kill what did not answer, emit events, delete the keys
 generations no worker reads any more. The planner runs on a thread of its own, so
 failures keep being seen while it works.
 
-While the job trains it reads every worker's status once a second (one ``multi_get``):
-step events, the model's calibration (launcher/calibration.py), replacements to admit or
-take in (launcher/rejoin.py), and the progress watch that blames a stalled worker
-(launcher/watch.py).
+While the job trains it reads every worker's status once a second: launcher/running.py.
 """
 
 from __future__ import annotations
@@ -25,6 +22,7 @@ from launcher import recovery as rc
 from launcher.calibration import JobModel
 from launcher.planning import Planner
 from launcher.rejoin import Rejoins
+from launcher.running import RunningMixin
 from launcher.supervisor import Failure, FailureKind, root_cause, summary
 from launcher.watch import Progress
 from launcher.watch import Timeouts as WatchTimeouts
@@ -52,7 +50,7 @@ class InPlaceOutcome:
     reason: str = ""
 
 
-class Coordinator:
+class Coordinator(RunningMixin):
     def __init__(
         self,
         *,
@@ -298,9 +296,7 @@ class Coordinator:
             # The model of the next transitions, moved toward what this one measured: only
             # by a recovery that made one plan (one hit by another failure ran several,
             # and its time is theirs together).
-            "transition_factor": self.model.observe_transition(
-                action.generation, action.duration_s
-            )
+            "transition_factor": self.model.observe_transition(action.generation, action.duration_s)
             if action.generation == self._settled_generation + 1
             else self.model.transition_factor,
         }
@@ -360,105 +356,3 @@ class Coordinator:
             self.planner.fail(start, "the workers had not described the job yet")
             return
         self.planner.start(start, self.plans[start.base], self._statuses)
-
-    # -- while the job trains ------------------------------------------------------------
-
-    def _snapshot(self, now: float) -> dict[int, WorkerStatus]:
-        """Every live worker's status, in one round trip (those that posted one)."""
-        assert self.state is not None
-        self._statuses = self.view.statuses(sorted(self.state.live))
-        return self._statuses
-
-    def _note_progress(self, statuses: dict[int, WorkerStatus]) -> None:
-        steps = [s.step - 1 for s in statuses.values() if s.phase in ("train", "checkpoint")]
-        if steps:
-            self._top_step = max(self._top_step, max(steps))
-
-    def _while_running(self, statuses: dict[int, WorkerStatus], now: float) -> None:
-        state = self.state
-        assert state is not None
-        self._note_progress(statuses)
-        top = self._top_step
-        self._described()
-        last, at = self._last_step_event
-        if top > last and (now - at >= 1.0 or last < self._gen_start):
-            chief = statuses.get(min(state.live)) if state.live else None
-            peaks = [
-                (s.peak_bytes, r)
-                for r, s in statuses.items()
-                if s.peak_bytes is not None and s.generation == state.generation
-            ]
-            peak = max(peaks, default=(None, None))
-            self.emit(
-                "step",
-                step=top,
-                generation=state.generation,
-                store_keys=self.store.num_keys(),
-                rank=min(state.live) if chief else None,
-                fds=chief.fds if chief else None,
-                threads=chief.threads if chief else None,
-                # the largest worker's tensors at their peak, this generation
-                peak_bytes=peak[0],
-                peak_rank=peak[1],
-            )
-            self._last_step_event = (top, now)
-            self._first_step_pending = False
-        if self.started_at is not None and self.model.restart_s is None and top >= 0:
-            self.model.restart_s = now - self.started_at  # a restart costs this start-up
-        collect_s = self.progress.step_timeout_s()  # a survivor may be mid-step at an abort
-        if collect_s != state.timeouts.collect_s:
-            self.state = replace(state, timeouts=replace(state.timeouts, collect_s=collect_s))
-        if self.model.description is not None and not self.rejoins.waiting:
-            # (a replacement starting up competes for the host: no fit meanwhile)
-            current = self.plans[state.generation].plan.to_plan()
-            self.model.settle(current, statuses, state.generation, top - self._gen_start)
-        self._admit(statuses, top)
-        self.progress.observe(statuses, now)
-        stalls = self.progress.stalled(statuses, now)
-        if stalls:
-            from launcher.watch import blame
-
-            for rank, why in blame(statuses, stalls).items():
-                if rank not in self._blamed:
-                    self._blamed.add(rank)
-                    self.emit("stalled", attempt=self.attempt, rank=rank, reason=why)
-                    self.kill([rank], why, stalls[rank].stalled_s)
-
-    def _admit(self, statuses: dict[int, WorkerStatus], top: int) -> None:
-        """Replacements up as spares of this generation join the live set; once their
-        start-up stops competing for the host, they are taken into the plan if it pays."""
-        up = self.view.statuses(sorted(self.rejoins.announced))  # one round trip for all
-        generation = self.state.generation
-        spares = {r for r, s in up.items() if s.phase == "spare" and s.generation == generation}
-        if spares:
-            self.rejoins.admit(spares, top)
-            self._apply(rc.Admit(frozenset(spares)))
-        joined = self.rejoins.settled(top)
-        if joined:
-            self._grow(joined, statuses)
-
-    def _grow(self, joined: list[int], statuses: dict[int, WorkerStatus]) -> None:
-        """Take ``joined`` into the plan when the planner finds that it pays; never under a
-        forced reroute (the user asked to keep the layout) or restart."""
-        state = self.state
-        growth = None
-        if self.policy in ("auto", "reparallelize") and self.model.description is not None:
-            current = self.plans[state.generation].plan.to_plan()
-            self.model.refit()  # on steps run since the replacements' start-up
-            job = self.model.job(current, statuses, state.generation)
-            growth = self.model.growth(job, current, sorted(state.live))
-        if growth is None:
-            self.emit("rejoined", attempt=self.attempt, ranks=joined, taken_in=False)
-            return
-        current_s, grown_s, transition_s, label = growth
-        self.emit(
-            "rejoin",
-            attempt=self.attempt,
-            generation=state.generation,
-            ranks=joined,
-            step_s=current_s,
-            estimated_step_s=grown_s,
-            transition_s=transition_s,
-            label=label,
-        )
-        self._apply(rc.Grow(frozenset(joined)))
