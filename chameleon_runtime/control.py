@@ -16,6 +16,7 @@ survivors disagree on the step to resume, and the job restarted).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from dataclasses import dataclass
@@ -29,6 +30,10 @@ from chameleon_runtime.liveness import FOREVER, Heartbeat, Interrupts, Status, W
 from planner.protocol import Aware, Keys, encode
 from planner.wire import PlanMessage
 
+# The phases where an injected fault waits for the worker (Control.failpoint), and for
+# how long at most: a bound, so a fault that never fires costs a test seconds, not a hang.
+FAILPOINTS = frozenset(p for p in os.environ.get("CHAMELEON_FAILPOINTS", "").split(",") if p)
+FAILPOINT_WAIT = timedelta(seconds=2)
 # Far beyond any number of members: a poisoned counter never reaches it again.
 POISON = 1 << 40
 
@@ -85,6 +90,18 @@ class Control:
 
     def tell_leader(self, message: BaseModel) -> None:
         self.store.queue_push(self.keys.inbox, encode(message))
+
+    def failpoint(self, phase: str) -> None:
+        """Fault injection only: where the launcher will kill a rank in ``phase`` (a
+        migration, a group build), the worker, having just published that phase, waits
+        here until its agent says the fault has fired (or FAILPOINT_WAIT passes). Without
+        it the kill raced the phase: a migration of a few milliseconds ended before the
+        agent's next look. Armed only by --inject-fault (CHAMELEON_FAILPOINTS)."""
+        if phase not in FAILPOINTS:
+            return
+        node = int(os.environ.get("GROUP_RANK", "0"))
+        with contextlib.suppress(Exception):  # the wait timing out: go on
+            self.store.wait([self.keys.failpoint(node, phase)], FAILPOINT_WAIT)
 
     def register(self, device: str) -> None:
         self.put(self.keys.aware(self.rank), Aware(pid=os.getpid(), device=device))

@@ -85,6 +85,7 @@ class RecoveryMixin:
         """Agree that every member is here, then build the generation's group."""
         self.generation, self.plan = generation, plan
         self.control.status.update(phase="groups", generation=generation)
+        self.control.failpoint("groups")
         keys = self.control.keys
         kept = self.kept if self.device == "cpu" else None  # gloo only (module doc)
         usable = kept is not None and kept.settled and set(members) <= set(kept.members)
@@ -111,7 +112,9 @@ class RecoveryMixin:
         self.groups_s = time.perf_counter() - t0
         self.meter.reset()  # a new layout: its own peak
         self.part = (
-            worker_program(plan, self.rank, self.layer_params) if self.rank in plan.stage_of else None
+            worker_program(plan, self.rank, self.layer_params)
+            if self.rank in plan.stage_of
+            else None
         )
 
     def _keep(self, kept: Kept | None) -> None:
@@ -179,6 +182,7 @@ class RecoveryMixin:
             )
         self._enter(message.generation, plan, members)
         self.control.status.update(phase="migrate")
+        self.control.failpoint("migrate")
         t0 = time.perf_counter()
         try:
             received = self._migrate(message)

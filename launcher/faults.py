@@ -20,7 +20,9 @@ Phases: ``collect`` (survivors answer the abort), ``plan`` (the planner works), 
 not built the new generation's group yet: building it, or about to) and ``migrate`` (it
 moves layers). ``attempt=N`` (default 0) picks
 the restart attempt, so a restarted job is not killed again. Step and phase faults need
-workers that report (scripts using chameleon_runtime).
+workers that report (scripts using chameleon_runtime). For ``groups`` and ``migrate`` the
+workers of the fault's node pause on entering the phase until the fault has fired (at
+most 2 s): a migration of a few milliseconds would otherwise often end unseen.
 """
 
 from __future__ import annotations
@@ -207,6 +209,11 @@ class Injector:
             else:
                 hit = hit and phase.phase != "running"
         return hit
+
+    def failpoints(self) -> list[str]:
+        """The worker phases a pending fault waits for: the workers pause on entering
+        them until it has fired (chameleon_runtime.control.Control.failpoint)."""
+        return sorted({f.phase for f in self.pending if f.phase in _WORKER_PHASES})
 
     def watches_status(self) -> bool:
         """Whether a pending fault needs the workers' statuses read."""

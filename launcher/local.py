@@ -136,6 +136,7 @@ class LocalGroup:
             ],
             ranks,
         )
+        self._failpoints = set(self._injector.failpoints())  # armed in the workers
         self._fault_times: dict[int, float] = {}
         self._hung: dict[int, str] = {}  # ranks the leader found stalled -> why
         self._next_hang_check = 0.0
@@ -181,7 +182,7 @@ class LocalGroup:
             max_restarts=self.s.max_restarts,
             run_id=self.s.run_id,
             error_file=str(log_dir / "error.json"),
-            chameleon={**self.s.extra_env, **env_extra},
+            chameleon={**self.s.extra_env, **self._failpoint_env(), **env_extra},
         )
         show = self.s.local_ranks_filter is None or local_rank in self.s.local_ranks_filter
         return start_worker(
@@ -326,6 +327,19 @@ class LocalGroup:
             return None  # a plain script: its process state is all there is to watch
         return self._liveness.judge(rank, worker.pid, worker.started_at, status, now)
 
+    def _failpoint_env(self) -> dict[str, str]:
+        return (
+            {"CHAMELEON_FAILPOINTS": ",".join(sorted(self._failpoints))} if self._failpoints else {}
+        )
+
+    def _release_failpoints(self) -> None:
+        """Workers waiting where a fault of this node was to fire go on once it has."""
+        fired = self._failpoints - set(self._injector.failpoints())
+        if fired and self.view is not None:
+            for phase in sorted(fired):
+                self.view.release_failpoint(self.s.node_rank, phase)
+            self._failpoints -= fired
+
     def _inject(self, now: float, statuses: dict) -> None:
         phase = self._phase
         if phase is None and self.view is not None and self._injector.pending:
@@ -360,6 +374,7 @@ class LocalGroup:
                 worker_phase=status.phase if status is not None else None,
                 recovery_phase=phase.phase if phase is not None else None,
             )
+        self._release_failpoints()
 
     def _request_exit(self, fault: FaultSpec, worker: Worker, status) -> None:  # noqa: ANN001
         """A chameleon worker exits with the asked code (its watcher hears it at once); a

@@ -5,6 +5,7 @@ it the first time they need it."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -46,6 +47,10 @@ class WorkerStoreView:
 
     def ask_exit(self, rank: int, code: int, pid: int) -> None:
         self._store().queue_push(self.keys.mailbox(rank), encode(Exit(code=code, pid=pid)))
+
+    def release_failpoint(self, node: int, phase: str) -> None:
+        with contextlib.suppress(Exception):  # the store gone: nobody waits any more
+            self._store().set(self.keys.failpoint(node, phase), "fired")
 
     def respawn_request(self, rank: int) -> int | None:
         """How many replacements the leader has asked for this rank (launcher/rejoin.py)."""

@@ -194,6 +194,10 @@ class Keys:
     def respawn(self, rank: int) -> str:
         return f"{self.prefix}respawn/{rank}"
 
+    def failpoint(self, node: int, phase: str) -> str:
+        """Set by a node's agent once its fault for ``phase`` has fired (fault injection)."""
+        return f"{self.prefix}failpoint/{node}/{phase}"
+
     # -- job-wide --------------------------------------------------------------------
     @property
     def inbox(self) -> str:

@@ -129,6 +129,17 @@ def test_any_rank_is_one_seen_in_the_phase():
     assert due.rank in (5, 7) and "any rank" in spec.describe()
 
 
+def test_workers_pause_only_where_a_pending_fault_waits_for_them():
+    migrate, plan = (
+        parse_fault("kill:rank=any,phase=migrate"),
+        parse_fault("kill:rank=1,phase=plan"),
+    )
+    injector = Injector([migrate, plan], ranks=[0, 1])
+    assert injector.failpoints() == ["migrate"]  # plan is the leader's phase, not a worker's
+    injector.due(0.0, since_start_s=0, status={0: _status("migrate")}, phase=_phase("confirm"))
+    assert injector.failpoints() == []  # fired: nobody waits any more
+
+
 def test_help_lists_torchrun_and_chameleon_flags():
     text = run_help()
     for flag in (
