@@ -96,7 +96,9 @@ def train(work: Path, name: str, args: argparse.Namespace, faults: list[str], st
     ]  # fmt: skip
     started = time.monotonic()
     with open(out / "output.log", "w") as sink:
-        proc = subprocess.Popen(cmd, cwd=out, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, cwd=out, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True
+        )
         wedged, last_seen, last_count = False, time.monotonic(), 0
         while proc.poll() is None:
             time.sleep(1.0)
@@ -132,7 +134,11 @@ def report(run: dict, reference: dict) -> dict:
     injected = named("fault_injected")
     kinds: dict[str, int] = {}
     for e in injected:
-        key = e["kind"] if e["recovery_phase"] in (None, "running") else f"kill in {e['worker_phase'] if e['worker_phase'] in ('groups', 'migrate') else e['recovery_phase']}"
+        key = (
+            e["kind"]
+            if e["recovery_phase"] in (None, "running")
+            else f"kill in {e['worker_phase'] if e['worker_phase'] in ('groups', 'migrate') else e['recovery_phase']}"
+        )
         kinds[key] = kinds.get(key, 0) + 1
     recovered = named("recovered")
     grown = [e for e in named("rejoined") if e.get("taken_in") and "generation" in e]
@@ -148,9 +154,13 @@ def report(run: dict, reference: dict) -> dict:
 
     in_place = recovered + grown
     in_place.sort(key=lambda e: e["t"])
-    first, last = settled_after(in_place[0] if in_place else None), settled_after(in_place[-1] if in_place else None)
+    first, last = (
+        settled_after(in_place[0] if in_place else None),
+        settled_after(in_place[-1] if in_place else None),
+    )
     diffs = [
-        abs(values[0] - reference["checks"][layer][0]) / max(1.0, abs(reference["checks"][layer][0]))
+        abs(values[0] - reference["checks"][layer][0])
+        / max(1.0, abs(reference["checks"][layer][0]))
         for layer, values in run["checks"].items()
     ]
     agree = all(max(v) == min(v) for v in run["checks"].values())

@@ -235,24 +235,51 @@ def measure_steps(trainer: Any, steps: int) -> dict[str, float]:
     }
 
 
-def measure_move(shard: Shard, layers: list[int]) -> tuple[float, float]:
+def measure_move(shard: Shard, layers: list[int]) -> tuple[float, float, float]:
     """CPU per parameter of moving ``layers`` besides the transfer itself, as a migration
-    does (chameleon_runtime.recovery): (all of it, the sender's share). The sender
-    exports and packs, within its transfer's round; the receiver unpacks, builds the
-    layer and loads its state (here into a fresh shard), after the transfers."""
+    does (chameleon_runtime.recovery): (all of it, the sender's share, the receiver's
+    unpacking). The sender exports and packs, and the receiver unpacks, within their
+    transfer; the receiver builds the layer and loads its state (here into a fresh
+    shard) after the transfers."""
     from chameleon_runtime.shard import pack_layers, unpack_layers
 
     fresh = Shard(shard.factory, shard.make_optimizer, seed=shard.seed, device=shard.device)
     params = sum(p.numel() for i in layers for p in shard.layers[i].parameters())
-    packing = 0.0
+    packing = unpacking = 0.0
     c0 = time.thread_time()
     for i in layers:
         p0 = time.thread_time()
         blob, header_len = pack_layers([shard.export_layer(i)])
-        packing += time.thread_time() - p0
-        for header, tensors in unpack_layers(blob, header_len):
+        p1 = time.thread_time()
+        received = unpack_layers(blob, header_len)
+        p2 = time.thread_time()
+        packing, unpacking = packing + p1 - p0, unpacking + p2 - p1
+        for header, tensors in received:
             fresh.import_layer(header, tensors)
-    return (time.thread_time() - c0) / max(1, params), packing / max(1, params)
+    per = 1 / max(1, params)
+    return (time.thread_time() - c0) * per, packing * per, unpacking * per
+
+
+def measure_chain(gen: Any, shard: Shard, me: int, world: int, layer: int, reps: int = 3) -> float:
+    """Wall time of a migration's transfers one after another, through the runtime's own
+    code (``recovery.move_layers``): ``layer`` goes round the ring of workers, each
+    sending it on once it has it, so one transfer runs at a time while the others wait
+    blocked, as in a migration scheduled one at a time. The median over ``reps`` (after
+    a warm-up) of the whole chain as the first worker sees it; the planner fits the
+    hand-off a transfer costs beyond its modelled parts to it (planner.migration)."""
+    from chameleon_runtime.recovery import move_layers
+    from planner.wire import TransferWire
+
+    chain = [
+        TransferWire(src=w, dst=(w + 1) % world, first_layer=layer, end_layer=layer + 1, round=w)
+        for w in range(world)
+    ]
+    times = []
+    for _ in range(reps + 1):
+        t0 = time.perf_counter()
+        move_layers(gen, shard, chain, me)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])
 
 
 def measure_alone(trainer: Any, reps: int = 3) -> float:
@@ -293,7 +320,7 @@ def profile_job(trainer: Any, out: Path) -> None:
     included), workers 0 and 1 the link between them, all of them the store; rank 0 writes
     the per-layer medians as a cost table (atomically). ``trainer`` is connected."""
     from chameleon_runtime.comm import Generation
-    from planner.costtable import CostTable, LayerCost, LinkCost
+    from planner.costtable import CostTable, LayerCost, LinkCost, MigrationMeasured
 
     control, rank, world = trainer.control, trainer.rank, trainer.world_size
     keys = control.keys
@@ -306,9 +333,9 @@ def profile_job(trainer: Any, out: Path) -> None:
     names = trainer.layer_names
     for cost in measure(trainer.shard, list(range(trainer.num_layers)), sample, names, reps=5):
         control.put(keys.profile(f"{rank}/{cost.name}"), cost.model_dump_json())
-    move, pack = measure_move(trainer.shard, list(range(trainer.num_layers)))
-    control.put(keys.profile(f"move/{rank}"), repr(move))
-    control.put(keys.profile(f"pack/{rank}"), repr(pack))
+    move, pack, unpack = measure_move(trainer.shard, list(range(trainer.num_layers)))
+    for name, value in (("move", move), ("pack", pack), ("unpack", unpack)):
+        control.put(keys.profile(f"{name}/{rank}"), repr(value))
     tail = measure_tail(trainer.shard, list(range(trainer.num_layers)))
     control.put(keys.profile(f"tail/{rank}"), repr(tail))
     control.agree(0, "profile/start", world)
@@ -324,6 +351,11 @@ def profile_job(trainer: Any, out: Path) -> None:
     for _ in range(100):
         control.store.add(keys.profile("ping"), 0)
     store_rt = (time.perf_counter() - t0) / 100
+    chain = None
+    if world >= 2:
+        control.agree(0, "profile/chain", world)
+        biggest = max(range(trainer.num_layers), key=lambda i: trainer.layer_params[i])
+        chain = (biggest, measure_chain(gen, trainer.shard, rank, world, biggest))
     gen.abandon()
     # One worker computes a whole step alone while the others wait (blocked in the store,
     # not spinning): against the same work spread over every worker at once, it shows how
@@ -369,6 +401,12 @@ def profile_job(trainer: Any, out: Path) -> None:
         pack_cpu_s_per_param=statistics.median(
             float(control.wait(keys.profile(f"pack/{r}"))) for r in range(world)
         ),
+        unpack_cpu_s_per_param=statistics.median(
+            float(control.wait(keys.profile(f"unpack/{r}"))) for r in range(world)
+        ),
+        migration=MigrationMeasured(workers=world, layer=chain[0], wall_s=chain[1])
+        if chain
+        else None,
         message_cpu_s_per_byte=link[2] if link else None,
         tail_cpu_s_per_param=statistics.median(
             float(control.wait(keys.profile(f"tail/{r}"))) for r in range(world)

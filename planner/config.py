@@ -217,6 +217,7 @@ def to_job(config: JobConfig, table: CostTable | None = None) -> Job:
         store_rt = table.store_round_trip_s if table.store_round_trip_s is not None else store_rt
     move_cpu = table.move_cpu_s_per_param if table is not None else None
     pack_cpu = table.pack_cpu_s_per_param if table is not None else None
+    unpack_cpu = table.unpack_cpu_s_per_param if table is not None else None
     byte_cpu = table.message_cpu_s_per_byte if table is not None else None
     tail_cpu = table.tail_cpu_s_per_param if table is not None else None
     cluster = Cluster(
@@ -233,6 +234,7 @@ def to_job(config: JobConfig, table: CostTable | None = None) -> Job:
         store_round_trip_s=store_rt,
         move_cpu_s_per_param=move_cpu or 0.0,
         pack_cpu_s_per_param=pack_cpu or 0.0,
+        unpack_cpu_s_per_param=unpack_cpu or 0.0,
         message_cpu_s_per_byte=byte_cpu or 0.0,
         tail_cpu_s_per_param=tail_cpu or 0.0,
         allreduce=c.collectives,
@@ -297,7 +299,8 @@ def to_job(config: JobConfig, table: CostTable | None = None) -> Job:
 
 def _fitted(job: Job, table: CostTable) -> Job:
     """The job fitted to the real steps the profile ran (planner.fit): what a step costs
-    beyond its layers on a host whose workers share the cores."""
+    beyond its layers on a host whose workers share the cores; and to its chain of
+    transfers, what a transfer costs beyond its parts (planner.migration)."""
     from planner.fit import fit_host
     from planner.wire import PlanWire
 
@@ -310,7 +313,14 @@ def _fitted(job: Job, table: CostTable) -> Job:
         job, plan, steps.step_s, steps.cpu_s, steps.compute_cpu_s, pass_cpu_s=steps.pass_cpu_s,
         alone_passes_cpu_s=steps.alone_passes_cpu_s,
     )  # fmt: skip
-    return fit.apply(job) if fit is not None else job
+    job = fit.apply(job) if fit is not None else job
+    chain = table.migration
+    if chain is not None and chain.workers <= job.num_workers:
+        from planner.migration import fit_transfer_wait, ring
+
+        wait = fit_transfer_wait(job, ring(job, chain.workers, chain.layer), chain.wall_s)
+        job = replace(job, cluster=replace(job.cluster, transfer_wait_s=wait))
+    return job
 
 
 def _expand(

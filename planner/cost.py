@@ -106,7 +106,9 @@ class CostModel:
         transient = max(
             in_flight * held,  # after a forward at the most micro-batches in flight
             # after a backward: one fewer in flight; the layers' .grad and the input's
-            max(0, in_flight - 1) * held + params * training.param_bytes + self.boundary_bytes(first),
+            max(0, in_flight - 1) * held
+            + params * training.param_bytes
+            + self.boundary_bytes(first),
             exchange,
             params * training.param_bytes,  # every layer's rounded .grad for the optimizer
         )

@@ -55,6 +55,17 @@ class StepsMeasured(_Strict):
     alone_passes_cpu_s: NonNegative | None = None
 
 
+class MigrationMeasured(_Strict):
+    """A chain of transfers timed by ``chameleon profile`` through the runtime's own
+    migration code: layer ``layer`` sent round the ring of ``workers`` (worker w to
+    w + 1), one transfer at a time. planner.migration fits what a transfer costs beyond
+    its modelled parts (the receiver's wake-up, the hand-off) to it."""
+
+    workers: Annotated[int, Field(ge=2)]
+    layer: Annotated[int, Field(ge=0)]
+    wall_s: NonNegative
+
+
 class CostTable(_Strict):
     format: Literal["chameleon-cost-table/1"] = FORMAT
     device: str
@@ -74,6 +85,9 @@ class CostTable(_Strict):
     move_cpu_s_per_param: NonNegative | None = None
     # ... of which the sender's: export and pack, within its transfer's round.
     pack_cpu_s_per_param: NonNegative | None = None
+    # ... and the receiver's unpacking, within its transfer.
+    unpack_cpu_s_per_param: NonNegative | None = None
+    migration: MigrationMeasured | None = None
     # CPU per byte sent or received point to point (one worker's, both ways).
     message_cpu_s_per_byte: NonNegative | None = None
     # CPU per parameter held of a step's tail beyond the optimizer: a bucket flattened,

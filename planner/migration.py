@@ -10,13 +10,14 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from planner.colouring import Task, colour_rounds, rounds_time_s
 from planner.cost import CostModel
 from planner.load import wait_at_s
 from planner.matching import Range, Transfer, choose_sources
 from planner.plan import Plan
+from planner.workload import Job
 
 
 @dataclass(frozen=True)
@@ -60,19 +61,45 @@ def holdings_of(plan: Plan, alive: set[int] | frozenset[int] | None = None) -> d
 
 def transfer_s(costs: CostModel, t: Transfer, *, runnable: int = 2) -> float:
     """One transfer as the runtime makes it: the sender exports and packs its layers,
-    then two messages back to back (its sizes, then the packed buffer), so the packing,
-    one latency, the bytes, and the CPU of both messages. On a shared host the link's
-    latency holds a fitted wake-up wait for the job's load (planner.load), and the
-    packing shares the cores: a migration wakes only its ``runnable`` senders and
+    then two messages back to back (its sizes, then the packed buffer), which the
+    receiver unpacks: the packing and unpacking, one latency, the bytes, the CPU of both
+    messages, and the hand-off the profile measured beyond them. On a shared host the
+    link's latency holds a fitted wake-up wait for the job's load (planner.load), and
+    the packing shares the cores: a migration wakes only its ``runnable`` senders and
     receivers, so the wait and the share are theirs."""
     job = costs.job
     c = job.cluster
     link = job.link(t.src, t.dst)
     latency = link.latency_s - c.message_wait_s + wait_at_s(job, runnable)
-    pack = c.pack_cpu_s_per_param * job.model.total("num_params", t.first_layer, t.end_layer)
+    params = job.model.total("num_params", t.first_layer, t.end_layer)
+    cpu = (c.pack_cpu_s_per_param + c.unpack_cpu_s_per_param) * params
     if c.host_cores:
-        pack *= max(1.0, runnable / c.host_cores)
-    return pack + latency + t.num_bytes / link.bandwidth_bytes_per_s + 2 * c.message_cpu_s
+        cpu *= max(1.0, runnable / c.host_cores)
+    return (
+        cpu
+        + latency
+        + t.num_bytes / link.bandwidth_bytes_per_s
+        + 2 * c.message_cpu_s
+        + c.transfer_wait_s
+    )
+
+
+def ring(job: Job, workers: int, layer: int) -> list[Transfer]:
+    """``layer`` sent round the ring of ``workers``, w to w + 1 (the profile's chain)."""
+    size = CostModel(job).moved_bytes(layer, layer + 1)
+    return [Transfer(w, (w + 1) % workers, layer, layer + 1, size) for w in range(workers)]
+
+
+def fit_transfer_wait(job: Job, chain: Sequence[Transfer], wall_s: float) -> float:
+    """The hand-off per transfer that makes ``chain``, one transfer at a time, take the
+    measured ``wall_s``: on the test bed a receiver blocked in its receive takes a
+    millisecond or two to run again once the bytes are there, beyond the link's
+    latency and the CPU the transfer costs."""
+    if not chain:
+        return 0.0
+    costs = CostModel(replace(job, cluster=replace(job.cluster, transfer_wait_s=0.0)))
+    modelled = sum(transfer_s(costs, t) for t in chain)
+    return max(0.0, (wall_s - modelled) / len(chain))
 
 
 def schedule_s(costs: CostModel, transfers: Sequence[Transfer], rounds: Sequence[int]) -> float:
@@ -93,8 +120,9 @@ def install_s(costs: CostModel, transfers: Sequence[Transfer]) -> float:
     so the busiest receiver's share, or on hosts whose workers share cores, all of it
     over the cores if that is longer."""
     job = costs.job
-    # The sender's packing is paid in its transfer's round (transfer_s).
-    per_param = max(0.0, job.cluster.move_cpu_s_per_param - job.cluster.pack_cpu_s_per_param)
+    # The packing and unpacking are paid within the transfer (transfer_s).
+    c = job.cluster
+    per_param = max(0.0, c.move_cpu_s_per_param - c.pack_cpu_s_per_param - c.unpack_cpu_s_per_param)
     if not per_param:
         return 0.0
     work: dict[int, float] = {}

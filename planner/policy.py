@@ -132,8 +132,14 @@ def reparallelize_candidates(
             search_s=search_s,
             migration_s=f * migration.est_time_s,
             groups_s=f * groups_s(job, current, proposal.plan, failed, members=sources),
-            protocol_s=f * protocol(
-                job, proposal.plan, survivors=survivors, members=sources, current=current
+            protocol_s=f
+            * protocol(
+                job,
+                proposal.plan,
+                survivors=survivors,
+                members=sources,
+                current=current,
+                moved=bool(migration.transfers),
             ).total_s,
         )
         out.append(

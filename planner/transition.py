@@ -35,7 +35,8 @@ leader's agent notices a report within half its poll period on average
   to it);
 - confirm: one wake-up for the plan (read in two round trips), the ``groups`` agreement
   (the offer, the arrival, a wake-up, the others' offers), the ``migrated`` agreement
-  (an arrival and a wake-up; held whether or not anything moved), the ``Applied`` report.
+  (an arrival and a wake-up; held whether or not anything moved) and, where layers
+  moved, the ``installed`` one, the ``Applied`` report.
   Each member trains again as it sends that report, and the phase ends for the job when
   the last one does (it says when: launcher/recovery.py); the leader may read the
   reports later, which costs the job nothing.
@@ -114,6 +115,7 @@ class Protocol:
     plan_s: float
     confirm_s: float
     agreement_s: float  # one all-or-none agreement (part of confirm's)
+    after_moves_s: float  # the agreements that follow the transfers (part of confirm's)
 
     @property
     def total_s(self) -> float:
@@ -135,12 +137,14 @@ def protocol(
     survivors: Collection[int],
     members: Iterable[int] = (),
     current: Plan | None = None,
+    moved: bool = False,
 ) -> Protocol:
     """What the protocol's messages cost for a recovery of the live ``survivors`` into
     ``new`` (``members``: transfer sources beyond its workers; module doc). Wake-ups in
     collect wait behind every survivor; in confirm, behind the new generation's members
     (a worker the plan leaves out blocks, idle). With ``current`` (the plan the failure
-    hit), collect also waits for the survivors to finish the pass each is in."""
+    hit), collect also waits for the survivors to finish the pass each is in. ``moved``:
+    layers move, so the members agree once more once installed."""
     joined = set(new.workers) | set(members)
     rt = job.cluster.store_round_trip_s
     # The leader notices the Ready reports within half its poll, then reads every one.
@@ -149,11 +153,13 @@ def protocol(
     wake = wake_s(job, joined) + rt
     agreement = rt + wake
     busy = in_pass_s(job, current, survivors) if current is not None else 0.0
+    after_moves = agreement * (2 if moved else 1)
     return Protocol(
         collect_s=len(survivors) * rt + max(wake_collect, busy) + rt + reports,
         plan_s=3 * rt,
-        confirm_s=wake + 2 * rt + (2 * rt + agreement) + agreement + rt,
+        confirm_s=wake + 2 * rt + (2 * rt + agreement) + after_moves + rt,
         agreement_s=agreement,
+        after_moves_s=after_moves,
     )
 
 

@@ -89,8 +89,14 @@ class Cluster:
     pass_cpu_s: float = 0.0
     # CPU per parameter moved, beyond the transfer (pack, unpack, build, load): profiled.
     move_cpu_s_per_param: float = 0.0
-    # ... of which the sender spends packing, in its transfer's round (profiled).
+    # ... of which the sender spends packing, and the receiver unpacking, within their
+    # transfer (profiled).
     pack_cpu_s_per_param: float = 0.0
+    unpack_cpu_s_per_param: float = 0.0
+    # What a transfer costs beyond its modelled parts (the receiver's wake-up, the
+    # hand-off between the sender's and the receiver's threads): fitted to a chain of
+    # transfers the profile timed (planner.migration.fit_transfer_wait).
+    transfer_wait_s: float = 0.0
     # Measured over modelled in-place transitions (migration, groups, protocol) of this
     # job's recoveries so far (launcher/calibration.py); 1 before any.
     transition_factor: float = 1.0

@@ -8,7 +8,7 @@ import pytest
 from planner.colouring import Task, colour_rounds, rounds_time_s
 from planner.cost import CostModel
 from planner.matching import LostLayers, assign_slots, choose_sources, hungarian, missing_bytes
-from planner.migration import plan_migration
+from planner.migration import fit_transfer_wait, plan_migration, ring, transfer_s
 from planner.plan import pipelines_plan
 from tests.synthetic import uniform_job
 
@@ -166,3 +166,18 @@ def test_on_shared_cores_a_migration_goes_one_transfer_at_a_time_when_that_is_fa
     assert migration.rounds == tuple(range(len(migration.transfers)))
     parallel = plan_migration(CostModel(job), holdings=holdings, target=target)
     assert len(set(parallel.rounds)) < len(parallel.transfers)
+
+
+def test_the_hand_off_per_transfer_is_fitted_to_the_profiled_chain():
+    from dataclasses import replace
+
+    job = uniform_job(dp=2, pp=2)
+    chain = ring(job, 4, 1)
+    assert [(t.src, t.dst) for t in chain] == [(0, 1), (1, 2), (2, 3), (3, 0)]
+    assert all(t.num_bytes == CostModel(job).moved_bytes(1, 2) for t in chain)
+    modelled = sum(transfer_s(CostModel(job), t) for t in chain)
+    wait = fit_transfer_wait(job, chain, modelled + 0.004)
+    assert wait == pytest.approx(0.001)  # 4 ms more over 4 transfers
+    fitted = replace(job, cluster=replace(job.cluster, transfer_wait_s=wait))
+    assert sum(transfer_s(CostModel(fitted), t) for t in chain) == pytest.approx(modelled + 0.004)
+    assert fit_transfer_wait(job, chain, modelled / 2) == 0.0  # faster than modelled: none

@@ -39,6 +39,10 @@ def test_profile_writes_a_cost_table_the_planner_reads(tmp_path):
     assert table.micro_batch_size == 2 and table.concurrent_workers == 2
     assert table.intra_node is not None and table.intra_node.bandwidth_gb_per_s > 0
     assert "Block.1" in result.stdout and "link" in result.stdout
+    # A chain of real transfers of the biggest layer, one at a time round both workers.
+    assert table.migration is not None and table.migration.workers == 2
+    assert table.migration.layer == max(range(4), key=lambda i: table.layers[i].num_params)
+    assert table.migration.wall_s > 0 and table.unpack_cpu_s_per_param > 0
 
     testbed = (ROOT / "configs" / "cpu_testbed.toml").read_text()
     gpt = testbed[testbed.index("[model.gpt]") : testbed.index("[training]")]
