@@ -190,6 +190,9 @@ def measure_tail(shard: Shard, layers: list[int], reps: int = 5) -> float:
 # give a median within a few percent of a long run's.
 PROFILE_STEPS = 40
 PROFILE_WARMUP_STEPS = 6
+# What measure_move returns, in order: each worker's goes to the store under its name and
+# the table keeps the median as ``<name>_cpu_s_per_param`` (as it does for the tail's).
+PER_PARAM = ("move", "pack", "unpack")
 
 
 def measure_steps(trainer: Any, steps: int) -> dict[str, float]:
@@ -333,11 +336,11 @@ def profile_job(trainer: Any, out: Path) -> None:
     names = trainer.layer_names
     for cost in measure(trainer.shard, list(range(trainer.num_layers)), sample, names, reps=5):
         control.put(keys.profile(f"{rank}/{cost.name}"), cost.model_dump_json())
-    move, pack, unpack = measure_move(trainer.shard, list(range(trainer.num_layers)))
-    for name, value in (("move", move), ("pack", pack), ("unpack", unpack)):
+    every = list(range(trainer.num_layers))
+    per_param = dict(zip(PER_PARAM, measure_move(trainer.shard, every), strict=True))
+    per_param["tail"] = measure_tail(trainer.shard, every)
+    for name, value in per_param.items():
         control.put(keys.profile(f"{name}/{rank}"), repr(value))
-    tail = measure_tail(trainer.shard, list(range(trainer.num_layers)))
-    control.put(keys.profile(f"tail/{rank}"), repr(tail))
     control.agree(0, "profile/start", world)
     t0 = time.perf_counter()
     gen = Generation(
@@ -395,22 +398,16 @@ def profile_job(trainer: Any, out: Path) -> None:
         else None,
         store_round_trip_s=store_rt,
         pg_init_base_s=pg_init_s,
-        move_cpu_s_per_param=statistics.median(
-            float(control.wait(keys.profile(f"move/{r}"))) for r in range(world)
-        ),
-        pack_cpu_s_per_param=statistics.median(
-            float(control.wait(keys.profile(f"pack/{r}"))) for r in range(world)
-        ),
-        unpack_cpu_s_per_param=statistics.median(
-            float(control.wait(keys.profile(f"unpack/{r}"))) for r in range(world)
-        ),
+        **{
+            f"{name}_cpu_s_per_param": statistics.median(
+                float(control.wait(keys.profile(f"{name}/{r}"))) for r in range(world)
+            )
+            for name in (*PER_PARAM, "tail")
+        },
         migration=MigrationMeasured(workers=world, layer=chain[0], wall_s=chain[1])
         if chain
         else None,
         message_cpu_s_per_byte=link[2] if link else None,
-        tail_cpu_s_per_param=statistics.median(
-            float(control.wait(keys.profile(f"tail/{r}"))) for r in range(world)
-        ),
         steps=_steps_measured(control, world, trainer.plan),
     )
     out.parent.mkdir(parents=True, exist_ok=True)

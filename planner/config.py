@@ -215,11 +215,14 @@ def to_job(config: JobConfig, table: CostTable | None = None) -> Job:
         pg_base = table.pg_init_base_s if table.pg_init_base_s is not None else pg_base
         pg_per = table.pg_init_per_worker_s if table.pg_init_per_worker_s is not None else pg_per
         store_rt = table.store_round_trip_s if table.store_round_trip_s is not None else store_rt
-    move_cpu = table.move_cpu_s_per_param if table is not None else None
-    pack_cpu = table.pack_cpu_s_per_param if table is not None else None
-    unpack_cpu = table.unpack_cpu_s_per_param if table is not None else None
-    byte_cpu = table.message_cpu_s_per_byte if table is not None else None
-    tail_cpu = table.tail_cpu_s_per_param if table is not None else None
+    # CPU figures only a profile measures: 0 (not charged) without one.
+    profiled = {
+        name: (getattr(table, name) if table is not None else None) or 0.0
+        for name in (
+            "move_cpu_s_per_param", "pack_cpu_s_per_param", "unpack_cpu_s_per_param",
+            "message_cpu_s_per_byte", "tail_cpu_s_per_param",
+        )
+    }  # fmt: skip
     cluster = Cluster(
         name=c.name,
         num_nodes=c.num_nodes,
@@ -232,11 +235,7 @@ def to_job(config: JobConfig, table: CostTable | None = None) -> Job:
         pg_init_base_s=pg_base,
         pg_init_per_worker_s=pg_per,
         store_round_trip_s=store_rt,
-        move_cpu_s_per_param=move_cpu or 0.0,
-        pack_cpu_s_per_param=pack_cpu or 0.0,
-        unpack_cpu_s_per_param=unpack_cpu or 0.0,
-        message_cpu_s_per_byte=byte_cpu or 0.0,
-        tail_cpu_s_per_param=tail_cpu or 0.0,
+        **profiled,
         allreduce=c.collectives,
         intra_node_aggregate_bytes_per_s=(
             c.intra_node_aggregate_bandwidth_gb_per_s * 1e9
