@@ -22,6 +22,7 @@ from chameleon_cli.plan_cmd import plan
 from chameleon_cli.profile_cmd import CONTEXT as PROFILE_CONTEXT
 from chameleon_cli.profile_cmd import profile
 from chameleon_cli.run_cmd import CONTEXT, run
+from chameleon_cli.simulate_cmd import simulate
 from chameleon_cli.timeline_cmd import timeline
 
 app = typer.Typer(
@@ -61,6 +62,7 @@ def _root(
 app.command("plan")(plan)
 app.command("run", context_settings=CONTEXT, add_help_option=False)(run)
 app.command("timeline")(timeline)
+app.command("simulate")(simulate)
 app.command("profile", context_settings=PROFILE_CONTEXT, add_help_option=False)(profile)
 
 

@@ -73,6 +73,52 @@ def choose(job: Job, candidates: Sequence[Candidate], mtbf_s: float) -> Candidat
 
 
 @dataclass(frozen=True)
+class Options:
+    """Every candidate for one failure, before D picks among them."""
+
+    reroute: Candidate
+    reparallelize: tuple[Candidate, ...]  # one per proposal of the search
+    restart: Candidate
+    search_s: float
+
+
+def gather(
+    search: Search,
+    current: Plan,
+    failed: Sequence[int],
+    survivors: Sequence[int],
+    *,
+    since_checkpoint_s: float,
+    spares: Sequence[int],
+    clock: Callable[[], float] = time.perf_counter,
+) -> Options:
+    """Every policy's candidates for the loss of ``failed`` (``decide`` and the simulator
+    choose among them)."""
+    lost = set(failed)
+    # Rerouting's plan takes a few milliseconds and is made whatever is chosen (every
+    # policy waits for the decision), so it charges none; a re-partition charges its
+    # search, which only it needs.
+    reroute = reroute_candidate(search, current, failed)
+    t0 = clock()
+    proposals = search.propose(current, survivors) if survivors else []
+    search_s = clock() - t0
+    options = reparallelize_candidates(
+        search, proposals, current, survivors, failed=failed, search_s=search_s
+    )
+    fastest = min(proposals, key=lambda p: p.estimate.step_s, default=None)
+    restart = restart_candidate(
+        search,
+        current,
+        failed,
+        survivors,
+        best_over_survivors=fastest,
+        since_checkpoint_s=since_checkpoint_s,
+        spares=[s for s in spares if s not in lost],
+    )
+    return Options(reroute, tuple(options), restart, search_s)
+
+
+@dataclass(frozen=True)
 class Decision:
     failed: tuple[int, ...]  # workers
     baseline: Estimate  # the current plan before the failure
@@ -126,30 +172,12 @@ def decide(
     )
     search = search if search is not None else Search(job)
     baseline = search.estimate(current)
-
-    # Rerouting's plan takes a few milliseconds and is made whatever is chosen (every
-    # policy waits for the decision), so it charges none; a re-partition charges its
-    # search, which only it needs.
-    reroute = reroute_candidate(search, current, failed)
-
-    t0 = clock()
-    proposals = search.propose(current, survivors) if survivors else []
-    search_s = clock() - t0
-    options = reparallelize_candidates(
-        search, proposals, current, survivors, failed=failed, search_s=search_s
+    options = gather(
+        search, current, failed, survivors, since_checkpoint_s=since, spares=spares, clock=clock
     )
-    reparallelize = max(options, key=lambda c: log_score(job, c, mtbf))
-
-    fastest = min(proposals, key=lambda p: p.estimate.step_s, default=None)
-    restart = restart_candidate(
-        search,
-        current,
-        failed,
-        survivors,
-        best_over_survivors=fastest,
-        since_checkpoint_s=since,
-        spares=[s for s in spares if s not in lost],
-    )
+    reroute, restart = options.reroute, options.restart
+    reparallelize = max(options.reparallelize, key=lambda c: log_score(job, c, mtbf))
+    search_s = options.search_s
     candidates = (reroute, reparallelize, restart)
     if policy is None:
         chosen = choose(job, candidates, mtbf)

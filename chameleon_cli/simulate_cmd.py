@@ -1,0 +1,111 @@
+"""``chameleon simulate``: every policy over a whole failure trace, on the planner's costs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from chameleon_cli.output import Output, choose_mode
+from chameleon_cli.plan_cmd import _duration
+
+BUILTIN = ("oobleck-10m", "oobleck-30m", "oobleck-1h", "oobleck-3h", "oobleck-6h")
+
+
+def _policies(text: str) -> list[str]:
+    from planner.simulate import POLICIES
+
+    names = [p.strip() for p in text.split(",") if p.strip()]
+    bad = [p for p in names if p not in POLICIES]
+    if bad or not names:
+        raise typer.BadParameter(
+            f"unknown policy {bad[0]!r}; choose from {','.join(POLICIES)}"
+            if bad
+            else "name at least one policy",
+            param_hint="--policies",
+        )
+    return list(dict.fromkeys(names))
+
+
+def simulate(
+    config: Annotated[
+        Path,
+        typer.Option(
+            "--config", "-c", help="Job config (TOML), e.g. configs/ascend910b_32_gpt13b.toml."
+        ),
+    ],
+    trace: Annotated[
+        str | None,
+        typer.Option(
+            "--trace",
+            help="A trace file (JSON: docs/simulate.md) or a built-in one: "
+            + ", ".join(BUILTIN)
+            + ". Default: failures drawn from --mtbf, else from the config's device_mtbf_hours.",
+        ),
+    ] = None,
+    mtbf: Annotated[
+        str | None,
+        typer.Option("--mtbf", help="Mean time between failures of the whole job: 30m, 3h."),
+    ] = None,
+    duration: Annotated[
+        str, typer.Option("--duration", help="Length of the simulated run: 24h, 54d.")
+    ] = "24h",
+    repair: Annotated[
+        str,
+        typer.Option(
+            "--repair", help="Time until failed hardware is back, or 'none' (drawn traces)."
+        ),
+    ] = "2h",
+    seed: Annotated[int, typer.Option("--seed", help="Seed of drawn traces.")] = 0,
+    policies: Annotated[
+        str,
+        typer.Option(
+            "--policies",
+            help="Comma-separated: adaptive,reroute,reparallelize,restart,redundant,oracle.",
+        ),
+    ] = "adaptive,reroute,reparallelize,restart,redundant,oracle",
+    plot_to: Annotated[
+        Path | None,
+        typer.Option("--plot", help="Write throughput over time to this PNG (needs matplotlib)."),
+    ] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    plain: Annotated[bool, typer.Option("--plain", help="Plain text even on a terminal.")] = False,
+) -> None:
+    """Replay failures through every recovery policy and compare whole runs."""
+    from chameleon_cli.errors import UserError
+    from chameleon_cli.simulate_view import plot, require_matplotlib, simulation_blocks
+    from planner import trace as traces
+    from planner.config import load_job
+    from planner.outcome import simulate as run_all
+
+    names = _policies(policies)
+    duration_s = _duration(duration, "--duration")
+    assert duration_s is not None
+    mtbf_s = _duration(mtbf, "--mtbf")
+    repair_s = None if repair.strip().lower() == "none" else _duration(repair, "--repair")
+    if trace is not None and mtbf is not None:
+        raise typer.BadParameter("give --trace or --mtbf, not both", param_hint="--mtbf")
+    if plot_to is not None and plot_to.parent and not plot_to.parent.is_dir():
+        raise UserError(f"--plot: no such folder {plot_to.parent}")
+    if plot_to is not None:
+        require_matplotlib()
+    job = load_job(config)
+    if trace is None:
+        tr = traces.generated(
+            job, duration_s=duration_s, seed=seed, mtbf_s=mtbf_s, repair_s=repair_s
+        )
+    elif trace in BUILTIN:
+        interval = traces.OOBLECK_INTERVALS_S[trace.split("-", 1)[1]]
+        tr = traces.oobleck(job, interval, duration_s=duration_s, seed=seed)
+    else:
+        path = Path(trace)
+        if not path.is_file():
+            raise UserError(
+                f"--trace: {trace} is neither a file nor a built-in trace ({', '.join(BUILTIN)})"
+            )
+        tr = traces.load(path, job, duration_s=duration_s)
+    report = run_all(job, tr, names, config=str(config))
+    Output(choose_mode(json=json_out, plain=plain)).show(simulation_blocks(report), report)
+    if plot_to is not None:
+        plot(report, plot_to)

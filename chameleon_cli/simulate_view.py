@@ -1,0 +1,109 @@
+"""How a simulation looks: blocks for the output layer, and the optional PNG."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from chameleon_cli.errors import UserError
+from chameleon_cli.output import Block, Fields, Table
+from chameleon_cli.units import fmt_s
+from planner.outcome import SimulationReport
+
+
+def simulation_blocks(r: SimulationReport) -> list[Block]:
+    best = max(r.outcomes, key=lambda o: o.throughput)
+    adaptive = next((o for o in r.outcomes if o.policy == "adaptive"), None)
+    rows = []
+    for o in r.outcomes:
+        over = (
+            f"{adaptive.throughput / o.throughput:.3f}x"
+            if adaptive is not None and o.throughput > 0
+            else "-"
+        )
+        rows.append(
+            [
+                o.policy,
+                f"{o.throughput:.4g}",
+                f"{o.vs_failure_free:.3f}",
+                f"{o.full_speed_share:.1%}",
+                fmt_s(o.transition_s),
+                fmt_s(o.redo_s),
+                fmt_s(o.degraded_s),
+                "-" if o.post_recovery is None else f"{o.post_recovery:.3f}",
+                f"{o.in_place}",
+                f"{o.restarts}",
+                over,
+                ("stopped: no feasible recovery; " if o.stopped else "") + o.note,
+            ]
+        )
+    return [
+        Fields(
+            "Simulation",
+            [
+                ("config", r.config),
+                ("trace", f"{r.trace}: {r.trace_source}"),
+                ("length", f"{fmt_s(r.duration_s)}, {r.failures} failure(s), {r.workers} workers"),
+                ("failure-free", f"{r.failure_free:.4g} samples/s (step {fmt_s(r.step_s)})"),
+                ("simulated in", f"{r.wall_s:.2f} s ({r.decisions} distinct recoveries planned)"),
+            ],
+        ),
+        Table(
+            "Policies (throughput in samples/s; lost time in wall time)",
+            [
+                "policy",
+                "throughput",
+                "vs failure-free",
+                "full speed",
+                "transitions",
+                "redone",
+                "degraded",
+                "post-recovery",
+                "in place",
+                "restarts",
+                "adaptive over it",
+                "note",
+            ],  # fmt: skip
+            rows,
+            highlight=frozenset(i for i, o in enumerate(r.outcomes) if o is best),
+        ),
+    ]
+
+
+def require_matplotlib() -> None:
+    """Checked before simulating, so a missing extra costs no wait."""
+    if importlib.util.find_spec("matplotlib") is None:
+        raise UserError(
+            "--plot needs matplotlib: pip install 'chameleon[plot]' (or pip install matplotlib)"
+        )
+
+
+def plot(r: SimulationReport, path: Path) -> None:
+    """Throughput over time, one line per policy (matplotlib: the ``plot`` extra)."""
+    require_matplotlib()
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    hours = r.duration_s / 3600
+    for o in r.outcomes:
+        xs, ys = [], []
+        for (t, rate), nxt in zip(o.series, [*o.series[1:], (r.duration_s, None)], strict=True):
+            xs += [t / 3600, nxt[0] / 3600]
+            ys += [rate, rate]
+        ax.plot(xs, ys, label=f"{o.policy} ({o.vs_failure_free:.3f})", drawstyle="default")
+    ax.axhline(r.failure_free, color="grey", linestyle=":", label="failure-free")
+    ax.set_xlim(0, hours)
+    ax.set_xlabel("hours")
+    ax.set_ylabel("samples/s")
+    ax.set_title(f"{r.config}: {r.trace}")
+    ax.legend(loc="lower left", fontsize="small")
+    fig.tight_layout()
+    try:
+        fig.savefig(path)
+    except OSError as exc:
+        raise UserError(f"--plot: cannot write {path}: {exc.strerror or exc}") from None
+    finally:
+        plt.close(fig)

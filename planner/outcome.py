@@ -1,0 +1,125 @@
+"""What each policy made of a trace: the figures ``chameleon simulate`` reports.
+
+``simulate(job, trace, policies)`` runs them (planner.simulate, planner.oracle) and sums
+each run up as a pydantic model, which is also the command's ``--json``:
+
+- throughput: samples per second averaged over the whole trace, and over failure-free;
+- full speed: the share of the trace spent training at the failure-free rate;
+- lost to transitions (not training), to redone work (a restart's lost steps) and to
+  degraded steps (training time times the share of the failure-free rate it missed);
+- post-recovery: the rate after the first recovery over failure-free, averaged over the
+  time spent training then (PAPER.md's "within 11% of failure-free");
+- failures survived in place (no restart), and restarts.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from pydantic import BaseModel
+
+from planner.oracle import oracle
+from planner.simulate import POLICIES, Simulator, State
+from planner.trace import Trace
+from planner.workload import Job
+
+
+class PolicyOutcome(BaseModel):
+    policy: str
+    throughput: float  # samples/s over the whole trace
+    vs_failure_free: float
+    full_speed_share: float
+    transition_s: float
+    redo_s: float
+    degraded_s: float
+    post_recovery: float | None  # rate over failure-free after recoveries; None: none
+    in_place: int
+    restarts: int
+    stopped: bool
+    series: list[tuple[float, float]]  # (t_s, samples/s) where the rate changes
+    note: str = ""
+
+
+class SimulationReport(BaseModel):
+    config: str
+    trace: str
+    trace_source: str
+    duration_s: float
+    failures: int  # failure events in the trace
+    workers: int
+    failure_free: float  # samples/s
+    step_s: float  # failure-free
+    outcomes: list[PolicyOutcome]
+    decisions: int  # distinct recoveries the planner was asked for (the rest were cached)
+    wall_s: float
+
+    def outcome(self, policy: str) -> PolicyOutcome:
+        return next(o for o in self.outcomes if o.policy == policy)
+
+
+def _series(state: State) -> list[tuple[float, float]]:
+    out = []
+    node = state.points
+    while node:
+        out.append(node[0])
+        node = node[1]
+    return sorted(out)
+
+
+def outcome(
+    sim: Simulator, policy: str, state: State, duration_s: float, note: str = ""
+) -> PolicyOutcome:
+    t = state.totals
+    return PolicyOutcome(
+        policy=policy,
+        throughput=t.samples / duration_s,
+        vs_failure_free=t.samples / duration_s / sim.rate0,
+        full_speed_share=t.full_s / duration_s,
+        transition_s=t.transition_s,
+        redo_s=t.redo_s,
+        degraded_s=t.degraded_s,
+        post_recovery=t.post_rate_s / t.post_s if t.post_s > 0 else None,
+        in_place=t.in_place,
+        restarts=t.restarts,
+        stopped=t.stopped,
+        series=_series(state),
+        note=note,
+    )
+
+
+def simulate(
+    job: Job,
+    trace: Trace,
+    policies: Sequence[str] = POLICIES,
+    *,
+    config: str = "",
+    sim: Simulator | None = None,
+) -> SimulationReport:
+    started = time.perf_counter()
+    sim = sim or Simulator(job)
+    outcomes = []
+    for policy in policies:
+        if policy == "oracle":
+            run = oracle(sim, trace)
+            note = (
+                f"best of {run.states_max} states at most; beam cut some (a lower bound)"
+                if run.pruned
+                else "exact"
+            )
+            outcomes.append(outcome(sim, policy, run.best, trace.duration_s, note))
+        else:
+            outcomes.append(outcome(sim, policy, sim.run(trace, policy), trace.duration_s))
+    return SimulationReport(
+        config=config,
+        trace=trace.name,
+        trace_source=trace.source,
+        duration_s=trace.duration_s,
+        failures=trace.failures,
+        workers=job.num_workers,
+        failure_free=sim.rate0,
+        step_s=sim.step0_s,
+        outcomes=outcomes,
+        decisions=sim.decisions,
+        wall_s=time.perf_counter() - started,
+    )

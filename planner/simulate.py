@@ -1,0 +1,319 @@
+"""Whole runs under a failure trace, policy by policy, on the planner's own costs.
+
+A run is a sequence of states, one per event of the trace (planner.trace). Between events
+a state trains at B / t_step samples per second, once its transition is over; at a failure
+that hits a worker of its plan, its policy picks one of the planner's candidates for that
+loss (``planner.selection.gather``: the same reroute, re-partitions and restart that
+``chameleon run`` weighs), and the state moves to that candidate's plan, training again
+after its transition. Nothing is measured here: step times are ``planner.estimate``'s and
+transitions ``planner.policy``'s, so a simulated run is as good as the cost model (the
+short real run in tests/test_simulate_real.py keeps it honest).
+
+Policies (``POLICIES``), each the real thing modelled with those costs:
+
+- ``adaptive``: ``planner.selection.choose`` at every failure, with the D that ``chameleon
+  run`` would have: the config's prior updated by the failures the run has seen so far
+  (planner.failures);
+- ``reroute`` (ReCycle): always reroute, a restart when a stage has no replica left;
+- ``reparallelize`` (Oobleck): always the fastest re-partition, its layers copied from
+  the first surviving holder one transfer at a time (``Migration.naive``); a restart
+  when none fits;
+- ``restart`` (torchrun): relaunch from the last checkpoint (``restart_s``), redoing the
+  work since it; on spares or repaired workers at the old size when there are enough;
+- ``redundant`` (Bamboo): every step costs ``REDUNDANT_OVERHEAD`` more, failures or not;
+  a failed worker's neighbour already holds its layers, so a takeover costs the
+  recovery protocol's messages only and trains like a reroute (plus the overhead);
+- ``oracle``: the best sequence of choices in hindsight (planner.oracle).
+
+Checkpoints are written every ``checkpoint_interval_s`` of wall time from the last
+(re)start; a restart redoes the time since the last one. A failure during a transition
+abandons it: the new decision starts from the plan being moved to. Repaired workers
+return idle; a later re-partition or restart may use them (no policy scales up on a
+repair alone). A job with no feasible recovery stops training until the trace ends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+
+from planner.failures import FailureRate
+from planner.layout import initial_plan
+from planner.plan import Plan
+from planner.policy import Candidate, Policy, Transition
+from planner.search import Search
+from planner.selection import Options, choose, gather, log_score
+from planner.trace import Event, Trace
+from planner.workload import Job
+
+POLICIES = ("adaptive", "reroute", "reparallelize", "restart", "redundant", "oracle")
+# Bamboo's redundant computation, as a share of a failure-free step. An assumption (the
+# figure depends on the model and the bubbles it fills), stated in docs/simulate.md.
+REDUNDANT_OVERHEAD = 0.25
+_FULL = 1 - 1e-9  # a rate at least this share of failure-free counts as full speed
+
+
+@dataclass(frozen=True)
+class Totals:
+    """What a run has done so far, in seconds and samples (module doc)."""
+
+    samples: float = 0.0
+    useful_s: float = 0.0  # training on new work
+    full_s: float = 0.0  # training at the failure-free rate
+    transition_s: float = 0.0  # not training: detection to the first step
+    redo_s: float = 0.0  # training again over work a restart lost
+    degraded_s: float = 0.0  # training time lost to slower steps (equivalent seconds)
+    post_s: float = 0.0  # training after the first recovery
+    post_rate_s: float = 0.0  # ... weighted by its rate over failure-free
+    in_place: int = 0  # failures recovered without a restart
+    restarts: int = 0
+    stopped: bool = False  # no feasible recovery: the job stopped
+    stopped_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class State:
+    plan: Plan | None  # None: stopped
+    step_s: float
+    resume_s: float  # training resumes here
+    redo_until_s: float  # training until here redoes lost work
+    checkpoint_from_s: float  # checkpoints every interval from here
+    down: frozenset[int] = frozenset()
+    idle: frozenset[int] = frozenset()  # alive, in no plan
+    spares: frozenset[int] = frozenset()
+    rate: FailureRate | None = None  # adaptive's posterior
+    observed_s: float = 0.0  # the posterior holds the exposure up to here
+    t_s: float = 0.0  # the state's time
+    totals: Totals = field(default_factory=Totals)
+    points: tuple = ()  # ((t, samples/s), previous points): throughput over time, linked
+
+
+@dataclass(frozen=True)
+class Choice:
+    candidate: Candidate
+    step_s: float
+    transition: Transition
+
+
+class Simulator:
+    """One job's runs: the decisions' candidates cached by (plan, lost, idle, spares), as
+    every policy, and every branch of the oracle, that reaches the same state asks the
+    same question."""
+
+    def __init__(self, job: Job, *, redundant_overhead: float = REDUNDANT_OVERHEAD) -> None:
+        self.job = job
+        self.search = Search(job).warm_up()
+        self.plan0 = initial_plan(job)
+        self.step0_s = self.search.estimate(self.plan0).step_s
+        self.rate0 = job.training.global_batch_size / self.step0_s
+        self.redundant_overhead = redundant_overhead
+        self._cache: dict[tuple, Options] = {}
+        self.decisions = 0  # gathers computed (cache misses)
+
+    def start(self, policy: str) -> State:
+        spares = range(self.job.num_workers, self.job.num_workers + self.job.num_spare_workers)
+        step = self.step0_s * (1 + self.redundant_overhead if policy == "redundant" else 1)
+        return State(
+            plan=self.plan0,
+            step_s=step,
+            resume_s=0.0,
+            redo_until_s=0.0,
+            checkpoint_from_s=0.0,
+            spares=frozenset(spares),
+            rate=self.job.failure_rate(),
+            points=((0.0, self.job.training.global_batch_size / step), ()),
+        )
+
+    # -- time passing -------------------------------------------------------------------
+
+    def advance(self, state: State, t_s: float) -> State:
+        """``state`` carried to ``t_s``: training where it may, counted."""
+        if t_s <= state.t_s:
+            return state
+        t0, tot = state.t_s, state.totals
+        dead = max(0.0, min(t_s, state.resume_s) - t0)
+        train_from = max(t0, state.resume_s)
+        train = max(0.0, t_s - train_from) if state.plan is not None else 0.0
+        redo = max(0.0, min(t_s, state.redo_until_s) - train_from) if train else 0.0
+        useful = train - redo
+        rate = self.job.training.global_batch_size / state.step_s
+        share = rate / self.rate0
+        full = share >= _FULL
+        recovered = tot.in_place + tot.restarts > 0
+        tot = replace(
+            tot,
+            samples=tot.samples + rate * useful,
+            useful_s=tot.useful_s + useful,
+            full_s=tot.full_s + (useful if full else 0.0),
+            transition_s=tot.transition_s + (dead if state.plan is not None else 0.0),
+            stopped_s=tot.stopped_s + (t_s - t0 if state.plan is None else 0.0),
+            redo_s=tot.redo_s + redo,
+            degraded_s=tot.degraded_s + (0.0 if full else useful * (1 - share)),
+            post_s=tot.post_s + (useful if recovered else 0.0),
+            post_rate_s=tot.post_rate_s + (useful * share if recovered else 0.0),
+        )
+        return replace(state, t_s=t_s, totals=tot)
+
+    def finish(self, state: State, duration_s: float) -> State:
+        return self.advance(state, duration_s)
+
+    # -- events ---------------------------------------------------------------------------
+
+    def options(self, state: State, lost: Sequence[int]) -> Options:
+        assert state.plan is not None
+        spares = sorted(state.idle | state.spares)
+        key = (state.plan, tuple(sorted(lost)), state.idle, tuple(spares))
+        hit = self._cache.get(key)
+        if hit is None:
+            survivors = [w for w in state.plan.workers if w not in lost] + sorted(state.idle)
+            hit = gather(
+                self.search, state.plan, lost, survivors, since_checkpoint_s=0.0, spares=spares
+            )
+            self._cache[key] = hit
+            self.decisions += 1
+        return hit
+
+    def hit(self, state: State, event: Event) -> tuple[State, tuple[int, ...]]:
+        """``state`` at a failure, before any recovery: the workers it loses from its plan."""
+        state = self.advance(state, event.t_s)
+        lost = frozenset(event.workers)
+        in_use = len(state.plan.workers) if state.plan is not None else 0
+        rate = state.rate
+        if rate is not None:  # what chameleon run observes: its devices' time, its failures
+            rate = rate.observe(
+                devices=in_use * self.job.tp,
+                seconds=event.t_s - state.observed_s,
+                failures=1 if state.plan is not None and lost & set(state.plan.workers) else 0,
+            )
+        hit = tuple(sorted(lost & set(state.plan.workers))) if state.plan is not None else ()
+        state = replace(
+            state,
+            down=state.down | lost,
+            idle=state.idle - lost,
+            spares=state.spares - lost,
+            rate=rate,
+            observed_s=event.t_s,
+        )
+        return state, hit
+
+    def repair(self, state: State, event: Event) -> State:
+        state = self.advance(state, event.t_s)
+        back = frozenset(event.workers) & state.down
+        in_plan = set(state.plan.workers) if state.plan is not None else set()
+        job_workers = {w for w in back if w < self.job.num_workers and w not in in_plan}
+        return replace(
+            state,
+            down=state.down - back,
+            idle=state.idle | job_workers,
+            spares=state.spares | {w for w in back if w >= self.job.num_workers},
+        )
+
+    def mtbf_s(self, state: State) -> float:
+        assert state.rate is not None and state.plan is not None
+        return state.rate.mtbf(len(state.plan.workers) * self.job.tp).seconds
+
+    def choices(self, state: State, lost: Sequence[int], policy: str) -> list[Choice]:
+        """The recoveries ``policy`` may pick for ``lost`` (several only for the oracle),
+        empty when none is feasible."""
+        o = self.options(state, lost)
+        since = (state.t_s - state.checkpoint_from_s) % self.job.training.checkpoint_interval_s
+        restart = self._restart(o.restart, since)
+        feasible_rp = [c for c in o.reparallelize if c.feasible]
+
+        def plain(c: Candidate) -> Choice:
+            assert c.estimate is not None
+            return Choice(c, c.estimate.step_s, c.transition)
+
+        fallback = [restart] if restart is not None else []
+        if policy == "adaptive":
+            d = self.mtbf_s(state)
+            best_rp = max(feasible_rp, key=lambda c: log_score(self.job, c, d), default=None)
+            pool = [c for c in (o.reroute, best_rp, restart and restart.candidate) if c]
+            chosen = choose(self.job, pool, d)
+            if chosen is None:
+                return []
+            return [restart] if chosen.policy is Policy.RESTART else [plain(chosen)]  # type: ignore[list-item]
+        if policy == "reroute":
+            return [plain(o.reroute)] if o.reroute.feasible else fallback
+        if policy == "reparallelize":
+            fastest = min(feasible_rp, key=lambda c: c.estimate.step_s, default=None)  # type: ignore[union-attr]
+            if fastest is None:
+                return fallback
+            naive = fastest.migration.naive()
+            f = self.job.cluster.transition_factor
+            tr = replace(fastest.transition, migration_s=f * naive.est_time_s)
+            return [
+                Choice(
+                    replace(fastest, migration=naive, transition=tr), fastest.estimate.step_s, tr
+                )
+            ]  # type: ignore[union-attr]
+        if policy == "restart":
+            return fallback
+        if policy == "redundant":
+            if not o.reroute.feasible:
+                return fallback
+            c = plain(o.reroute)
+            takeover = Transition(protocol_s=c.transition.protocol_s)
+            return [Choice(c.candidate, c.step_s * (1 + self.redundant_overhead), takeover)]
+        if policy == "oracle":
+            out = [plain(o.reroute)] if o.reroute.feasible else []
+            out += [plain(c) for c in feasible_rp]
+            return out + fallback
+        raise ValueError(f"unknown policy {policy!r}")
+
+    def _restart(self, c: Candidate, since_s: float) -> Choice | None:
+        if not c.feasible:
+            return None
+        assert c.estimate is not None
+        tr = replace(c.transition, lost_work_s=since_s)
+        return Choice(replace(c, transition=tr), c.estimate.step_s, tr)
+
+    def recover(self, state: State, choice: Choice | None) -> State:
+        """``state`` (at its failure) moved to ``choice``; stopped when there is none."""
+        t, tot = state.t_s, state.totals
+        if choice is None:
+            return replace(
+                state, plan=None, totals=replace(tot, stopped=True), points=((t, 0.0), state.points)
+            )
+        c, tr = choice.candidate, choice.transition
+        assert c.plan is not None
+        restart = c.policy is Policy.RESTART
+        used = set(c.plan.workers)
+        old = set(state.plan.workers) if state.plan is not None else set()
+        idle = (state.idle | (old - state.down)) - used
+        step = choice.step_s
+        blocked = tr.total_s - tr.lost_work_s
+        return replace(
+            state,
+            plan=c.plan,
+            step_s=step,
+            resume_s=t + blocked,
+            redo_until_s=t + tr.total_s if restart else state.redo_until_s,
+            checkpoint_from_s=t + blocked if restart else state.checkpoint_from_s,
+            idle=frozenset(idle - state.down),
+            spares=state.spares - used,
+            totals=replace(
+                tot,
+                in_place=tot.in_place + (0 if restart else 1),
+                restarts=tot.restarts + (1 if restart else 0),
+            ),
+            points=(
+                (t + blocked, self.job.training.global_batch_size / step),
+                ((t, 0.0), state.points),
+            ),
+        )
+
+    def run(self, trace: Trace, policy: str, on_event: Callable[[], None] | None = None) -> State:
+        """One policy over ``trace`` (not the oracle: planner.oracle)."""
+        state = self.start(policy)
+        for event in trace.events:
+            if event.kind == "repair":
+                state = self.repair(state, event)
+                continue
+            state, lost = self.hit(state, event)
+            if lost:
+                options = self.choices(state, lost, policy)
+                state = self.recover(state, options[0] if options else None)
+            if on_event:
+                on_event()
+        return self.finish(state, trace.duration_s)

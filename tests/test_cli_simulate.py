@@ -1,0 +1,95 @@
+"""``chameleon simulate`` as a user runs it: a real process, real exit codes."""
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+ASCEND = str(ROOT / "configs" / "ascend910b_32_gpt13b.toml")
+
+
+def chameleon(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "chameleon_cli.app", *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
+
+
+def test_every_policy_over_a_builtin_trace_as_json():
+    result = chameleon(
+        "simulate", "--config", ASCEND, "--trace", "oobleck-1h", "--duration", "12h", "--json"
+    )
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    assert out["failures"] == 8  # 16 workers to 8
+    by = {o["policy"]: o for o in out["outcomes"]}
+    assert list(by) == ["adaptive", "reroute", "reparallelize", "restart", "redundant", "oracle"]
+    for o in by.values():
+        assert 0 < o["vs_failure_free"] <= 1
+        assert o["series"][0][0] == 0.0
+    assert by["oracle"]["throughput"] >= by["adaptive"]["throughput"] - 1e-9
+    assert by["restart"]["restarts"] == 8 and by["restart"]["in_place"] == 0
+
+
+def test_the_table_names_each_policy():
+    result = chameleon(
+        "simulate", "--config", ASCEND, "--mtbf", "2h", "--duration", "24h", "--seed", "4",
+        "--policies", "adaptive,restart", "--plain",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "adaptive" in result.stdout and "restart" in result.stdout
+    assert "reroute" not in result.stdout.split("Policies")[1]
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "words"),
+    [
+        (["--policies", "adaptive,magic"], 2, "unknown policy 'magic'"),
+        (["--trace", "nope.json"], 1, "--trace: nope.json is neither a file"),
+        (["--duration", "-3h"], 2, "--duration"),
+        (["--trace", "oobleck-1h", "--mtbf", "3h"], 2, "not both"),
+        (["--plot", "/no/such/dir/x.png"], 1, "no such folder"),
+    ],
+)
+def test_bad_input_is_one_line_and_a_nonzero_exit(args, code, words):
+    result = chameleon("simulate", "--config", ASCEND, "--duration", "2h", *args)
+    assert result.returncode == code, result.stderr
+    assert words in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("matplotlib") is not None, reason="matplotlib installed"
+)
+def test_plot_without_matplotlib_says_what_to_install(tmp_path):
+    result = chameleon(
+        "simulate", "--config", ASCEND, "--duration", "2h", "--plot", str(tmp_path / "x.png")
+    )
+    assert result.returncode == 1
+    assert "--plot needs matplotlib" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None, reason="needs matplotlib")
+def test_plot_writes_a_png(tmp_path):
+    out = tmp_path / "x.png"
+    result = chameleon(
+        "simulate",
+        "--config",
+        ASCEND,
+        "--trace",
+        "oobleck-1h",
+        "--duration",
+        "6h",
+        "--plot",
+        str(out),
+    )
+    assert result.returncode == 0, result.stderr
+    assert out.read_bytes()[:4] == b"\x89PNG"

@@ -1,0 +1,163 @@
+"""chameleon simulate: traces, the accounting of a run, the policies and the oracle."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from planner import trace as traces
+from planner.config import load_job
+from planner.errors import ConfigError
+from planner.oracle import oracle
+from planner.outcome import simulate
+from planner.policy import Policy
+from planner.simulate import POLICIES, REDUNDANT_OVERHEAD, Simulator
+from planner.trace import Event, Trace
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+HOUR = 3600.0
+
+
+@pytest.fixture(scope="module")
+def ascend():
+    return load_job(CONFIGS / "ascend910b_32_gpt13b.toml")
+
+
+@pytest.fixture(scope="module")
+def sim(ascend):
+    return Simulator(ascend)
+
+
+def one_failure(worker: int, t_s: float, duration_s: float) -> Trace:
+    return Trace("one", duration_s, (Event(t_s, "fail", (worker,)),), "test")
+
+
+def test_generated_trace_follows_the_rate_the_causes_and_the_repairs(ascend):
+    mtbf = 0.5 * HOUR
+    tr = traces.generated(ascend, duration_s=500 * HOUR, seed=3, mtbf_s=mtbf, repair_s=2 * HOUR)
+    fails = [e for e in tr.events if e.kind == "fail"]
+    assert 0.85 * 1000 < len(fails) < 1.15 * 1000  # 500 h at one per 0.5 h
+    per_node = ascend.cluster.devices_per_node // ascend.tp
+    for e in fails:
+        if e.cause in ("network", "host"):
+            assert len(e.workers) == per_node  # a whole node
+        else:
+            assert len(e.workers) == 1
+    share = sum(e.cause == "gpu" for e in fails) / len(fails)
+    assert abs(share - 0.587) < 0.06
+    repairs = {(e.workers, round(e.t_s, 6)) for e in tr.events if e.kind == "repair"}
+    for e in fails:
+        back = traces.PROCESS_RESTART_S if e.cause == "software" else 2 * HOUR
+        if e.t_s + back < tr.duration_s:
+            assert (e.workers, round(e.t_s + back, 6)) in repairs
+    # The job's own rate when no --mtbf: its devices over device_mtbf_hours.
+    own = traces.generated(ascend, duration_s=2000 * HOUR, seed=1)
+    expected = 2000 * HOUR * ascend.cluster.num_devices / ascend.cluster.device_mtbf_s
+    assert 0.8 * expected < own.failures < 1.2 * expected
+
+
+def test_oobleck_trace_halves_the_job_at_its_interval(ascend):
+    tr = traces.oobleck(ascend, 600.0, duration_s=10 * HOUR, seed=1)
+    assert [e.t_s for e in tr.events] == [600.0 * (i + 1) for i in range(ascend.num_workers // 2)]
+    lost = [w for e in tr.events for w in e.workers]
+    assert len(set(lost)) == len(lost) == ascend.num_workers // 2
+    assert tr.name == "oobleck-10m"
+
+
+def test_a_trace_file_is_read_and_bad_ones_are_named(ascend, tmp_path):
+    good = tmp_path / "t.json"
+    good.write_text(
+        json.dumps(
+            {"events": [{"t_hours": 1, "fail_nodes": [1]}, {"t_hours": 3, "repair_nodes": [1]}]}
+        )
+    )
+    tr = traces.load(good, ascend, duration_s=10 * HOUR)
+    assert [(e.t_s, e.kind) for e in tr.events] == [(HOUR, "fail"), (3 * HOUR, "repair")]
+    assert tr.events[0].workers == tuple(ascend.workers_on_node(1))
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"events": [{"t_hours": 1, "fail_ranks": [999]}]}))
+    with pytest.raises(ConfigError, match="event 0: 999 is not in the cluster"):
+        traces.load(bad, ascend, duration_s=HOUR)
+    bad.write_text("{not json")
+    with pytest.raises(ConfigError, match="not a JSON trace"):
+        traces.load(bad, ascend, duration_s=HOUR)
+
+
+def test_without_failures_every_policy_trains_at_its_failure_free_rate(sim):
+    empty = Trace("none", 10 * HOUR, (), "test")
+    report = simulate(sim.job, empty, POLICIES, sim=sim)
+    for o in report.outcomes:
+        expected = 1 / (1 + REDUNDANT_OVERHEAD) if o.policy == "redundant" else 1.0
+        assert o.vs_failure_free == pytest.approx(expected)
+        assert o.transition_s == o.redo_s == 0
+        # Bamboo's overhead is paid all the time: a share of the run lost to slower steps.
+        assert o.degraded_s == pytest.approx(10 * HOUR * (1 - expected), abs=1e-6)
+
+
+def test_a_restart_costs_its_restart_and_the_work_since_the_checkpoint(sim):
+    job = sim.job
+    interval = job.training.checkpoint_interval_s
+    t_fail, duration = 2.5 * interval, 10 * interval  # half an interval since the checkpoint
+    tr = one_failure(3, t_fail, duration)
+    end = sim.run(tr, "restart")
+    state, lost = sim.hit(sim.start("restart"), tr.events[0])
+    (choice,) = sim.choices(state, lost, "restart")
+    assert choice.candidate.policy is Policy.RESTART
+    restart_s = job.cluster.restart_s
+    redo = 0.5 * interval
+    assert choice.transition.total_s == pytest.approx(restart_s + redo)
+    new_rate = job.training.global_batch_size / choice.step_s
+    expected = sim.rate0 * t_fail + new_rate * (duration - t_fail - restart_s - redo)
+    assert end.totals.samples == pytest.approx(expected)
+    assert end.totals.transition_s == pytest.approx(restart_s)
+    assert end.totals.redo_s == pytest.approx(redo)
+    assert end.totals.restarts == 1 and end.totals.in_place == 0
+
+
+@pytest.mark.parametrize("policy", [p for p in POLICIES if p != "oracle"])
+def test_every_second_of_a_run_is_accounted_for(sim, policy):
+    # Failures closer together than a restart: the second lands mid-transition.
+    events = (
+        Event(HOUR, "fail", (2,)),
+        Event(HOUR + 5, "fail", (7,)),
+        Event(3 * HOUR, "fail", tuple(sim.job.workers_on_node(2))),
+        Event(5 * HOUR, "repair", (2, 7)),
+        Event(6 * HOUR, "fail", (11,)),
+    )
+    tr = Trace("mixed", 12 * HOUR, events, "test")
+    t = sim.run(tr, policy).totals
+    assert t.useful_s + t.transition_s + t.redo_s + t.stopped_s == pytest.approx(tr.duration_s)
+    assert t.samples <= sim.rate0 * tr.duration_s
+
+
+def test_the_oracle_is_never_below_a_sequence_of_choices_it_could_have_made(sim):
+    job = sim.job
+    for seed in (1, 2):
+        tr = traces.generated(
+            job, duration_s=48 * HOUR, seed=seed, mtbf_s=3 * HOUR, repair_s=6 * HOUR
+        )
+        best = oracle(sim, tr).best.totals.samples
+        for policy in ("adaptive", "reroute", "restart"):
+            assert best >= sim.run(tr, policy).totals.samples - 1e-6
+
+
+def test_adaptive_learns_d_from_the_failures_it_sees(sim):
+    tr = traces.oobleck(sim.job, 600.0, duration_s=4 * HOUR, seed=0)
+    state = sim.start("adaptive")
+    prior = sim.mtbf_s(state)
+    for event in tr.events[:4]:
+        state, lost = sim.hit(state, event)
+        state = sim.recover(state, sim.choices(state, lost, "adaptive")[0])
+    # Four failures in 40 minutes: far more often than the config's prior says.
+    assert sim.mtbf_s(state) < prior / 2
+
+
+def test_decisions_are_cached_across_policies(ascend):
+    sim = Simulator(ascend)
+    tr = traces.oobleck(ascend, 1800.0, duration_s=2 * HOUR, seed=0)
+    sim.run(tr, "reroute")
+    first = sim.decisions
+    sim.run(tr, "reroute")
+    assert sim.decisions == first  # the same states: nothing planned again
