@@ -1,25 +1,13 @@
 """``chameleon plan --dry-run`` as a user runs it: a real process, real exit codes."""
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.cli import ROOT, chameleon
+
 TESTBED = str(ROOT / "configs" / "cpu_testbed.toml")
 ASCEND = str(ROOT / "configs" / "ascend910b_32_gpt13b.toml")
-
-
-def chameleon(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "chameleon_cli.app", *args],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=60,
-    )
 
 
 def test_json_has_the_documented_fields():

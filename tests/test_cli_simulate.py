@@ -2,24 +2,12 @@
 
 import importlib.util
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.cli import ROOT, chameleon
+
 ASCEND = str(ROOT / "configs" / "ascend910b_32_gpt13b.toml")
-
-
-def chameleon(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "chameleon_cli.app", *args],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=120,
-    )
 
 
 def test_every_policy_over_a_builtin_trace_as_json():
