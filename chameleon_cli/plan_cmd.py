@@ -10,7 +10,7 @@ import typer
 
 from chameleon_cli.errors import UserError
 from chameleon_cli.output import Output, choose_mode
-from chameleon_cli.units import parse_duration_s, parse_int_list
+from chameleon_cli.units import duration_flag, parse_int_list
 
 # The planner (networkx, pydantic) is imported when the command runs, not when the CLI
 # starts: `chameleon run` should not pay for it before its workers are up.
@@ -22,18 +22,6 @@ def _ranks(values: list[str]) -> list[int]:
         return sorted({r for v in values for r in parse_int_list(v)})
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--fail") from None
-
-
-def _duration(value: str | None, flag: str) -> float | None:
-    if value is None:
-        return None
-    try:
-        seconds = parse_duration_s(value)
-    except ValueError as exc:
-        raise typer.BadParameter(str(exc), param_hint=flag) from None
-    if seconds <= 0:
-        raise typer.BadParameter("must be positive", param_hint=flag)
-    return seconds
 
 
 def plan(
@@ -89,8 +77,8 @@ def plan(
         raise typer.BadParameter(
             "chameleon plan only simulates; add --dry-run", param_hint="--dry-run"
         )
-    mtbf_s = _duration(mtbf, "--mtbf")
-    since_s = _duration(since_checkpoint, "--since-checkpoint")
+    mtbf_s = duration_flag(mtbf, "--mtbf")
+    since_s = duration_flag(since_checkpoint, "--since-checkpoint")
     ranks = _ranks(fail or [])
     job = load_job(config)
     current = initial_plan(job)

@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from chameleon_cli.output import Output, choose_mode
-from chameleon_cli.plan_cmd import _duration
+from chameleon_cli.units import duration_flag
 
 BUILTIN = ("oobleck-10m", "oobleck-30m", "oobleck-1h", "oobleck-3h", "oobleck-6h")
 
@@ -80,13 +80,13 @@ def simulate(
     from planner.outcome import simulate as run_all
 
     names = _policies(policies)
-    duration_s = _duration(duration, "--duration")
+    duration_s = duration_flag(duration, "--duration")
     assert duration_s is not None
-    mtbf_s = _duration(mtbf, "--mtbf")
-    repair_s = None if repair.strip().lower() == "none" else _duration(repair, "--repair")
+    mtbf_s = duration_flag(mtbf, "--mtbf")
+    repair_s = None if repair.strip().lower() == "none" else duration_flag(repair, "--repair")
     if trace is not None and mtbf is not None:
         raise typer.BadParameter("give --trace or --mtbf, not both", param_hint="--mtbf")
-    if plot_to is not None and plot_to.parent and not plot_to.parent.is_dir():
+    if plot_to is not None and not plot_to.parent.is_dir():
         raise UserError(f"--plot: no such folder {plot_to.parent}")
     if plot_to is not None:
         require_matplotlib()

@@ -4,9 +4,31 @@ from __future__ import annotations
 
 import re
 
+import typer
+
 from launcher.args import parse_duration_s
 
-__all__ = ["fmt_bytes", "fmt_ranges", "fmt_s", "parse_duration_s", "parse_int_list"]
+__all__ = [
+    "duration_flag",
+    "fmt_bytes",
+    "fmt_ranges",
+    "fmt_s",
+    "parse_duration_s",
+    "parse_int_list",
+]
+
+
+def duration_flag(value: str | None, flag: str) -> float | None:
+    """A flag's positive duration (None when not given); a usage error names the flag."""
+    if value is None:
+        return None
+    try:
+        seconds = parse_duration_s(value)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint=flag) from None
+    if seconds <= 0:
+        raise typer.BadParameter("must be positive", param_hint=flag)
+    return seconds
 
 
 def parse_int_list(text: str) -> list[int]:

@@ -57,8 +57,9 @@ def _keep(merged: dict[tuple, State], state: State) -> None:
 def _bound(sim: Simulator, state: State, duration_s: float) -> float:
     if state.plan is None:
         return state.totals.samples
-    rate = sim.job.training.global_batch_size / state.step_s
-    return state.totals.samples + rate * max(0.0, duration_s - max(state.t_s, state.resume_s))
+    return state.totals.samples + sim.rate_of(state.step_s) * max(
+        0.0, duration_s - max(state.t_s, state.resume_s)
+    )
 
 
 def oracle(sim: Simulator, trace: Trace, *, beam: int = BEAM) -> OracleRun:
@@ -95,6 +96,6 @@ def oracle(sim: Simulator, trace: Trace, *, beam: int = BEAM) -> OracleRun:
         kept_keys = {_key(s) for s in kept}
         kept += [s for s in followers.values() if _key(s) not in kept_keys]
         states = kept
-    finished = [sim.finish(s, trace.duration_s) for s in states]
+    finished = [sim.advance(s, trace.duration_s) for s in states]
     best = max(finished, key=lambda s: s.totals.samples)
     return OracleRun(best=best, states_max=most, pruned=pruned)

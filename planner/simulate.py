@@ -34,7 +34,7 @@ repair alone). A job with no feasible recovery stops training until the trace en
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from planner.failures import FailureRate
@@ -90,9 +90,12 @@ class State:
 
 @dataclass(frozen=True)
 class Choice:
-    candidate: Candidate
-    step_s: float
-    transition: Transition
+    candidate: Candidate  # its transition as this policy pays it
+    step_s: float  # as this policy trains after it (redundant: with its overhead)
+
+    @property
+    def transition(self) -> Transition:
+        return self.candidate.transition
 
 
 class Simulator:
@@ -121,8 +124,12 @@ class Simulator:
             checkpoint_from_s=0.0,
             spares=frozenset(spares),
             rate=self.job.failure_rate(),
-            points=((0.0, self.job.training.global_batch_size / step), ()),
+            points=((0.0, self.rate_of(step)), ()),
         )
+
+    def rate_of(self, step_s: float) -> float:
+        """Samples per second at ``step_s`` a step."""
+        return self.job.training.global_batch_size / step_s
 
     # -- time passing -------------------------------------------------------------------
 
@@ -136,7 +143,7 @@ class Simulator:
         train = max(0.0, t_s - train_from) if state.plan is not None else 0.0
         redo = max(0.0, min(t_s, state.redo_until_s) - train_from) if train else 0.0
         useful = train - redo
-        rate = self.job.training.global_batch_size / state.step_s
+        rate = self.rate_of(state.step_s)
         share = rate / self.rate0
         full = share >= _FULL
         recovered = tot.in_place + tot.restarts > 0
@@ -154,18 +161,15 @@ class Simulator:
         )
         return replace(state, t_s=t_s, totals=tot)
 
-    def finish(self, state: State, duration_s: float) -> State:
-        return self.advance(state, duration_s)
-
     # -- events ---------------------------------------------------------------------------
 
     def options(self, state: State, lost: Sequence[int]) -> Options:
         assert state.plan is not None
-        spares = sorted(state.idle | state.spares)
-        key = (state.plan, tuple(sorted(lost)), state.idle, tuple(spares))
+        key = (state.plan, tuple(sorted(lost)), state.idle, state.spares)
         hit = self._cache.get(key)
         if hit is None:
             survivors = [w for w in state.plan.workers if w not in lost] + sorted(state.idle)
+            spares = sorted(state.idle | state.spares)
             hit = gather(
                 self.search, state.plan, lost, survivors, since_checkpoint_s=0.0, spares=spares
             )
@@ -177,15 +181,15 @@ class Simulator:
         """``state`` at a failure, before any recovery: the workers it loses from its plan."""
         state = self.advance(state, event.t_s)
         lost = frozenset(event.workers)
-        in_use = len(state.plan.workers) if state.plan is not None else 0
+        in_use = state.plan.workers if state.plan is not None else ()
+        hit = tuple(sorted(lost.intersection(in_use)))
         rate = state.rate
         if rate is not None:  # what chameleon run observes: its devices' time, its failures
             rate = rate.observe(
-                devices=in_use * self.job.tp,
+                devices=len(in_use) * self.job.tp,
                 seconds=event.t_s - state.observed_s,
-                failures=1 if state.plan is not None and lost & set(state.plan.workers) else 0,
+                failures=1 if hit else 0,
             )
-        hit = tuple(sorted(lost & set(state.plan.workers))) if state.plan is not None else ()
         state = replace(
             state,
             down=state.down | lost,
@@ -222,7 +226,7 @@ class Simulator:
 
         def plain(c: Candidate) -> Choice:
             assert c.estimate is not None
-            return Choice(c, c.estimate.step_s, c.transition)
+            return Choice(c, c.estimate.step_s)
 
         fallback = [restart] if restart is not None else []
         if policy == "adaptive":
@@ -242,19 +246,15 @@ class Simulator:
             naive = fastest.migration.naive()
             f = self.job.cluster.transition_factor
             tr = replace(fastest.transition, migration_s=f * naive.est_time_s)
-            return [
-                Choice(
-                    replace(fastest, migration=naive, transition=tr), fastest.estimate.step_s, tr
-                )
-            ]  # type: ignore[union-attr]
+            return [plain(replace(fastest, migration=naive, transition=tr))]
         if policy == "restart":
             return fallback
         if policy == "redundant":
             if not o.reroute.feasible:
                 return fallback
-            c = plain(o.reroute)
-            takeover = Transition(protocol_s=c.transition.protocol_s)
-            return [Choice(c.candidate, c.step_s * (1 + self.redundant_overhead), takeover)]
+            takeover = Transition(protocol_s=o.reroute.transition.protocol_s)
+            c = plain(replace(o.reroute, transition=takeover))
+            return [Choice(c.candidate, c.step_s * (1 + self.redundant_overhead))]
         if policy == "oracle":
             out = [plain(o.reroute)] if o.reroute.feasible else []
             out += [plain(c) for c in feasible_rp]
@@ -265,8 +265,9 @@ class Simulator:
         if not c.feasible:
             return None
         assert c.estimate is not None
-        tr = replace(c.transition, lost_work_s=since_s)
-        return Choice(replace(c, transition=tr), c.estimate.step_s, tr)
+        return Choice(
+            replace(c, transition=replace(c.transition, lost_work_s=since_s)), c.estimate.step_s
+        )
 
     def recover(self, state: State, choice: Choice | None) -> State:
         """``state`` (at its failure) moved to ``choice``; stopped when there is none."""
@@ -280,7 +281,7 @@ class Simulator:
         restart = c.policy is Policy.RESTART
         used = set(c.plan.workers)
         old = set(state.plan.workers) if state.plan is not None else set()
-        idle = (state.idle | (old - state.down)) - used
+        idle = (state.idle | (old - state.down)) - used  # the lost are down, never idle
         step = choice.step_s
         blocked = tr.total_s - tr.lost_work_s
         return replace(
@@ -290,7 +291,7 @@ class Simulator:
             resume_s=t + blocked,
             redo_until_s=t + tr.total_s if restart else state.redo_until_s,
             checkpoint_from_s=t + blocked if restart else state.checkpoint_from_s,
-            idle=frozenset(idle - state.down),
+            idle=frozenset(idle),
             spares=state.spares - used,
             totals=replace(
                 tot,
@@ -298,12 +299,12 @@ class Simulator:
                 restarts=tot.restarts + (1 if restart else 0),
             ),
             points=(
-                (t + blocked, self.job.training.global_batch_size / step),
+                (t + blocked, self.rate_of(step)),
                 ((t, 0.0), state.points),
             ),
         )
 
-    def run(self, trace: Trace, policy: str, on_event: Callable[[], None] | None = None) -> State:
+    def run(self, trace: Trace, policy: str) -> State:
         """One policy over ``trace`` (not the oracle: planner.oracle)."""
         state = self.start(policy)
         for event in trace.events:
@@ -314,6 +315,4 @@ class Simulator:
             if lost:
                 options = self.choices(state, lost, policy)
                 state = self.recover(state, options[0] if options else None)
-            if on_event:
-                on_event()
-        return self.finish(state, trace.duration_s)
+        return self.advance(state, trace.duration_s)
