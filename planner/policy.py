@@ -170,7 +170,8 @@ def replace_workers(plan: Plan, mapping: dict[int, int]) -> Plan:
     routes = tuple(
         Route(r.home, tuple(swap(w) for w in r.hops), r.micro_batches) for r in plan.routes
     )
-    return Plan(plan.num_layers, plan.num_micro_batches, tuple(stages), routes)
+    pipelines = tuple(tuple(swap(w) for w in p) for p in plan.pipelines)
+    return Plan(plan.num_layers, plan.num_micro_batches, tuple(stages), routes, pipelines)
 
 
 def restart_candidate(

@@ -32,7 +32,7 @@ from planner.policy import (
     reroute_candidate,
     restart_candidate,
 )
-from planner.search import Search
+from planner.search import Proposal, Search
 from planner.workload import Job
 
 _PREFERENCE = {Policy.REROUTE: 0, Policy.REPARALLELIZE: 1, Policy.RESTART: 2}
@@ -82,6 +82,29 @@ class Options:
     search_s: float
 
 
+def reparallelize_options(
+    search: Search,
+    current: Plan,
+    failed: Sequence[int],
+    survivors: Sequence[int],
+    *,
+    clock: Callable[[], float] = time.perf_counter,
+) -> tuple[tuple[Candidate, ...], Proposal | None, float]:
+    """A re-partition candidate per proposal of the search over ``survivors``, the
+    fastest proposal (what a restart over the survivors would run) and the search's
+    time."""
+    # A re-partition charges its search, which only it needs (rerouting's plan takes a
+    # few milliseconds and is made whatever is chosen, so it charges none).
+    t0 = clock()
+    proposals = search.propose(current, survivors) if survivors else []
+    search_s = clock() - t0
+    options = reparallelize_candidates(
+        search, proposals, current, survivors, failed=failed, search_s=search_s
+    )
+    fastest = min(proposals, key=lambda p: p.estimate.step_s, default=None)
+    return tuple(options), fastest, search_s
+
+
 def gather(
     search: Search,
     current: Plan,
@@ -92,20 +115,11 @@ def gather(
     spares: Sequence[int],
     clock: Callable[[], float] = time.perf_counter,
 ) -> Options:
-    """Every policy's candidates for the loss of ``failed`` (``decide`` and the simulator
-    choose among them)."""
-    lost = set(failed)
-    # Rerouting's plan takes a few milliseconds and is made whatever is chosen (every
-    # policy waits for the decision), so it charges none; a re-partition charges its
-    # search, which only it needs.
-    reroute = reroute_candidate(search, current, failed)
-    t0 = clock()
-    proposals = search.propose(current, survivors) if survivors else []
-    search_s = clock() - t0
-    options = reparallelize_candidates(
-        search, proposals, current, survivors, failed=failed, search_s=search_s
+    """Every policy's candidates for the loss of ``failed`` (``decide`` chooses among
+    them; the simulator asks for the parts it needs, the same way)."""
+    reparallelize, fastest, search_s = reparallelize_options(
+        search, current, failed, survivors, clock=clock
     )
-    fastest = min(proposals, key=lambda p: p.estimate.step_s, default=None)
     restart = restart_candidate(
         search,
         current,
@@ -113,9 +127,9 @@ def gather(
         survivors,
         best_over_survivors=fastest,
         since_checkpoint_s=since_checkpoint_s,
-        spares=[s for s in spares if s not in lost],
+        spares=[s for s in spares if s not in set(failed)],
     )
-    return Options(reroute, tuple(options), restart, search_s)
+    return Options(reroute_candidate(search, current, failed), reparallelize, restart, search_s)
 
 
 @dataclass(frozen=True)
