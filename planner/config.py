@@ -56,6 +56,9 @@ class ClusterConfig(_Strict):
     inter_node_latency_us: Annotated[float, Field(ge=0)] = 10.0
     spare_nodes: Annotated[int, Field(ge=0)] = 0
     restart_s: Annotated[float, Field(ge=0)] = 60.0
+    # From a failure to the moment it is seen: chameleon run's agent polls its workers
+    # every --monitor-interval (0.1 s). What chameleon simulate charges every failure.
+    detection_s: Annotated[float, Field(ge=0)] = 0.1
     pg_init_base_s: Annotated[float, Field(ge=0)] = 0.5
     pg_init_per_worker_s: Annotated[float, Field(ge=0)] = 0.001
     store_round_trip_us: Annotated[float, Field(ge=0)] = 500.0
@@ -232,6 +235,7 @@ def to_job(config: JobConfig, table: CostTable | None = None) -> Job:
         inter_node=inter,
         spare_nodes=c.spare_nodes,
         restart_s=c.restart_s,
+        detection_s=c.detection_s,
         pg_init_base_s=pg_base,
         pg_init_per_worker_s=pg_per,
         store_round_trip_s=store_rt,

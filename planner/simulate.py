@@ -25,8 +25,9 @@ Policies (``POLICIES``), each the real thing modelled with those costs:
   recovery protocol's messages only and trains like a reroute (plus the overhead);
 - ``oracle``: the best sequence of choices in hindsight (planner.oracle).
 
-Checkpoints are written every ``checkpoint_interval_s`` of wall time from the last
-(re)start; a restart redoes the time since the last one. A failure during a transition
+Every failure also costs the cluster's ``detection_s`` (until it is seen), and an in-place
+recovery the half step it interrupted, on average. Checkpoints are written every
+``checkpoint_interval_s`` of wall time from the last (re)start; a restart redoes the time since the last one. A failure during a transition
 abandons it: the new decision starts from the plan being moved to. Repaired workers
 return idle; a later re-partition or restart may use them (no policy scales up on a
 repair alone). A job with no feasible recovery stops training until the trace ends.
@@ -352,13 +353,18 @@ class Simulator:
         old = set(state.plan.workers) if state.plan is not None else set()
         idle = (state.idle | (old - state.down)) - used  # the lost are down, never idle
         step = choice.step_s
-        blocked = tr.total_s - tr.lost_work_s
+        # Beyond its transition, a failure costs the time until it is seen, and one that
+        # interrupts a step loses that step's work so far (half a step on average; a
+        # restart's lost work since its checkpoint already holds it).
+        training = state.plan is not None and t >= state.resume_s
+        interrupted = state.step_s / 2 if training and not restart else 0.0
+        blocked = self.job.cluster.detection_s + interrupted + tr.total_s - tr.lost_work_s
         return replace(
             state,
             plan=c.plan,
             step_s=step,
             resume_s=t + blocked,
-            redo_until_s=t + tr.total_s if restart else state.redo_until_s,
+            redo_until_s=t + blocked + tr.lost_work_s if restart else state.redo_until_s,
             checkpoint_from_s=t + blocked if restart else state.checkpoint_from_s,
             idle=frozenset(idle),
             spares=state.spares - used,

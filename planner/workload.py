@@ -53,6 +53,9 @@ class Cluster:
     spare_nodes: int = 0
     # Relaunching every worker and loading a checkpoint (the torchrun path), in seconds.
     restart_s: float = 60.0
+    # From a failure to the moment it is seen (the agent's monitor interval): every
+    # policy pays it alike, so only chameleon simulate charges it.
+    detection_s: float = 0.1
     # Rebuilding a communicator over n workers costs base + n * per_worker: every member
     # publishes its address in the store and connects to its peers.
     pg_init_base_s: float = 0.5

@@ -105,13 +105,13 @@ def test_a_restart_costs_its_restart_and_the_work_since_the_checkpoint(sim):
     state, lost = sim.hit(sim.start("restart"), tr.events[0])
     (choice,) = sim.choices(state, lost, "restart")
     assert choice.candidate.policy is Policy.RESTART
-    restart_s = job.cluster.restart_s
+    restart_s, seen_s = job.cluster.restart_s, job.cluster.detection_s
     redo = 0.5 * interval
     assert choice.transition.total_s == pytest.approx(restart_s + redo)
     new_rate = job.training.global_batch_size / choice.step_s
-    expected = sim.rate0 * t_fail + new_rate * (duration - t_fail - restart_s - redo)
+    expected = sim.rate0 * t_fail + new_rate * (duration - t_fail - seen_s - restart_s - redo)
     assert end.totals.samples == pytest.approx(expected)
-    assert end.totals.transition_s == pytest.approx(restart_s)
+    assert end.totals.transition_s == pytest.approx(seen_s + restart_s)
     assert end.totals.redo_s == pytest.approx(redo)
     assert end.totals.restarts == 1 and end.totals.in_place == 0
 
@@ -161,3 +161,20 @@ def test_decisions_are_cached_across_policies(ascend):
     first = sim.decisions
     sim.run(tr, "reroute")
     assert sim.decisions == first  # the same states: nothing planned again
+
+
+def test_an_in_place_recovery_also_pays_detection_and_the_step_it_interrupted(sim):
+    job = sim.job
+    tr = one_failure(3, HOUR, 2 * HOUR)
+    state, lost = sim.hit(sim.start("reroute"), tr.events[0])
+    (choice,) = sim.choices(state, lost, "reroute")
+    after = sim.recover(state, choice)
+    paid = job.cluster.detection_s + sim.step0_s / 2 + choice.transition.total_s
+    assert after.resume_s - HOUR == pytest.approx(paid)
+    # a second failure before training resumed interrupts no step
+    again, lost2 = sim.hit(after, Event(HOUR + paid / 2, "fail", (5,)))
+    (second,) = sim.choices(again, lost2, "reroute")
+    later = sim.recover(again, second)
+    assert later.resume_s - again.t_s == pytest.approx(
+        job.cluster.detection_s + second.transition.total_s
+    )

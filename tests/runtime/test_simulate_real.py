@@ -1,0 +1,80 @@
+"""The simulator kept honest by a real run: the same three kills, once on real workers
+(``chameleon run --inject-fault``) and once replayed by ``chameleon simulate`` on the
+config the run used, freshly profiled on this machine. Their throughputs must agree."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.launcher.helpers import free_port, run
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = str(ROOT / "examples" / "train_gpt.py")
+TEMPLATE = ROOT / "configs" / "cpu_testbed_profiled.toml"
+KILLS = ("kill:rank=5,step=15", "kill:rank=2,step=30", "kill:rank=7,step=45")
+STEPS = 60
+
+pytestmark = pytest.mark.slow
+
+
+def profiled_config(work: Path) -> Path:
+    """The test bed's config on a cost table measured now, as docs/profile.md says to."""
+    table = work / "table.json"
+    result = run(
+        "profile", "--out", str(table), "--nproc-per-node", "8", "--plain", EXAMPLE, cwd=work,
+        timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    config = work / "profiled.toml"
+    config.write_text(
+        TEMPLATE.read_text().replace("cost_tables/cpu_testbed_tiny_gpt.json", str(table))
+    )
+    return config
+
+
+def test_simulated_throughput_agrees_with_a_real_run_of_the_same_kills(tmp_path):
+    config = profiled_config(tmp_path)
+    events_file = tmp_path / "events.jsonl"
+    faults = [arg for kill in KILLS for arg in ("--inject-fault", kill)]
+    result = run(
+        "run", "--nproc-per-node", "8", "--plain", "--master-port", str(free_port()),
+        "--config", str(config), "--max-rejoins", "0", "--events", str(events_file), *faults,
+        EXAMPLE, "--steps", str(STEPS), "--checkpoint-dir", str(tmp_path / "ckpt"),
+        cwd=tmp_path, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    events = [json.loads(line) for line in events_file.read_text().splitlines() if line.strip()]
+    steps = sorted((e["step"], e["t"]) for e in events if e["event"] == "step")
+    (first, t0), (last, t_end) = steps[0], steps[-1]
+    kills = [(e["failed_at"], e["rank"]) for e in events if e["event"] == "failure"]
+    inside = [(t, rank) for t, rank in kills if t0 < t < t_end]
+    assert len(inside) >= 2, f"the kills fell outside the measured steps: {kills}, {steps}"
+    batch = 32  # the example's --global-batch, the config's global_batch_size
+    measured = (last - first) * batch / (t_end - t0)
+
+    trace = tmp_path / "trace.json"
+    trace.write_text(
+        json.dumps(
+            {
+                "name": "three kills",
+                "events": [{"t_hours": (t - t0) / 3600, "fail_ranks": [r]} for t, r in inside],
+            }
+        )
+    )
+    sim = run(
+        "simulate", "--config", str(config), "--trace", str(trace),
+        "--duration", f"{t_end - t0:.3f}s", "--policies", "adaptive", "--json", cwd=tmp_path,
+    )  # fmt: skip
+    assert sim.returncode == 0, sim.stdout + sim.stderr
+    report = json.loads(sim.stdout)
+    (adaptive,) = report["outcomes"]
+    ratio = adaptive["throughput"] / measured
+    chosen = [e["policy"] for e in events if e["event"] == "plan_chosen"]
+    assert 0.8 <= ratio <= 1.2, (
+        f"simulated {adaptive['throughput']:.1f} samples/s, measured {measured:.1f} "
+        f"over {t_end - t0:.2f} s (steps {first}..{last}); run chose {chosen}, "
+        f"simulation recovered {adaptive['in_place']} in place, {adaptive['restarts']} restarts"
+    )
