@@ -3,11 +3,12 @@
 A run is a sequence of states, one per event of the trace (planner.trace). Between events
 a state trains at B / t_step samples per second, once its transition is over; at a failure
 that hits a worker of its plan, its policy picks one of the planner's candidates for that
-loss (``planner.selection.gather``: the same reroute, re-partitions and restart that
-``chameleon run`` weighs), and the state moves to that candidate's plan, training again
-after its transition. Nothing is measured here: step times are ``planner.estimate``'s and
-transitions ``planner.policy``'s, so a simulated run is as good as the cost model (the
-short real run in tests/test_simulate_real.py keeps it honest).
+loss (the same reroute, re-partitions and restart that ``chameleon run`` weighs: the
+parts of ``planner.selection.gather``, asked one by one as the policy needs them), and
+the state moves to that candidate's plan, training again after its transition. Nothing
+is measured here: step times are ``planner.estimate``'s and transitions
+``planner.policy``'s, so a simulated run is as good as the cost model (the short real run
+in tests/runtime/test_simulate_real.py keeps it honest).
 
 Policies (``POLICIES``), each the real thing modelled with those costs:
 
@@ -165,8 +166,6 @@ class Simulator:
         )
         return replace(state, t_s=t_s, totals=tot)
 
-    # -- events ---------------------------------------------------------------------------
-
     # -- the planner's answers ---------------------------------------------------------
 
     def question(self, state: State, lost: Sequence[int]) -> Question:
@@ -228,6 +227,8 @@ class Simulator:
                 spares=pool,
             ),
         )
+
+    # -- events ---------------------------------------------------------------------------
 
     def hit(self, state: State, event: Event) -> tuple[State, tuple[int, ...]]:
         """``state`` at a failure, before any recovery: the workers it loses from its plan."""
