@@ -35,7 +35,8 @@ def simulation_blocks(r: SimulationReport) -> list[Block]:
                 f"{o.in_place}",
                 f"{o.restarts}",
                 over,
-                ("stopped: no feasible recovery; " if o.stopped else "") + o.note,
+                (f"stopped {fmt_s(o.stopped_s)}: no feasible recovery; " if o.stopped else "")
+                + o.note,
             ]
         )
     return [
@@ -46,7 +47,10 @@ def simulation_blocks(r: SimulationReport) -> list[Block]:
                 ("trace", f"{r.trace}: {r.trace_source}"),
                 ("length", f"{fmt_s(r.duration_s)}, {r.failures} failure(s), {r.workers} workers"),
                 ("failure-free", f"{r.failure_free:.4g} samples/s (step {fmt_s(r.step_s)})"),
-                ("simulated in", f"{r.wall_s:.2f} s ({r.decisions} planner answers, the rest cached)"),
+                (
+                    "simulated in",
+                    f"{r.wall_s:.2f} s ({r.decisions} planner answers, the rest cached)",
+                ),
             ],
         ),
         Table(

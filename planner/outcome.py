@@ -38,7 +38,8 @@ class PolicyOutcome(BaseModel):
     first_recovery: float | None  # rate over failure-free right after the first one
     in_place: int
     restarts: int
-    stopped: bool
+    stopped: bool  # no feasible recovery at some point
+    stopped_s: float  # time spent so, until workers came back to restart it
     series: list[tuple[float, float]]  # (t_s, samples/s) where the rate changes
     note: str = ""
 
@@ -99,6 +100,7 @@ def outcome(
         in_place=t.in_place,
         restarts=t.restarts,
         stopped=t.stopped,
+        stopped_s=t.stopped_s,
         series=series,
         note=note,
     )

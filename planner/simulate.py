@@ -31,22 +31,24 @@ recovery the half step it interrupted, on average. Checkpoints are written every
 ``checkpoint_interval_s`` of wall time from the last (re)start; a restart redoes the time since the last one. A failure during a transition
 abandons it: the new decision starts from the plan being moved to. Repaired workers
 return idle; a later re-partition or restart may use them (no policy scales up on a
-repair alone). A job with no feasible recovery stops training until the trace ends.
+repair alone). A job with no feasible recovery stops training until workers are back to
+run it; then it restarts from its last checkpoint, as torchrun or a requeueing scheduler
+would.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
 
+from planner.answers import Answers
 from planner.failures import FailureRate
 from planner.layout import initial_plan
 from planner.plan import Plan
-from planner.policy import Candidate, Policy, Transition, reroute_candidate, restart_candidate
-from planner.search import Proposal, Search
-from planner.selection import choose, log_score, reparallelize_options
-from planner.symmetry import Question, as_is, canonical, interchangeable
+from planner.policy import Candidate, Policy, Transition
+from planner.search import Search
+from planner.selection import choose, log_score
+from planner.symmetry import Question
 from planner.trace import Event, Trace
 from planner.workload import Job
 
@@ -87,6 +89,8 @@ class State:
     spares: frozenset[int] = frozenset()
     rate: FailureRate | None = None  # adaptive's posterior
     observed_s: float = 0.0  # the posterior holds the exposure up to here
+    lost_at_stop_s: float = 0.0  # stopped: the work since its last checkpoint, to redo
+    slowdown: float = 1.0  # every step's cost over the plan's estimate (redundant's overhead)
     t_s: float = 0.0  # the state's time
     totals: Totals = field(default_factory=Totals)
     points: tuple = ()  # ((t, samples/s), previous points): throughput over time, linked
@@ -103,27 +107,33 @@ class Choice:
 
 
 class Simulator:
-    """One job's runs. The planner's answers are cached (``_cached``), as every policy,
-    and every branch of the oracle, that reaches the same state asks the same question,
-    and on interchangeable workers so do states that differ only in names."""
+    """One job's runs, its policies and the oracle's branches sharing the planner's
+    answers (planner.answers; ``rename``: None to rename where workers are
+    interchangeable, False never)."""
 
-    def __init__(self, job: Job, *, redundant_overhead: float = REDUNDANT_OVERHEAD) -> None:
+    def __init__(
+        self,
+        job: Job,
+        *,
+        redundant_overhead: float = REDUNDANT_OVERHEAD,
+        rename: bool | None = None,
+    ) -> None:
         self.job = job
         self.search = Search(job).warm_up()
         self.plan0 = initial_plan(job)
         self.step0_s = self.search.estimate(self.plan0).step_s
         self.rate0 = job.training.global_batch_size / self.step0_s
         self.redundant_overhead = redundant_overhead
-        self._cache: dict[tuple, Any] = {}
-        self.symmetric = interchangeable(job)
-        self.decisions = 0  # answers computed (cache misses)
+        self.answers = Answers(job, self.search, rename=rename)
 
     def start(self, policy: str) -> State:
         spares = range(self.job.num_workers, self.job.num_workers + self.job.num_spare_workers)
-        step = self.step0_s * (1 + self.redundant_overhead if policy == "redundant" else 1)
+        slowdown = 1 + self.redundant_overhead if policy == "redundant" else 1.0
+        step = self.step0_s * slowdown
         return State(
             plan=self.plan0,
             step_s=step,
+            slowdown=slowdown,
             resume_s=0.0,
             redo_until_s=0.0,
             checkpoint_from_s=0.0,
@@ -166,67 +176,10 @@ class Simulator:
         )
         return replace(state, t_s=t_s, totals=tot)
 
-    # -- the planner's answers ---------------------------------------------------------
-
-    def question(self, state: State, lost: Sequence[int]) -> Question:
-        """The failure as the planner is asked it: renamed where workers are
-        interchangeable (planner.symmetry), so that the same question is answered once."""
-        assert state.plan is not None
-        ask = canonical if self.symmetric else as_is
-        return ask(state.plan, lost, state.idle, state.spares)
-
-    def _cached(self, key: tuple, answer: Callable[[], Any]) -> Any:
-        hit = self._cache.get(key)
-        if hit is None:
-            hit = self._cache[key] = answer()
-            self.decisions += 1
-        return hit
-
-    # Each part of the answer is cached apart, keyed by what it depends on. Re-partitions
-    # and restarts stay in the question's names (``choices`` names only the chosen one
-    # back). A reroute is asked in the state's own names: which peer takes a micro-batch
-    # is a tie-break by worker id (planner.reroute), and renaming it moved reroute-only
-    # runs by up to 4% on the 1,024 GPU config (the search's answers moved by < 0.01%).
-
-    def reroute(self, state: State, lost: Sequence[int]) -> Candidate:
-        assert state.plan is not None
-        plan, key = state.plan, tuple(sorted(lost))
-        return self._cached(
-            ("reroute", plan, key), lambda: reroute_candidate(self.search, plan, key)
-        )
-
-    def _repartitions(self, q: Question) -> tuple[tuple[Candidate, ...], Proposal | None, float]:
-        key = ("reparallelize", q.plan, q.lost, q.idle)
-        return self._cached(
-            key, lambda: reparallelize_options(self.search, q.plan, q.lost, q.survivors)
-        )
-
-    def reparallelize(self, q: Question) -> list[Candidate]:
-        """The feasible re-partitions."""
-        return [c for c in self._repartitions(q)[0] if c.feasible]
-
-    def restart(self, q: Question) -> Candidate:
-        """On the first spares (idle workers first) when there are enough, which does not
-        depend on who else is idle; else on the survivors, as the search lays them out."""
-        pool = q.pool
-        if len(pool) >= len(q.lost):
-            key: tuple = ("restart", q.plan, q.lost, pool[: len(q.lost)])
-            best = None
-        else:
-            key = ("restart", q.plan, q.lost, q.idle, q.spares)
-            best = self._repartitions(q)[1]
-        return self._cached(
-            key,
-            lambda: restart_candidate(
-                self.search,
-                q.plan,
-                q.lost,
-                q.survivors,
-                best_over_survivors=best,
-                since_checkpoint_s=0.0,
-                spares=pool,
-            ),
-        )
+    @property
+    def decisions(self) -> int:
+        """Answers the planner computed (the rest were cached: planner.answers)."""
+        return self.answers.computed
 
     # -- events ---------------------------------------------------------------------------
 
@@ -258,12 +211,25 @@ class Simulator:
         back = frozenset(event.workers) & state.down
         in_plan = set(state.plan.workers) if state.plan is not None else set()
         job_workers = {w for w in back if w < self.job.num_workers and w not in in_plan}
-        return replace(
+        state = replace(
             state,
             down=state.down - back,
             idle=state.idle | job_workers,
             spares=state.spares | {w for w in back if w >= self.job.num_workers},
         )
+        return self.relaunch(state) if state.plan is None else state
+
+    def relaunch(self, state: State) -> State:
+        """A stopped job started again from its last checkpoint once workers are back to
+        run it (what torchrun, or a scheduler requeueing it, does when nodes return):
+        the launch plan on them, else the fastest plan over them; still stopped when none
+        fits."""
+        if not state.idle and not state.spares:
+            return state
+        # a stopped job's live workers are all idle
+        c = self.answers.relaunch(self.plan0, state.idle, state.spares)
+        choice = self._restart(c, state.lost_at_stop_s, state.slowdown)
+        return state if choice is None else self.recover(state, choice)
 
     def mtbf_s(self, state: State) -> float:
         assert state.rate is not None and state.plan is not None
@@ -272,7 +238,8 @@ class Simulator:
     def choices(self, state: State, lost: Sequence[int], policy: str) -> list[Choice]:
         """The recoveries ``policy`` may pick for ``lost`` (several only for the oracle),
         empty when none is feasible."""
-        q = self.question(state, lost)
+        assert state.plan is not None
+        q = self.answers.question(state.plan, lost, state.idle, state.spares)
         return [
             c
             if c.candidate.policy is Policy.REROUTE
@@ -283,7 +250,7 @@ class Simulator:
     def _choices(self, q: Question, state: State, lost: Sequence[int], policy: str) -> list[Choice]:
         def fallback() -> list[Choice]:
             since = (state.t_s - state.checkpoint_from_s) % self.job.training.checkpoint_interval_s
-            restart = self._restart(self.restart(q), since)
+            restart = self._restart(self.answers.restart(q), since, state.slowdown)
             return [restart] if restart is not None else []
 
         def plain(c: Candidate) -> Choice:
@@ -294,11 +261,15 @@ class Simulator:
             d = self.mtbf_s(state)
             restart = fallback()
             best_rp = max(
-                self.reparallelize(q), key=lambda c: log_score(self.job, c, d), default=None
+                self.answers.reparallelize(q), key=lambda c: log_score(self.job, c, d), default=None
             )
             pool = [
                 c
-                for c in (self.reroute(state, lost), best_rp, *(r.candidate for r in restart))
+                for c in (
+                    self.answers.reroute(state.plan, lost),
+                    best_rp,
+                    *(r.candidate for r in restart),
+                )
                 if c
             ]
             chosen = choose(self.job, pool, d)
@@ -306,16 +277,16 @@ class Simulator:
                 return []
             return restart if chosen.policy is Policy.RESTART else [plain(chosen)]
         if policy in ("reroute", "redundant"):
-            reroute = self.reroute(state, lost)
+            reroute = self.answers.reroute(state.plan, lost)
             if not reroute.feasible:
                 return fallback()
             if policy == "reroute":
                 return [plain(reroute)]
             takeover = Transition(protocol_s=reroute.transition.protocol_s)
             c = plain(replace(reroute, transition=takeover))
-            return [Choice(c.candidate, c.step_s * (1 + self.redundant_overhead))]
+            return [Choice(c.candidate, c.step_s * state.slowdown)]
         if policy == "reparallelize":
-            feasible = self.reparallelize(q)
+            feasible = self.answers.reparallelize(q)
             fastest = min(feasible, key=lambda c: c.estimate.step_s, default=None)  # type: ignore[union-attr]
             if fastest is None:
                 return fallback()
@@ -326,26 +297,35 @@ class Simulator:
         if policy == "restart":
             return fallback()
         if policy == "oracle":
-            reroute = self.reroute(state, lost)
+            reroute = self.answers.reroute(state.plan, lost)
             out = [plain(reroute)] if reroute.feasible else []
-            out += [plain(c) for c in self.reparallelize(q)]
+            out += [plain(c) for c in self.answers.reparallelize(q)]
             return out + fallback()
         raise ValueError(f"unknown policy {policy!r}")
 
-    def _restart(self, c: Candidate, since_s: float) -> Choice | None:
+    def _restart(self, c: Candidate, since_s: float, slowdown: float) -> Choice | None:
+        """A restart that redoes ``since_s`` and then trains at ``slowdown`` times its
+        plan's step (a redundant job relaunched still computes redundantly)."""
         if not c.feasible:
             return None
         assert c.estimate is not None
         return Choice(
-            replace(c, transition=replace(c.transition, lost_work_s=since_s)), c.estimate.step_s
+            replace(c, transition=replace(c.transition, lost_work_s=since_s)),
+            c.estimate.step_s * slowdown,
         )
 
     def recover(self, state: State, choice: Choice | None) -> State:
         """``state`` (at its failure) moved to ``choice``; stopped when there is none."""
         t, tot = state.t_s, state.totals
         if choice is None:
+            training = state.plan is not None and t >= state.resume_s
+            since = (t - state.checkpoint_from_s) % self.job.training.checkpoint_interval_s
             return replace(
-                state, plan=None, totals=replace(tot, stopped=True), points=((t, 0.0), state.points)
+                state,
+                plan=None,
+                lost_at_stop_s=since if training else state.lost_at_stop_s,
+                totals=replace(tot, stopped=True),
+                points=((t, 0.0), state.points),
             )
         c, tr = choice.candidate, choice.transition
         assert c.plan is not None

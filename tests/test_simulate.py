@@ -178,3 +178,24 @@ def test_an_in_place_recovery_also_pays_detection_and_the_step_it_interrupted(si
     assert later.resume_s - again.t_s == pytest.approx(
         job.cluster.detection_s + second.transition.total_s
     )
+
+
+@pytest.mark.parametrize("policy", ["adaptive", "reroute", "restart"])
+def test_a_stopped_job_restarts_from_its_checkpoint_when_its_workers_are_back(sim, policy):
+    job = sim.job
+    every = tuple(range(job.num_workers))
+    t_stop, t_back = 1.25 * job.training.checkpoint_interval_s, 3 * HOUR
+    tr = Trace(
+        "all down", 6 * HOUR,
+        (Event(t_stop, "fail", every), Event(t_back, "repair", every)), "test",
+    )  # fmt: skip
+    t = sim.run(tr, policy).totals
+    assert t.stopped and t.restarts == 1
+    assert t.stopped_s == pytest.approx(t_back - t_stop)
+    lost = 0.25 * job.training.checkpoint_interval_s  # since the checkpoint before the stop
+    assert t.redo_s == pytest.approx(lost)
+    seen = job.cluster.detection_s
+    assert t.useful_s == pytest.approx(
+        t_stop + (tr.duration_s - t_back - seen - job.cluster.restart_s - lost)
+    )
+    assert t.samples == pytest.approx(sim.rate0 * t.useful_s)  # back on the launch plan

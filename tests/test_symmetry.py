@@ -98,8 +98,7 @@ def test_an_answer_renamed_back_is_an_answer_for_the_state_itself(h100, search):
 def test_renaming_saves_planning_and_changes_no_run_beyond_tie_breaks(h100):
     tr = traces.generated(h100, duration_s=72 * HOUR, seed=2, repair_s=2 * HOUR)
     assert tr.failures >= 5
-    renamed, as_named = Simulator(h100), Simulator(h100)
-    as_named.symmetric = False
+    renamed, as_named = Simulator(h100), Simulator(h100, rename=False)
     for policy in ("adaptive", "reroute", "restart"):
         a, b = renamed.run(tr, policy).totals, as_named.run(tr, policy).totals
         assert a.samples == pytest.approx(b.samples, rel=1e-3), policy
