@@ -34,6 +34,7 @@ import sys
 import time
 from pathlib import Path
 
+from launcher.args import parse_duration_s
 from planner import trace as traces
 from planner.config import load_job
 from planner.outcome import SimulationReport, simulate
@@ -50,11 +51,14 @@ TOLERANCE = 1e-9
 
 
 def _duration(text: str) -> float:
-    from chameleon_cli.units import duration_flag
-
-    value = duration_flag(text, "--duration")
-    assert value is not None
-    return value
+    """An argparse type: a bad duration is a usage error, not a traceback."""
+    try:
+        seconds = parse_duration_s(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if seconds <= 0:
+        raise argparse.ArgumentTypeError("must be positive")
+    return seconds
 
 
 def make_trace(job: Job, name: str, duration_s: float, llama3_s: float, seed: int) -> traces.Trace:
@@ -120,14 +124,18 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--configs", default=",".join(DEFAULT_CONFIGS))
     parser.add_argument("--traces", default=",".join(DEFAULT_TRACES))
-    parser.add_argument("--duration", default="24h", help="length of the Oobleck-trace runs")
-    parser.add_argument("--llama3-duration", default="7d", help="length of the drawn-trace runs")
+    parser.add_argument(
+        "--duration", type=_duration, default="24h", help="length of the Oobleck-trace runs"
+    )
+    parser.add_argument(
+        "--llama3-duration", type=_duration, default="7d", help="length of the drawn-trace runs"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--oracle-max-workers", type=int, default=256, help="run the oracle up to this size"
     )
     args = parser.parse_args()
-    duration_s, llama3_s = _duration(args.duration), _duration(args.llama3_duration)
+    duration_s, llama3_s = args.duration, args.llama3_duration
     names = [t for t in args.traces.split(",") if t]
     unknown = [t for t in names if t not in DEFAULT_TRACES]
     if unknown:

@@ -91,7 +91,8 @@ class Answers:
         alive, spares = tuple(sorted(alive)), tuple(sorted(spares))
 
         def answer() -> Candidate:
-            failed = [w for w in launch.workers if w not in alive]
+            back = set(alive)
+            failed = [w for w in launch.workers if w not in back]
             best = reparallelize_options(self.search, launch, failed, alive)[1]
             return restart_candidate(
                 self.search, launch, failed, alive, best_over_survivors=best,

@@ -18,7 +18,7 @@ same global samples, so every layout computes the same step.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -115,6 +115,32 @@ def _validate(plan: Plan) -> None:
             seen.add(mb)
     if len(seen) != plan.num_micro_batches:
         raise PlanError(f"{plan.num_micro_batches - len(seen)} micro-batches are not routed")
+
+
+def rename_workers(
+    plan: Plan,
+    name: Mapping[int, int],
+    *,
+    routes: tuple[Route, ...] | None = None,
+    pipelines: tuple[tuple[int, ...], ...] | None = None,
+) -> Plan:
+    """``plan`` with worker ``w`` renamed ``name.get(w, w)`` in its stages, routes and
+    pipelines; ``routes`` or ``pipelines``, when given, replace its own (already renamed)."""
+
+    def new(w: int) -> int:
+        return name.get(w, w)
+
+    stages = sorted(
+        (Stage(new(s.worker), s.first_layer, s.end_layer) for s in plan.stages),
+        key=lambda s: s.worker,
+    )
+    if routes is None:
+        routes = tuple(
+            Route(r.home, tuple(new(w) for w in r.hops), r.micro_batches) for r in plan.routes
+        )
+    if pipelines is None:
+        pipelines = tuple(tuple(new(w) for w in p) for p in plan.pipelines)
+    return Plan(plan.num_layers, plan.num_micro_batches, tuple(stages), routes, pipelines)
 
 
 def split_evenly(total: int, weights: Sequence[float]) -> list[int]:

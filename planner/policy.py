@@ -28,7 +28,7 @@ from planner.cost import CostModel
 from planner.estimate import Estimate
 from planner.matching import LostLayers
 from planner.migration import NO_MIGRATION, Migration, holdings_of, plan_migration
-from planner.plan import Plan, Route, Stage
+from planner.plan import Plan, rename_workers
 from planner.reroute import RerouteInfeasible, reroute_plan
 from planner.search import Proposal, Search
 from planner.transition import groups_s, protocol
@@ -157,23 +157,6 @@ def reparallelize_candidates(
     return out
 
 
-def replace_workers(plan: Plan, mapping: dict[int, int]) -> Plan:
-    """The same plan with some workers swapped for others (spares taking over)."""
-
-    def swap(w: int) -> int:
-        return mapping.get(w, w)
-
-    stages = sorted(
-        (Stage(swap(s.worker), s.first_layer, s.end_layer) for s in plan.stages),
-        key=lambda s: s.worker,
-    )
-    routes = tuple(
-        Route(r.home, tuple(swap(w) for w in r.hops), r.micro_batches) for r in plan.routes
-    )
-    pipelines = tuple(tuple(swap(w) for w in p) for p in plan.pipelines)
-    return Plan(plan.num_layers, plan.num_micro_batches, tuple(stages), routes, pipelines)
-
-
 def restart_candidate(
     search: Search,
     current: Plan,
@@ -188,7 +171,7 @@ def restart_candidate(
     transition = Transition(restart_s=job.cluster.restart_s, lost_work_s=since_checkpoint_s)
     lost_in_plan = [w for w in failed if w in current.stage_of]
     if len(spares) >= len(lost_in_plan):
-        plan = replace_workers(current, dict(zip(lost_in_plan, spares, strict=False)))
+        plan = rename_workers(current, dict(zip(lost_in_plan, spares, strict=False)))
         est = search.estimate(plan)
         if not lost_in_plan or all(a == b for a, b in zip(lost_in_plan, spares, strict=False)):
             label = "same workers"  # nothing lost, or the failed workers come back

@@ -117,6 +117,7 @@ def gather(
 ) -> Options:
     """Every policy's candidates for the loss of ``failed`` (``decide`` chooses among
     them; the simulator asks for the parts it needs, the same way)."""
+    lost = set(failed)
     reparallelize, fastest, search_s = reparallelize_options(
         search, current, failed, survivors, clock=clock
     )
@@ -127,7 +128,7 @@ def gather(
         survivors,
         best_over_survivors=fastest,
         since_checkpoint_s=since_checkpoint_s,
-        spares=[s for s in spares if s not in set(failed)],
+        spares=[s for s in spares if s not in lost],
     )
     return Options(reroute_candidate(search, current, failed), reparallelize, restart, search_s)
 

@@ -126,6 +126,11 @@ class Simulator:
         self.redundant_overhead = redundant_overhead
         self.answers = Answers(job, self.search, rename=rename)
 
+    @property
+    def decisions(self) -> int:
+        """Answers the planner computed (the rest were cached: planner.answers)."""
+        return self.answers.computed
+
     def start(self, policy: str) -> State:
         spares = range(self.job.num_workers, self.job.num_workers + self.job.num_spare_workers)
         slowdown = 1 + self.redundant_overhead if policy == "redundant" else 1.0
@@ -145,6 +150,15 @@ class Simulator:
     def rate_of(self, step_s: float) -> float:
         """Samples per second at ``step_s`` a step."""
         return self.job.training.global_batch_size / step_s
+
+    def since_checkpoint_s(self, state: State) -> float:
+        """Training a restart at ``state``'s time would redo: since its last checkpoint."""
+        return (state.t_s - state.checkpoint_from_s) % self.job.training.checkpoint_interval_s
+
+    @staticmethod
+    def training(state: State) -> bool:
+        """Whether ``state`` is in a step (not stopped, not in a transition)."""
+        return state.plan is not None and state.t_s >= state.resume_s
 
     # -- time passing -------------------------------------------------------------------
 
@@ -175,11 +189,6 @@ class Simulator:
             post_rate_s=tot.post_rate_s + (useful * share if recovered else 0.0),
         )
         return replace(state, t_s=t_s, totals=tot)
-
-    @property
-    def decisions(self) -> int:
-        """Answers the planner computed (the rest were cached: planner.answers)."""
-        return self.answers.computed
 
     # -- events ---------------------------------------------------------------------------
 
@@ -249,7 +258,7 @@ class Simulator:
 
     def _choices(self, q: Question, state: State, lost: Sequence[int], policy: str) -> list[Choice]:
         def fallback() -> list[Choice]:
-            since = (state.t_s - state.checkpoint_from_s) % self.job.training.checkpoint_interval_s
+            since = self.since_checkpoint_s(state)
             restart = self._restart(self.answers.restart(q), since, state.slowdown)
             return [restart] if restart is not None else []
 
@@ -317,13 +326,12 @@ class Simulator:
     def recover(self, state: State, choice: Choice | None) -> State:
         """``state`` (at its failure) moved to ``choice``; stopped when there is none."""
         t, tot = state.t_s, state.totals
+        training = self.training(state)
         if choice is None:
-            training = state.plan is not None and t >= state.resume_s
-            since = (t - state.checkpoint_from_s) % self.job.training.checkpoint_interval_s
             return replace(
                 state,
                 plan=None,
-                lost_at_stop_s=since if training else state.lost_at_stop_s,
+                lost_at_stop_s=self.since_checkpoint_s(state) if training else state.lost_at_stop_s,
                 totals=replace(tot, stopped=True),
                 points=((t, 0.0), state.points),
             )
@@ -337,7 +345,6 @@ class Simulator:
         # Beyond its transition, a failure costs the time until it is seen, and one that
         # interrupts a step loses that step's work so far (half a step on average; a
         # restart's lost work since its checkpoint already holds it).
-        training = state.plan is not None and t >= state.resume_s
         interrupted = state.step_s / 2 if training and not restart else 0.0
         blocked = self.job.cluster.detection_s + interrupted + tr.total_s - tr.lost_work_s
         return replace(

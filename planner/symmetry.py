@@ -6,9 +6,8 @@ depends on where the failure falls in the plan's structure, not on the workers' 
 losing stage 3 of pipeline 5 is losing stage 3 of pipeline 77 with the pipelines renamed.
 ``canonical`` renames a state's workers (and its pipelines' shares of the step) in an
 order drawn from the plan's structure, so that such states become equal; the simulator
-plans the renamed state once and renames the answer back (``relabel``) for each state
-that maps to it. A 54-day trace at 16,384 devices then asks the search a few hundred
-questions instead of thousands.
+(planner.answers) plans the renamed state once and names the answer back
+(``Question.answer``) for each state that maps to it.
 
 The renaming is a bijection, so the answer for the renamed state is the answer for an
 isomorphic state: exactly right up to the planner's tie-breaks by worker id. It is not a
@@ -24,7 +23,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 
 from planner.matching import Transfer
-from planner.plan import Plan, Route, Stage
+from planner.plan import Plan, Route, rename_workers
 from planner.policy import Candidate
 from planner.workload import Job
 
@@ -114,7 +113,8 @@ def canonical(
         )
         for i in order
     )
-    renamed = relabel(plan, name, routes=new_routes)
+    pipelines = tuple(sorted(tuple(name[w] for w in p) for p in plan.pipelines))
+    renamed = rename_workers(plan, name, routes=new_routes, pipelines=pipelines)
     return Question(
         plan=renamed,
         lost=tuple(sorted(name[w] for w in lost_set)),
@@ -124,30 +124,13 @@ def canonical(
     )
 
 
-def relabel(
-    plan: Plan, name: Mapping[int, int], *, routes: tuple[Route, ...] | None = None
-) -> Plan:
-    """``plan`` with worker ``w`` renamed ``name[w]`` (every worker of the plan must be
-    named); ``routes`` replaces its routes when given (already renamed)."""
-    stages = sorted(
-        (Stage(name[s.worker], s.first_layer, s.end_layer) for s in plan.stages),
-        key=lambda s: s.worker,
-    )
-    if routes is None:
-        routes = tuple(
-            Route(r.home, tuple(name[w] for w in r.hops), r.micro_batches) for r in plan.routes
-        )
-    pipelines = tuple(sorted(tuple(name[w] for w in p) for p in plan.pipelines))
-    return Plan(plan.num_layers, plan.num_micro_batches, tuple(stages), routes, pipelines)
-
-
 def renamed_candidate(c: Candidate, name: Mapping[int, int]) -> Candidate:
     """``c`` with its workers renamed: its plan, its estimate's per-worker figures and its
     migration's transfers (a reason that names a worker keeps the name it was planned
     under)."""
     if c.plan is None:
         return c
-    plan = relabel(c.plan, name)
+    plan = rename_workers(c.plan, name)
     est = c.estimate
     if est is not None:
         est = replace(

@@ -10,11 +10,12 @@ import pytest
 from planner import trace as traces
 from planner.config import load_job
 from planner.layout import initial_plan
+from planner.plan import rename_workers
 from planner.policy import reroute_candidate, restart_candidate
 from planner.reroute import reroute_plan
 from planner.search import Search
 from planner.simulate import Simulator
-from planner.symmetry import canonical, interchangeable, relabel
+from planner.symmetry import canonical, interchangeable
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 HOUR = 3600.0
@@ -53,7 +54,7 @@ def test_a_renamed_state_is_the_same_state_under_other_names(h100):
     q = canonical(plan, [40], idle=[9], spares=[130])
     # back maps every new name to an old one, one to one, and restores the plan's stages
     assert sorted(q.back.values()) == sorted({*plan.workers, 9, 130})
-    restored = relabel(q.plan, q.back)
+    restored = rename_workers(q.plan, q.back)
     assert {(s.worker, s.first_layer, s.end_layer) for s in restored.stages} == {
         (s.worker, s.first_layer, s.end_layer) for s in plan.stages
     }
