@@ -245,7 +245,10 @@ class RecoveryMixin:
         ):
             raise Aborted(f"generation {message.generation} aborted after its migration")
         migrate_s = time.perf_counter() - t0
-        self.control.status.update(phase="train", step=self.step)
+        # A source the plan does not use sent its layers and is a spare from now on: it
+        # must not read as training at a standing step.
+        phase = "train" if self.rank in plan.stage_of else "spare"
+        self.control.status.update(phase=phase, step=self.step)
         self.control.tell_leader(
             Applied(
                 rank=self.rank,

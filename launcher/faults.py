@@ -3,6 +3,7 @@ recovery.
 
     --inject-fault kill:rank=3,at=5             SIGKILL rank 3, 5 s after its workers start
     --inject-fault hang:rank=2,step=10          SIGSTOP rank 2 once it has run step 10
+                                                (a spare rank: once the job has)
     --inject-fault exit:rank=1,at=4,code=7      rank 1 exits with code 7 (chameleon workers;
                                                 a plain script gets SIGTERM instead)
     --inject-fault kill:rank=3,recovery=1       SIGKILL rank 3 during the first in-place
@@ -160,6 +161,9 @@ class Injector:
     ) -> list[FaultSpec]:
         """The faults due now, each with its rank resolved (``any`` becomes a rank)."""
         due = []
+        # A spare's step stands still; a fault at step N of a rank the plan left spare
+        # fires when the job (its node's working ranks) passes N, as a user would expect.
+        job_step = max((s.step for s in status.values() if s.phase in _WORKING), default=None)
         for spec in list(self.pending):
             candidates = (
                 [spec.rank]
@@ -174,7 +178,9 @@ class Injector:
             )
             if id(spec) not in self._armed:
                 hits = [
-                    r for r in candidates if self._hit(spec, since_start_s, status.get(r), phase)
+                    r
+                    for r in candidates
+                    if self._hit(spec, since_start_s, status.get(r), phase, job_step)
                 ]
                 if not hits:
                     continue
@@ -192,11 +198,15 @@ class Injector:
         since_start_s: float,
         status: WorkerStatus | None,
         phase: RecoveryPhase | None,
+        job_step: int | None = None,
     ) -> bool:
         if spec.at_s is not None:
             hit = since_start_s >= spec.at_s
         elif spec.step is not None:
-            hit = status is not None and status.step > spec.step
+            step = status.step if status is not None else None
+            if status is not None and status.phase == "spare" and job_step is not None:
+                step = job_step
+            hit = step is not None and step > spec.step
         else:
             hit = phase is not None and phase.recovery == (spec.recovery or 1)
             if spec.phase in _WORKER_PHASES:

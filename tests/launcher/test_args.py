@@ -119,6 +119,20 @@ def test_phase_faults_fire_in_their_phase_of_their_recovery_after_their_delay():
     assert injector.pending == []
 
 
+def test_a_step_fault_of_a_spare_rank_fires_when_the_job_passes_the_step():
+    """A re-partition may leave the rank spare; its own step stands still, so the fault
+    follows the job's (its node's working ranks), not the end of the run."""
+    spec = parse_fault("kill:rank=2,step=30")
+    injector = Injector([spec], ranks=[0, 1, 2, 3])
+    spare = _status("spare", step=15)
+    assert injector.due(0.0, since_start_s=0, status={2: spare, 0: _status("train", 30)},
+                        phase=None) == []  # fmt: skip
+    assert injector.due(0.1, since_start_s=0, status={2: spare, 0: _status("train", 31)},
+                        phase=None) == [spec]  # fmt: skip
+    alone = Injector([spec], ranks=[2])  # no working rank to follow: its own step
+    assert alone.due(0.0, since_start_s=0, status={2: spare}, phase=None) == []
+
+
 def test_any_rank_is_one_seen_in_the_phase():
     spec = parse_fault("kill:rank=any,phase=migrate")
     injector = Injector([spec], ranks=[4, 5, 6, 7])
