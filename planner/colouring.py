@@ -14,8 +14,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import networkx as nx
-
 
 @dataclass(frozen=True)
 class Task:
@@ -24,22 +22,24 @@ class Task:
 
 
 def colour_rounds(tasks: Sequence[Task]) -> list[int]:
-    """The round of each task (0-based), such that tasks in one round share no worker."""
-    if not tasks:
-        return []
+    """The round of each task (0-based), such that tasks in one round share no worker:
+    networkx's greedy colouring of the conflict graph in order of decreasing duration
+    (tests hold the two equal), without building the graph, whose cliques (every pair of
+    a bucket's 128 holders' other buckets) cost more than the colouring at 16k workers."""
     order = sorted(range(len(tasks)), key=lambda i: (-tasks[i].duration_s, i))
-    graph = nx.Graph()
-    graph.add_nodes_from(range(len(tasks)))
-    by_worker: dict[int, list[int]] = {}
-    for i, task in enumerate(tasks):
-        for worker in set(task.participants):
-            by_worker.setdefault(worker, []).append(i)
-    for members in by_worker.values():
-        for a_pos, a in enumerate(members):
-            for b in members[a_pos + 1 :]:
-                graph.add_edge(a, b)
-    colours = nx.coloring.greedy_color(graph, strategy=lambda _g, _c: iter(order))
-    return [colours[i] for i in range(len(tasks))]
+    taken: dict[int, int] = {}  # per worker: a bit per round its tasks are in so far
+    get = taken.get
+    rounds = [0] * len(tasks)
+    for i in order:
+        workers = tasks[i].participants
+        used = 0
+        for w in workers:
+            used |= get(w, 0)
+        bit = ~used & (used + 1)  # the lowest round none of them is in
+        rounds[i] = bit.bit_length() - 1
+        for w in workers:
+            taken[w] = get(w, 0) | bit
+    return rounds
 
 
 def rounds_time_s(tasks: Sequence[Task], rounds: Sequence[int]) -> float:

@@ -25,6 +25,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+import numpy as np
+
 from planner.workload import Job, Link
 
 
@@ -48,9 +50,20 @@ class CostModel:
     def transfer_s(self, src: int, dst: int, num_bytes: float) -> float:
         return self.job.link(src, dst).transfer_s(num_bytes)
 
+    def transfers_s(self, src: np.ndarray, dst: np.ndarray, num_bytes: np.ndarray) -> np.ndarray:
+        """``transfer_s`` of each (src, dst, bytes), element by element, the same bits."""
+        job = self.job
+        same_node = job.node_of(src) == job.node_of(dst)
+        return np.where(
+            same_node, job.intra_link.transfers_s(num_bytes), job.inter_link.transfers_s(num_bytes)
+        )
+
     def slowest_link(self, workers: Iterable[int]) -> Link:
-        nodes = {self.job.node_of(w) for w in workers}
-        return self.job.intra_link if len(nodes) <= 1 else self.job.inter_link
+        node_of = self.job.node_of
+        it = iter(workers)
+        first = next(it, None)
+        one_node = first is None or all(node_of(w) == node_of(first) for w in it)
+        return self.job.intra_link if one_node else self.job.inter_link
 
     def allreduce_s(self, holders: tuple[int, ...], first: int, end: int) -> float:
         n = len(holders)

@@ -18,12 +18,12 @@ from planner.program import (
     StepProgram,
     buckets_of,
     build_program,
-    max_in_flight,
-    ops_for,
     position_in_home,
+    tie_rank,
 )
 from planner.sharing import simulate_shared
-from planner.timing import finish_step, simulate_compute, simulate_pipeline
+from planner.timing import finish_step, simulate_pipeline
+from planner.wavefront import time_routes
 from planner.workload import Job
 
 
@@ -90,9 +90,15 @@ def estimate(job: Job, plan: Plan, *, memo: Memo | None = None) -> Estimate:
         need = costs.exchange_bytes(len(b.holders), b.first_layer, b.end_layer)
         for h in b.holders:
             exchange[h] = max(exchange.get(h, 0), need)
-    memory = {
-        w: costs.memory_bytes(*ranges[w], in_flight.get(w, 0), exchange.get(w, 0)) for w in ranges
-    }
+    # Thousands of workers, a few distinct (range, in flight, exchange): size each once.
+    sized: dict[tuple[int, int, int, int], int] = {}
+    memory = {}
+    for w, (first, end) in ranges.items():
+        key = (first, end, in_flight.get(w, 0), exchange.get(w, 0))
+        need = sized.get(key)
+        if need is None:
+            need = sized[key] = costs.memory_bytes(*key)
+        memory[w] = need
     return Estimate(
         plan=plan,
         step_s=step_s,
@@ -205,43 +211,48 @@ def _compute_phase(
     components. A component that is one whole pipeline (one route, nobody else's workers)
     times the same as any other with the same layer ranges, micro-batch positions and
     node boundaries, so at 16k workers the 2,047 pipelines cost a handful of simulations.
-    Rerouted pipelines and their peers form one component and are timed together.
+    Rerouted pipelines and their peers form one component, timed together level by
+    level (planner.wavefront).
     """
-    position = position_in_home(plan)
+    position, rank = position_in_home(plan), tie_rank(plan)
     components = _components(plan)
+    node_of = job.node_of
     compute_end: dict[int, float] = {}
     in_flight: dict[int, int] = {}
     for routes in components:
         if len(routes) == 1:
             hops = routes[0].hops
+            nodes = [node_of(w) for w in hops]
             key = (
                 tuple(ranges[w] for w in hops),
                 tuple(position[mb] for mb in routes[0].micro_batches),
-                tuple(
-                    job.node_of(a) == job.node_of(b) for a, b in zip(hops, hops[1:], strict=False)
-                ),
+                tuple(a == b for a, b in zip(nodes, nodes[1:], strict=False)),
             )
             if key not in cache:
-                cache[key] = _time_pipeline(routes[0], position, ranges, costs)
+                cache[key] = _time_pipeline(routes[0], position, rank, ranges, costs)
             ends, peaks = cache[key]
             compute_end.update(zip(hops, ends, strict=True))
             in_flight.update(zip(hops, peaks, strict=True))
         else:
             workers = sorted({w for r in routes for w in r.hops})
-            ends, peaks = _time_routes(routes, position, ranges, costs, order=workers)
+            ends, peaks = time_routes(routes, position, rank, ranges, costs, workers)
             compute_end.update(zip(workers, ends, strict=True))
             in_flight.update(zip(workers, peaks, strict=True))
     return compute_end, in_flight
 
 
 def _time_pipeline(
-    route: Route, position: dict[int, int], ranges: dict[int, tuple[int, int]], costs: CostModel
+    route: Route,
+    position: dict[int, int],
+    rank: dict[int, int],
+    ranges: dict[int, tuple[int, int]],
+    costs: CostModel,
 ) -> tuple[list[float], list[int]]:
     """A pipeline alone, on the phi-grid fast path when it runs its micro-batches in
     order from position 0 (always, unless rerouting left it a non-prefix share)."""
     hops, m = route.hops, len(route.micro_batches)
     if [position[mb] for mb in route.micro_batches] != list(range(m)):
-        return _time_routes([route], position, ranges, costs, order=hops)
+        return time_routes([route], position, rank, ranges, costs, hops)
     p = len(hops)
     fwd = [costs.forward_s(*ranges[w]) for w in hops]
     bwd = [costs.backward_s(*ranges[w]) for w in hops]
@@ -257,39 +268,34 @@ def _time_pipeline(
     return ends, [min(p - k, m) for k in range(p)]
 
 
-def _time_routes(
-    routes: list[Route],
-    position: dict[int, int],
-    ranges: dict[int, tuple[int, int]],
-    costs: CostModel,
-    *,
-    order: tuple[int, ...] | list[int],
-) -> tuple[list[float], list[int]]:
-    ops = ops_for(routes, position)
-    for w in order:
-        ops.setdefault(w, [])
-    ends = simulate_compute(ops, {w: ranges[w] for w in order}, costs)
-    return [ends[w] for w in order], [max_in_flight(ops[w]) for w in order]
-
-
 def _components(plan: Plan) -> list[list[Route]]:
-    """Routes grouped by the workers they share (union-find over workers)."""
-    parent: dict[int, int] = {}
-
-    def find(x: int) -> int:
-        parent.setdefault(x, x)
-        while parent[x] != x:
-            parent[x] = parent[parent[x]]
-            x = parent[x]
-        return x
-
-    for route in plan.routes:
-        first = find(route.hops[0])
-        for w in route.hops[1:]:
-            root = find(w)
-            if root != first:
-                parent[root] = first
+    """Routes grouped by the workers they share, each group in route order and the groups
+    in the order of their first route (union-find over routes, every root the lowest
+    route of its group)."""
+    routes = plan.routes
+    hops = [w for route in routes for w in route.hops]
+    if len(hops) == len(set(hops)):  # no worker on two routes (no rerouting): one each
+        return [[route] for route in routes]
+    parent = list(range(len(routes)))
+    route_of: dict[int, int] = {}  # per worker: a route through it, kept near its root
+    for i, route in enumerate(routes):
+        root = i  # of this route's component so far
+        for w in route.hops:
+            j = route_of.setdefault(w, i)
+            if j == i:
+                continue
+            while parent[j] != j:
+                j = parent[j]
+            route_of[w] = j
+            if j < root:
+                parent[root] = root = j
+            elif j > root:
+                parent[j] = root
     groups: dict[int, list[Route]] = {}
-    for route in plan.routes:
-        groups.setdefault(find(route.hops[0]), []).append(route)
+    for i, route in enumerate(routes):
+        j = i
+        while parent[j] != j:
+            j = parent[j]
+        parent[i] = j
+        groups.setdefault(j, []).append(route)
     return list(groups.values())

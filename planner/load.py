@@ -81,6 +81,9 @@ def wait_at_s(job: Job, runnable: int) -> float:
 def wake_s(job: Job, active: Iterable[int]) -> float:
     """The fitted wake-up wait of a worker blocked on a message, while the ``active``
     workers run."""
+    c = job.cluster
+    if not c.host_cores or not c.fitted_workers:  # no host shared: nothing to count
+        return c.message_wait_s
     return wait_at_s(job, busiest_host(job, active))
 
 

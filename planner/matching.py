@@ -4,7 +4,7 @@
 layer range in a pipeline) so that the bytes they must receive, parameters and optimizer
 state they do not already hold, are minimal: a minimum-cost bipartite matching.
 
-Two exact reductions keep it small at 16k workers before networkx's matching runs:
+Two exact reductions keep it small at 16k workers before the matching runs:
 1. an old pipeline that survived whole and has the same stage boundaries as a new one is
    kept whole (cost 0, and its hops stay where they were);
 2. a worker that holds exactly a slot's range takes it. This never hurts: with cost
@@ -21,6 +21,7 @@ than the others.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -173,17 +174,22 @@ def _match_greedy(
     slots: list[tuple[int, int]],
     workers: list[int],
 ) -> list[int]:
-    groups: dict[Range | None, list[int]] = {}
+    groups: dict[Range | None, deque[int]] = {}
     for w in workers:
-        groups.setdefault(holdings.get(w), []).append(w)
+        groups.setdefault(holdings.get(w), deque()).append(w)
+    # Slots repeat the same few ranges: rank the holdings once per range wanted, then
+    # take the best one with a worker left (what a min over the non-empty ones gives).
+    ranked: dict[Range, list[Range | None]] = {}
     chosen = []
     for j, i in slots:
         want = new_pipelines[j][i]
-        best = min(
-            (g for g, members in groups.items() if members),
-            key=lambda g: (missing_bytes(costs, g, want), g is None, g or (0, 0)),
-        )
-        chosen.append(groups[best].pop(0))
+        order = ranked.get(want)
+        if order is None:
+            order = ranked[want] = sorted(
+                groups, key=lambda g: (missing_bytes(costs, g, want), g is None, g or (0, 0))
+            )
+        best = next(g for g in order if groups[g])
+        chosen.append(groups[best].popleft())
     return chosen
 
 
@@ -227,6 +233,10 @@ def choose_sources(
     """One transfer per missing piece. ``balanced`` picks the least-loaded surviving
     holder (largest pieces first); otherwise the first holder, as Oobleck does."""
     cuts = sorted({b for r in holdings.values() for b in r})
+    # Holders grouped by the range they hold (a plan has few ranges, thousands of holders).
+    by_range: dict[Range, list[int]] = {}
+    for w, r in holdings.items():
+        by_range.setdefault(r, []).append(w)
     holders_of: dict[Range, list[int]] = {}
     needs: list[tuple[int, Range]] = []
     for dst, want in sorted(targets.items()):
@@ -234,7 +244,10 @@ def choose_sources(
             needs.append((dst, piece))
             if piece not in holders_of:
                 holders_of[piece] = sorted(
-                    w for w, r in holdings.items() if r[0] <= piece[0] and piece[1] <= r[1]
+                    w
+                    for r, ws in by_range.items()
+                    if r[0] <= piece[0] and piece[1] <= r[1]
+                    for w in ws
                 )
                 if not holders_of[piece]:
                     raise LostLayers(f"layers {piece[0]}..{piece[1] - 1} lost every replica")

@@ -21,14 +21,17 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
+from typing import NamedTuple
 
 
 class PlanError(ValueError):
     """A plan that breaks the invariants above (a bug in whoever built it)."""
 
 
-@dataclass(frozen=True)
-class Stage:
+# Stages and routes are tuples: a 16k-worker plan has thousands of each, made, hashed and
+# compared whenever the planner builds or caches a plan (a frozen dataclass costs several
+# times more at each).
+class Stage(NamedTuple):
     worker: int
     first_layer: int
     end_layer: int  # exclusive
@@ -38,8 +41,7 @@ class Stage:
         return self.end_layer - self.first_layer
 
 
-@dataclass(frozen=True)
-class Route:
+class Route(NamedTuple):
     home: int  # index of the pipeline this share belongs to
     hops: tuple[int, ...]  # workers in layer order
     micro_batches: tuple[int, ...]
@@ -62,7 +64,14 @@ class Plan:
     def stage_of(self) -> dict[int, Stage]:
         return {s.worker: s for s in self.stages}
 
-    @property
+    @cached_property
+    def derived(self) -> dict[tuple, object]:
+        """What is computed from this plan and a job's constants (its gradient buckets),
+        kept with it: a plan never changes, and one plan is timed, sized and compared with
+        others many times over (planner.program.buckets_of)."""
+        return {}
+
+    @cached_property
     def workers(self) -> tuple[int, ...]:
         return tuple(s.worker for s in self.stages)
 
@@ -125,22 +134,42 @@ def rename_workers(
     pipelines: tuple[tuple[int, ...], ...] | None = None,
 ) -> Plan:
     """``plan`` with worker ``w`` renamed ``name.get(w, w)`` in its stages, routes and
-    pipelines; ``routes`` or ``pipelines``, when given, replace its own (already renamed)."""
+    pipelines; ``routes`` or ``pipelines``, when given, replace its own (already renamed).
 
-    def new(w: int) -> int:
-        return name.get(w, w)
-
-    stages = sorted(
-        (Stage(new(s.worker), s.first_layer, s.end_layer) for s in plan.stages),
-        key=lambda s: s.worker,
+    A renaming that keeps the workers distinct turns a valid plan into a valid plan, so
+    the result is not validated again (the simulator renames thousands of plans of 2,048
+    workers); ``routes`` and ``pipelines`` given must be the plan's own under the same
+    renaming, reordered or with homes and micro-batches renumbered one to one
+    (planner.symmetry.canonical)."""
+    get = name.get
+    renamed = [get(w, w) for w in plan.workers]
+    if len(set(renamed)) != len(renamed):
+        raise PlanError("a renaming gave two workers one name")
+    stages = tuple(
+        sorted(
+            (
+                Stage(w, s.first_layer, s.end_layer)
+                for w, s in zip(renamed, plan.stages, strict=True)
+            ),
+            key=lambda s: s.worker,
+        )
     )
     if routes is None:
         routes = tuple(
-            Route(r.home, tuple(new(w) for w in r.hops), r.micro_batches) for r in plan.routes
+            Route(r.home, tuple(map(get, r.hops, r.hops)), r.micro_batches) for r in plan.routes
         )
     if pipelines is None:
-        pipelines = tuple(tuple(new(w) for w in p) for p in plan.pipelines)
-    return Plan(plan.num_layers, plan.num_micro_batches, tuple(stages), routes, pipelines)
+        pipelines = tuple(tuple(map(get, p, p)) for p in plan.pipelines)
+    out = object.__new__(Plan)
+    for field, value in (
+        ("num_layers", plan.num_layers),
+        ("num_micro_batches", plan.num_micro_batches),
+        ("stages", stages),
+        ("routes", routes),
+        ("pipelines", pipelines),
+    ):
+        object.__setattr__(out, field, value)
+    return out
 
 
 def split_evenly(total: int, weights: Sequence[float]) -> list[int]:

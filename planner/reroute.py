@@ -2,10 +2,17 @@
 and send a failed worker's micro-batches through its same-stage peers in other pipelines.
 
 A peer is a surviving worker that holds exactly the failed worker's layer range. Each
-rerouted micro-batch goes to the peer with the least work so far (ties to the lower
-worker), which spreads F failed replicas' work evenly over the N_dp - F survivors: the
-hottest stage then runs m * N_dp / (N_dp - F) micro-batches. No weights move. It works on
-any current plan, including one already rerouted, so a second failure reroutes again.
+rerouted micro-batch goes to the peer with the least work so far, which spreads F failed
+replicas' work evenly over the N_dp - F survivors: the hottest stage then runs
+m * N_dp / (N_dp - F) micro-batches. No weights move. It works on any current plan,
+including one already rerouted, so a second failure reroutes again.
+
+Among equally loaded peers, one whose routes are the least loaded goes first (then the
+lower worker): a second failure elsewhere is served by pipelines that serve no one yet,
+so each broken pipeline and its peers stay a small group apart from the others (their
+steps do not wait on each other's extra work), and the choice follows the plan's
+structure rather than worker ids wherever the structure decides (planner.symmetry asks
+a reroute under other names and gets the same answer, renamed).
 """
 
 from __future__ import annotations
@@ -32,10 +39,18 @@ def reroute_plan(plan: Plan, failed: Iterable[int]) -> Plan:
                 f"(worker {s.worker} had no surviving peer)"
             )
     load = {w: 0 for w in (s.worker for s in survivors)}
-    for route in plan.routes:
-        if not lost.intersection(route.hops):
-            for w in route.hops:
-                load[w] += len(route.micro_batches)
+    intact = [r for r in plan.routes if not lost.intersection(r.hops)]
+    for route in intact:
+        n = len(route.micro_batches)
+        for w in route.hops:
+            load[w] += n
+    # Each survivor's busiest route: the most work on any worker of a route through it.
+    busiest = dict.fromkeys(load, 0)
+    for route in intact:
+        peak = max(map(load.__getitem__, route.hops))
+        for w in route.hops:
+            if busiest[w] < peak:
+                busiest[w] = peak
     stage_of = plan.stage_of
     position = {mb: q for mbs in plan.micro_batches_of_home.values() for q, mb in enumerate(mbs)}
     broken = [
@@ -51,12 +66,15 @@ def reroute_plan(plan: Plan, failed: Iterable[int]) -> Plan:
         for w in hops:
             if w in lost:
                 stage = stage_of[w]
-                w = min(peers[(stage.first_layer, stage.end_layer)], key=lambda p: (load[p], p))
+                w = min(
+                    peers[(stage.first_layer, stage.end_layer)],
+                    key=lambda p: (load[p], busiest[p], p),
+                )
             new_hops.append(w)
         for w in new_hops:
             load[w] += 1
         new_routes.setdefault((home, tuple(new_hops)), []).append(mb)
-    routes = [r for r in plan.routes if not lost.intersection(r.hops)]
+    routes = list(intact)
     routes.extend(Route(home, hops, tuple(mbs)) for (home, hops), mbs in new_routes.items())
     routes.sort(key=lambda r: (r.home, r.micro_batches[:1]))
     return Plan(

@@ -218,8 +218,9 @@ def finish_step(
     store = costs.store_s()
     reported = (t + store if ranges[w][1] == num_layers else t for w, t in comm_free.items())
     commit_end = max(reported, default=0.0) + costs.commit_s()
-    step = max(
-        (commit_end + costs.optimizer_s(*r) + store for r in ranges.values()), default=commit_end
+    step = max(  # over distinct layer ranges: thousands of workers share a few
+        (commit_end + costs.optimizer_s(*r) + store for r in set(ranges.values())),
+        default=commit_end,
     )
     return Timing(
         step_s=step,

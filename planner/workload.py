@@ -14,6 +14,8 @@ from enum import StrEnum
 from functools import cached_property
 from itertools import accumulate
 
+import numpy as np
+
 from planner.failures import DEFAULT_DEVICE_MTBF_H, FailureRate, Mtbf
 
 
@@ -40,6 +42,10 @@ class Link:
         if num_bytes <= 0:
             return 0.0
         return self.latency_s + num_bytes / self.bandwidth_bytes_per_s
+
+    def transfers_s(self, num_bytes: np.ndarray) -> np.ndarray:
+        """``transfer_s`` of each element: the same float64 arithmetic, so the same bits."""
+        return np.where(num_bytes > 0, self.latency_s + num_bytes / self.bandwidth_bytes_per_s, 0.0)
 
 
 @dataclass(frozen=True)

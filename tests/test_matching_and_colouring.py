@@ -115,6 +115,28 @@ def test_colouring_rounds_never_share_a_worker():
         assert rounds_time_s(tasks, rounds) <= sum(t.duration_s for t in tasks) + 1e-12
 
 
+def test_colouring_is_networkx_greedy_colouring_in_duration_order():
+    import networkx as nx
+
+    rng = random.Random(3)
+    for _ in range(200):
+        tasks = [
+            Task(tuple(rng.sample(range(12), rng.randint(1, 5))), rng.choice([0.5, 1.0, 2.0]))
+            for _ in range(rng.randint(1, 30))
+        ]
+        graph = nx.Graph()
+        graph.add_nodes_from(range(len(tasks)))
+        graph.add_edges_from(
+            (a, b)
+            for a in range(len(tasks))
+            for b in range(a + 1, len(tasks))
+            if set(tasks[a].participants) & set(tasks[b].participants)
+        )
+        order = sorted(range(len(tasks)), key=lambda i: (-tasks[i].duration_s, i))
+        colours = nx.coloring.greedy_color(graph, strategy=lambda _g, _c, o=order: iter(o))
+        assert colour_rounds(tasks) == [colours[i] for i in range(len(tasks))]
+
+
 def test_migration_schedule_beats_naive_on_a_reshaped_plan():
     job = uniform_job(
         dp=4,

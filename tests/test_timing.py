@@ -87,7 +87,9 @@ def test_phi_grid_equals_the_general_walk_on_random_pipelines():
         cf = [0.0] + [rng.uniform(0, 1) for _ in range(p - 1)]
         cb = [rng.uniform(0, 1) for _ in range(p - 1)] + [0.0]
         fast = simulate_pipeline(f, b, cf, cb, m)
-        ops = ops_for([Route(0, tuple(range(p)), tuple(range(m)))], {i: i for i in range(m)})
+        ops = ops_for(
+            [Route(0, tuple(range(p)), tuple(range(m)))], {i: i for i in range(m)}, {0: 0}
+        )
         general = simulate_compute(ops, {k: (k, k + 1) for k in range(p)}, Costs(f, b, cf, cb))
         assert fast == pytest.approx([general[k] for k in range(p)])
 
