@@ -8,12 +8,9 @@ keyed by what it depends on: a reroute by (plan, workers lost); the re-partition
 and the idle workers; a restart on spares by (plan, workers lost) alone, over the
 survivors by everything.
 
-Where workers are interchangeable (planner.symmetry), re-partitions and restarts are
-asked under names drawn from the plan's structure, so that a failure at the same place
-in any pipeline is answered once; the caller names the chosen answer back
-(``Question.answer``). A reroute is always asked under the state's own names: which peer
-takes a micro-batch is a tie-break by worker id (planner.reroute), and renaming it moved
-reroute-only runs by up to 4% on the 1,024 GPU config (the search's answers by < 0.01%).
+Where workers are interchangeable (planner.symmetry), a question about a plan of whole
+pipelines is asked under names drawn from the plan's structure, so that a failure at the same place in any
+pipeline is answered once; the caller names the chosen answer back (``Question.answer``).
 """
 
 from __future__ import annotations
@@ -24,7 +21,7 @@ from typing import Any
 from planner.plan import Plan
 from planner.policy import Candidate, reroute_candidate, restart_candidate
 from planner.search import Proposal, Search
-from planner.selection import reparallelize_options
+from planner.selection import reparallelize_options, search_repartitions
 from planner.symmetry import Question, as_is, canonical, interchangeable
 from planner.workload import Job
 
@@ -39,8 +36,12 @@ class Answers:
     def question(
         self, plan: Plan, lost: Iterable[int], idle: Iterable[int], spares: Iterable[int]
     ) -> Question:
-        """The failure as the planner is asked it (module doc)."""
-        return (canonical if self.rename else as_is)(plan, lost, idle, spares)
+        """The failure as the planner is asked it (module doc). A plan with rerouted
+        pipelines is asked as named: after a few reroutes no two such states are alike, so
+        renaming (its thousands of routes sorted by structure) would cost more than the
+        answers it could share."""
+        whole = len(plan.routes) == len(plan.pipelines)
+        return (canonical if self.rename and whole else as_is)(plan, lost, idle, spares)
 
     def _cached(self, key: tuple, answer: Callable[[], Any]) -> Any:
         hit = self._cache.get(key)
@@ -49,18 +50,38 @@ class Answers:
             self.computed += 1
         return hit
 
-    def reroute(self, plan: Plan, lost: Sequence[int]) -> Candidate:
-        """In the state's own names (module doc)."""
-        key = tuple(sorted(lost))
+    def reroute(self, q: Question) -> Candidate:
+        """In the question's names."""
         return self._cached(
-            ("reroute", plan, key), lambda: reroute_candidate(self.search, plan, key)
+            ("reroute", q.plan, q.lost), lambda: reroute_candidate(self.search, q.plan, q.lost)
         )
 
     def _repartitions(self, q: Question) -> tuple[tuple[Candidate, ...], Proposal | None, float]:
-        key = ("reparallelize", q.plan, q.lost, q.idle)
-        return self._cached(
-            key, lambda: reparallelize_options(self.search, q.plan, q.lost, q.survivors)
+        survivors = q.survivors
+        searched = self._cached(
+            self._search_key(q), lambda: search_repartitions(self.search, q.plan, survivors)
         )
+        return self._cached(
+            ("reparallelize", q.plan, q.lost, q.idle),
+            lambda: reparallelize_options(
+                self.search, q.plan, q.lost, survivors, searched=searched
+            ),
+        )
+
+    def _search_key(self, q: Question) -> tuple:
+        """What the search over ``q``'s survivors depends on. Renamed, idle workers come
+        after every worker of the plan and the search takes the first it needs (the
+        matching breaks ties to the lower name: planner.matching), so beyond the shapes
+        it ranks for that many workers, only the idle workers its widest shape could
+        take matter: a search with a few more idle workers is the same search. Its
+        candidates' protocol still counts every survivor (``_repartitions``)."""
+        if q.back is None:  # as named: an idle worker may come before the plan's
+            return ("search", q.plan, q.lost, q.idle)
+        ranked = self.search.rank_shapes(len(q.plan.workers) - len(q.lost) + len(q.idle))
+        widest = max((sum(n * c for n, c in shape) for _t, shape, _c in ranked), default=0)
+        kept = len(q.plan.workers) - len(q.lost)
+        shapes = tuple(shape for _t, shape, _c in ranked)
+        return ("search", q.plan, q.lost, shapes, q.idle[: max(0, widest - kept)])
 
     def reparallelize(self, q: Question) -> list[Candidate]:
         """The feasible re-partitions, in the question's names."""

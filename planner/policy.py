@@ -115,17 +115,17 @@ def reparallelize_candidates(
     *,
     failed: Sequence[int],
     search_s: float,
+    migrations: tuple[Migration, ...] | str | None = None,
 ) -> list[Candidate]:
-    """One candidate per proposal; the caller keeps the best by score."""
+    """One candidate per proposal; the caller keeps the best by score. ``migrations``:
+    ``migrations_for`` these proposals, where the caller has them already."""
     job = search.job
-    costs = CostModel(job)
-    holdings = holdings_of(current, set(survivors))
+    if migrations is None:
+        migrations = migrations_for(job, proposals, current, survivors)
+    if isinstance(migrations, str):
+        return [Candidate(Policy.REPARALLELIZE, reason=migrations)]
     out = []
-    for proposal in proposals:
-        try:
-            migration = plan_migration(costs, holdings=holdings, target=proposal.plan)
-        except LostLayers as exc:
-            return [Candidate(Policy.REPARALLELIZE, reason=str(exc))]
+    for proposal, migration in zip(proposals, migrations, strict=True):
         sources = {t.src for t in migration.transfers}
         f = job.cluster.transition_factor  # what this job's recoveries measured
         transition = Transition(
@@ -155,6 +155,19 @@ def reparallelize_candidates(
     if not out:
         return [Candidate(Policy.REPARALLELIZE, reason="no plan over the survivors fits in memory")]
     return out
+
+
+def migrations_for(
+    job: Job, proposals: Sequence[Proposal], current: Plan, survivors: Sequence[int]
+) -> tuple[Migration, ...] | str:
+    """Each proposal's migration from what the survivors of ``current`` hold, or why no
+    re-partition can move the layers (some have no surviving holder)."""
+    costs = CostModel(job)
+    holdings = holdings_of(current, set(survivors))
+    try:
+        return tuple(plan_migration(costs, holdings=holdings, target=p.plan) for p in proposals)
+    except LostLayers as exc:
+        return str(exc)
 
 
 def restart_candidate(

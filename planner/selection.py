@@ -24,10 +24,12 @@ from dataclasses import astuple as dataclass_astuple
 from dataclasses import dataclass
 
 from planner.estimate import Estimate
+from planner.migration import Migration
 from planner.plan import Plan
 from planner.policy import (
     Candidate,
     Policy,
+    migrations_for,
     reparallelize_candidates,
     reroute_candidate,
     restart_candidate,
@@ -82,6 +84,31 @@ class Options:
     search_s: float
 
 
+@dataclass(frozen=True)
+class Searched:
+    """The search over the survivors: its proposals, its time, and each proposal's
+    migration (or why none can move): all of a re-partition's cost but its protocol's."""
+
+    proposals: tuple[Proposal, ...]
+    search_s: float
+    migrations: tuple[Migration, ...] | str
+
+
+def search_repartitions(
+    search: Search,
+    current: Plan,
+    survivors: Sequence[int],
+    *,
+    clock: Callable[[], float] = time.perf_counter,
+) -> Searched:
+    # A re-partition charges its search, which only it needs (rerouting's plan takes a
+    # few milliseconds and is made whatever is chosen, so it charges none).
+    t0 = clock()
+    proposals = tuple(search.propose(current, survivors)) if survivors else ()
+    search_s = clock() - t0
+    return Searched(proposals, search_s, migrations_for(search.job, proposals, current, survivors))
+
+
 def reparallelize_options(
     search: Search,
     current: Plan,
@@ -89,20 +116,20 @@ def reparallelize_options(
     survivors: Sequence[int],
     *,
     clock: Callable[[], float] = time.perf_counter,
+    searched: Searched | None = None,
 ) -> tuple[tuple[Candidate, ...], Proposal | None, float]:
     """A re-partition candidate per proposal of the search over ``survivors``, the
     fastest proposal (what a restart over the survivors would run) and the search's
-    time."""
-    # A re-partition charges its search, which only it needs (rerouting's plan takes a
-    # few milliseconds and is made whatever is chosen, so it charges none).
-    t0 = clock()
-    proposals = search.propose(current, survivors) if survivors else []
-    search_s = clock() - t0
+    time. ``searched``: that search, where the caller has it (the simulator shares one
+    among questions it cannot change: planner.answers)."""
+    if searched is None:
+        searched = search_repartitions(search, current, survivors, clock=clock)
     options = reparallelize_candidates(
-        search, proposals, current, survivors, failed=failed, search_s=search_s
-    )
-    fastest = min(proposals, key=lambda p: p.estimate.step_s, default=None)
-    return tuple(options), fastest, search_s
+        search, searched.proposals, current, survivors, failed=failed,
+        search_s=searched.search_s, migrations=searched.migrations,
+    )  # fmt: skip
+    fastest = min(searched.proposals, key=lambda p: p.estimate.step_s, default=None)
+    return tuple(options), fastest, searched.search_s
 
 
 def gather(

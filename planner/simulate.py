@@ -250,9 +250,7 @@ class Simulator:
         assert state.plan is not None
         q = self.answers.question(state.plan, lost, state.idle, state.spares)
         return [
-            c
-            if c.candidate.policy is Policy.REROUTE
-            else replace(c, candidate=q.answer(c.candidate))
+            replace(c, candidate=q.answer(c.candidate))
             for c in self._choices(q, state, lost, policy)
         ]
 
@@ -275,7 +273,7 @@ class Simulator:
             pool = [
                 c
                 for c in (
-                    self.answers.reroute(state.plan, lost),
+                    self.answers.reroute(q),
                     best_rp,
                     *(r.candidate for r in restart),
                 )
@@ -286,7 +284,7 @@ class Simulator:
                 return []
             return restart if chosen.policy is Policy.RESTART else [plain(chosen)]
         if policy in ("reroute", "redundant"):
-            reroute = self.answers.reroute(state.plan, lost)
+            reroute = self.answers.reroute(q)
             if not reroute.feasible:
                 return fallback()
             if policy == "reroute":
@@ -306,7 +304,7 @@ class Simulator:
         if policy == "restart":
             return fallback()
         if policy == "oracle":
-            reroute = self.answers.reroute(state.plan, lost)
+            reroute = self.answers.reroute(q)
             out = [plain(reroute)] if reroute.feasible else []
             out += [plain(c) for c in self.answers.reparallelize(q)]
             return out + fallback()

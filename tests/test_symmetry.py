@@ -10,7 +10,7 @@ import pytest
 from planner import trace as traces
 from planner.config import load_job
 from planner.layout import initial_plan
-from planner.plan import rename_workers
+from planner.plan import Plan, PlanError, rename_workers
 from planner.policy import reroute_candidate, restart_candidate
 from planner.reroute import reroute_plan
 from planner.search import Search
@@ -63,6 +63,21 @@ def test_a_renamed_state_is_the_same_state_under_other_names(h100):
     assert [q.back[w] for w in q.idle] == [9] and [q.back[w] for w in q.spares] == [130]
 
 
+def test_a_renamed_plan_is_valid_and_a_renaming_that_merges_workers_is_refused(h100):
+    """rename_workers does not validate its result again: a one-to-one renaming cannot
+    make a valid plan invalid. Check that by building the renamed plan the validating way."""
+    plan = reroute_plan(initial_plan(h100), [5, 77])
+    q = canonical(plan, [40], idle=[9], spares=[130])
+    for renamed in (q.plan, rename_workers(q.plan, q.back)):
+        rebuilt = Plan(
+            renamed.num_layers, renamed.num_micro_batches, renamed.stages, renamed.routes,
+            renamed.pipelines,
+        )  # fmt: skip
+        assert rebuilt == renamed and hash(rebuilt) == hash(renamed)
+    with pytest.raises(PlanError, match="two workers one name"):
+        rename_workers(plan, {plan.workers[0]: plan.workers[1]})
+
+
 def test_an_answer_renamed_back_is_an_answer_for_the_state_itself(h100, search):
     """Exactly the direct answer where no tie-break by worker id differs (a first
     failure: the renaming keeps the other pipelines' order); otherwise another valid
@@ -97,11 +112,26 @@ def test_an_answer_renamed_back_is_an_answer_for_the_state_itself(h100, search):
 
 
 def test_renaming_saves_planning_and_changes_no_run_beyond_tie_breaks(h100):
+    """A reroute after an earlier one picks among equally loaded peers that are not all
+    alike (planner.reroute breaks what structure leaves tied by worker id): renamed
+    reroute runs moved by 0.5-0.7% on seeds 2 and 3, every other policy by < 0.01%."""
     tr = traces.generated(h100, duration_s=72 * HOUR, seed=2, repair_s=2 * HOUR)
     assert tr.failures >= 5
     renamed, as_named = Simulator(h100), Simulator(h100, rename=False)
-    for policy in ("adaptive", "reroute", "restart"):
+    for policy, within in (("adaptive", 1e-4), ("reroute", 1e-2), ("restart", 1e-9)):
         a, b = renamed.run(tr, policy).totals, as_named.run(tr, policy).totals
-        assert a.samples == pytest.approx(b.samples, rel=1e-3), policy
+        assert a.samples == pytest.approx(b.samples, rel=within), policy
         assert (a.in_place, a.restarts) == (b.in_place, b.restarts)
     assert renamed.decisions < as_named.decisions
+
+
+def test_a_first_reroute_costs_the_same_whichever_pipeline_lost_the_stage(h100, search):
+    # Peers run the guest's passes first at equal phi (planner.program.tie_rank), so the
+    # step no longer depends on whether the broken pipeline's number is above theirs.
+    plan = initial_plan(h100)
+    for stage in range(len(plan.pipelines[0])):
+        steps = {
+            reroute_candidate(search, plan, [p[stage]]).estimate.step_s
+            for p in (plan.pipelines[0], plan.pipelines[13], plan.pipelines[-1])
+        }
+        assert len(steps) == 1, stage
