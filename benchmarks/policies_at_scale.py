@@ -1,7 +1,7 @@
 """Chameleon's adaptive choice against every single policy, over whole failure traces.
 
     python benchmarks/policies_at_scale.py [--configs ascend910b_32_gpt13b,...]
-        [--traces oobleck-10m,...,llama3] [--duration 24h] [--llama3-duration 7d]
+        [--traces oobleck-10m,...,llama3] [--duration 24h] [--llama3-duration 54d]
         [--seed 0] [--oracle-max-workers 256]
 
 For each config (by default the paper's setting, 32 Ascend 910B with a 13B GPT, and the
@@ -128,7 +128,10 @@ def main() -> int:
         "--duration", type=_duration, default="24h", help="length of the Oobleck-trace runs"
     )
     parser.add_argument(
-        "--llama3-duration", type=_duration, default="7d", help="length of the drawn-trace runs"
+        "--llama3-duration",
+        type=_duration,
+        default="54d",
+        help="length of the drawn-trace runs (Llama 3's 54 days)",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(

@@ -5,8 +5,7 @@ every branch of the oracle), for the candidates ``chameleon run`` would weigh: t
 reroute, the re-partitions, the restart (the parts of ``planner.selection.gather``).
 Runs that reach the same state ask the same question, so each part is cached apart,
 keyed by what it depends on: a reroute by (plan, workers lost); the re-partitions by that
-and the idle workers; a restart on spares by (plan, workers lost) alone, over the
-survivors by everything.
+and the idle workers; a restart by those and the spares it would take.
 
 Where workers are interchangeable (planner.symmetry), a question about a plan of whole
 pipelines is asked under names drawn from the plan's structure, so that a failure at the same place in any
@@ -88,16 +87,13 @@ class Answers:
         return [c for c in self._repartitions(q)[0] if c.feasible]
 
     def restart(self, q: Question) -> Candidate:
-        """In the question's names: on the first spares (idle workers first) when there
-        are enough, which does not depend on who else is idle; else on the survivors, as
-        the search lays them out."""
+        """In the question's names: the faster of the plan on the first spares (idle
+        workers first), when there are enough, and the fastest plan over the survivors
+        (planner.policy.restart_candidate)."""
         pool = q.pool
-        if len(pool) >= len(q.lost):
-            key: tuple = ("restart", q.plan, q.lost, pool[: len(q.lost)])
-            best = None
-        else:
-            key = ("restart", q.plan, q.lost, q.idle, q.spares)
-            best = self._repartitions(q)[1]
+        enough = len(pool) >= len(q.lost)
+        key = ("restart", q.plan, q.lost, q.idle, pool[: len(q.lost)] if enough else q.spares)
+        best = self._repartitions(q)[1]
         return self._cached(
             key,
             lambda: restart_candidate(

@@ -180,9 +180,16 @@ def restart_candidate(
     since_checkpoint_s: float,
     spares: Sequence[int],
 ) -> Candidate:
+    """Every worker starts again from the last checkpoint, on the faster of two layouts:
+    the current plan with spares in the failed workers' places (when there are enough),
+    and ``best_over_survivors``, the fastest plan over every live worker. A restart moves
+    everything anyway, so it need not keep a layout an earlier failure shrank: with only
+    the first, a run that had fallen to one pipeline restarted into one pipeline at every
+    later failure while the repaired workers stood idle."""
     job = search.job
     transition = Transition(restart_s=job.cluster.restart_s, lost_work_s=since_checkpoint_s)
     lost_in_plan = [w for w in failed if w in current.stage_of]
+    best = best_over_survivors
     if len(spares) >= len(lost_in_plan):
         plan = rename_workers(current, dict(zip(lost_in_plan, spares, strict=False)))
         est = search.estimate(plan)
@@ -190,9 +197,12 @@ def restart_candidate(
             label = "same workers"  # nothing lost, or the failed workers come back
         else:
             label = f"{len(lost_in_plan)} spare worker(s) replace the failed ones"
-    elif best_over_survivors is not None:
-        plan, est = best_over_survivors.plan, best_over_survivors.estimate
-        label = f"{len(survivors)} survivors: {best_over_survivors.label}"
+        if best is not None and (not est.feasible or best.estimate.step_s < est.step_s):
+            plan, est = best.plan, best.estimate
+            label = f"{len(survivors)} live workers: {best.label}"
+    elif best is not None:
+        plan, est = best.plan, best.estimate
+        label = f"{len(survivors)} survivors: {best.label}"
     else:
         return Candidate(Policy.RESTART, reason="no plan over the survivors fits in memory")
     if not est.feasible:
