@@ -80,7 +80,7 @@ def require_matplotlib() -> None:
     """Checked before simulating, so a missing extra costs no wait."""
     if importlib.util.find_spec("matplotlib") is None:
         raise UserError(
-            "--plot needs matplotlib: pip install 'chameleon[plot]' (or pip install matplotlib)"
+            "--plot needs matplotlib: pip install matplotlib (chameleon-ft's plot extra)"
         )
 
 
