@@ -217,6 +217,7 @@ def measure_steps(trainer: Any, steps: int) -> dict[str, float]:
                 step=step, part=trainer.part, shard=trainer.shard, gen=trainer.gen,
                 control=trainer.control, batches=trainer.batches, loss_fn=trainer.loss_fn,
                 activation_shapes=trainer.activation_shapes, meter=trainer.meter, forget=forget,
+                max_grad_norm=trainer.max_grad_norm,
             )  # fmt: skip
             now = time.process_time()
             rows.append((result.seconds, now - mark, result.compute_cpu_s, result.pass_cpu_s))
@@ -225,8 +226,9 @@ def measure_steps(trainer: Any, steps: int) -> dict[str, float]:
                 phase="train", step=step + 1, progress=step + 1, step_s=result.seconds
             )  # as a run reports every step
             forget = trainer.control.keys.step_keys(
-                0, step, trainer.part.last_stage_workers(), checkpointed=False
-            )
+                0, step, trainer.part.last_stage_workers(), checkpointed=False,
+                norm_owners=trainer.part.norm_owners() if trainer.max_grad_norm else None,
+            )  # fmt: skip
     finally:
         trainer._leave()
     settled = rows[PROFILE_WARMUP_STEPS:] or rows

@@ -102,6 +102,7 @@ class RecoveryMixin:
     shard: Shard
     meter: Meter
     device: str
+    max_grad_norm: float | None
     layer_params: list[int]
     generation: int
     applied: int  # the last generation whose migration this worker completed
@@ -146,7 +147,7 @@ class RecoveryMixin:
         self.groups_s = time.perf_counter() - t0
         self.meter.reset()  # a new layout: its own peak
         self.part = (
-            worker_program(plan, self.rank, self.layer_params)
+            worker_program(plan, self.rank, self.layer_params, clip=self.max_grad_norm is not None)
             if self.rank in plan.stage_of
             else None
         )

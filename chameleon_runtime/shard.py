@@ -26,7 +26,7 @@ optimizer-state keys) that travels through the store: nothing received is unpick
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -143,6 +143,22 @@ class Shard:
         for i in range(first, end):
             for total, p in zip(self._sums(i), self.layers[i].parameters(), strict=True):
                 p.grad = total.to(p.dtype)
+
+    def grad_sq_norm(self, layers: Iterable[int]) -> float:
+        """The squared norm of ``layers``' (rounded) gradients, summed in float64 in layer
+        and parameter order."""
+        total = 0.0
+        for i in layers:
+            for p in self.layers[i].parameters():
+                if p.grad is not None:
+                    total += float(p.grad.detach().double().pow(2).sum())
+        return total
+
+    def scale_grads(self, first: int, end: int, factor: float) -> None:
+        for i in range(first, end):
+            for p in self.layers[i].parameters():
+                if p.grad is not None:
+                    p.grad.mul_(factor)
 
     def zero_grad(self) -> None:
         for opt in self.optimizers.values():

@@ -23,6 +23,7 @@ message of the step is matched on both sides, so no wait stays blocked.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -105,6 +106,7 @@ class StepResult:
     # CPU time this thread spent in the pass loop beyond the layers: receiving, sending,
     # stashing, the memory meter (the planner charges it per pass: planner.fit).
     pass_cpu_s: float = 0.0
+    grad_norm: float | None = None  # the global norm before clipping (clipping only)
 
 
 def run_step(
@@ -120,6 +122,7 @@ def run_step(
     meter: Meter,
     lr: float | None = None,
     forget: Sequence[str] = (),
+    max_grad_norm: float | None = None,
 ) -> StepResult:
     """Run one step; raise Aborted (or CommError) with nothing applied. ``forget``: keys
     of the previous step, deleted by the last member to reach this step's commit (every
@@ -128,7 +131,7 @@ def run_step(
     try:
         return _run(
             step, part, shard, gen, control, batches, loss_fn, activation_shapes, meter, lr,
-            ledger, forget,
+            ledger, forget, max_grad_norm,
         )  # fmt: skip
     except BaseException:
         ledger.drain(gen)
@@ -136,7 +139,19 @@ def run_step(
 
 
 def _run(
-    step, part, shard, gen, control, batches, loss_fn, activation_shapes, meter, lr, ledger, forget
+    step,
+    part,
+    shard,
+    gen,
+    control,
+    batches,
+    loss_fn,
+    activation_shapes,
+    meter,
+    lr,
+    ledger,
+    forget,
+    max_grad_norm,
 ) -> StepResult:  # noqa: ANN001
     started = time.perf_counter()
     m_total = part.plan.num_micro_batches
@@ -190,6 +205,7 @@ def _run(
                 ledger.send(gen, x.grad, op.prev, _tag(mb, True))
     pass_cpu = time.thread_time() - loop0 - cpu
     total = 0.0
+    grad_norm = None
     for op in part.tail:  # layers held here alone have no bucket: their sum is total
         kind = op.kind
         if kind is TailKind.EXCHANGE:
@@ -206,6 +222,11 @@ def _run(
                 raise Aborted(f"generation {gen.generation} aborted at step {step}")
             if agreed.last:
                 control.forget(list(forget))
+        elif kind is TailKind.REPORT_NORM:
+            squared = shard.grad_sq_norm(part.owned_layers())
+            control.put(keys.norm(gen.generation, step, part.worker), repr(squared))
+        elif kind is TailKind.READ_NORM:
+            grad_norm = _clip(step, part, shard, gen, control, max_grad_norm)
         elif kind is TailKind.OPTIMIZE:
             c0 = time.thread_time()
             shard.step(lr)
@@ -219,7 +240,20 @@ def _run(
         seconds=time.perf_counter() - started,
         compute_cpu_s=cpu,
         pass_cpu_s=max(0.0, pass_cpu),
+        grad_norm=grad_norm,
     )
+
+
+def _clip(step, part, shard, gen, control, max_grad_norm) -> float:  # noqa: ANN001
+    """Scale this worker's gradients as torch.nn.utils.clip_grad_norm_ scales the whole
+    model's: by max_norm / (norm + 1e-6) when below 1. Every worker reads the same
+    squared norms in the same order, so every replica scales by the same bits."""
+    keys = [control.keys.norm(gen.generation, step, w) for w in part.norm_owners()]
+    norm = math.sqrt(sum(float(v) for v in control.store.multi_get(keys)))
+    scale = max_grad_norm / (norm + 1e-6)
+    if scale < 1.0:
+        shard.scale_grads(part.first_layer, part.end_layer, scale)
+    return norm
 
 
 def _exchange(

@@ -81,6 +81,9 @@ class Trainer(RecoveryMixin):
         pipeline_stages: stages per pipeline at the start (WORLD_SIZE must be a multiple).
         lr_schedule: step -> learning rate, applied to every layer's optimizer.
         checkpoint_dir, checkpoint_every: atomic checkpoints every N steps (0: never).
+        max_grad_norm: clip the gradients to this global norm across every stage and
+            replica, as torch.nn.utils.clip_grad_norm_ over the whole model (None: no
+            clipping).
     """
 
     def __init__(
@@ -99,7 +102,10 @@ class Trainer(RecoveryMixin):
         checkpoint_dir: str | os.PathLike | None = None,
         checkpoint_every: int = 0,
         device: str = "cpu",
+        max_grad_norm: float | None = None,
     ) -> None:
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm must be positive, not {max_grad_norm}")
         if callable(layers) and not isinstance(layers, nn.Module):
             if num_layers is None:
                 raise ValueError("num_layers is needed when layers is a function")
@@ -119,6 +125,7 @@ class Trainer(RecoveryMixin):
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else None
         self.checkpoint_every = checkpoint_every
         self.device = device
+        self.max_grad_norm = max_grad_norm
         self.shard = Shard(self.factory, optimizer, seed=seed, device=device)
         self.meter = Meter(self.shard)
         self.generation = 0
@@ -235,6 +242,7 @@ class Trainer(RecoveryMixin):
             link_bandwidth_bytes_per_s=1e9,
             link_latency_s=1e-4,
             checkpoint_interval_steps=max(1, self.checkpoint_every),
+            max_grad_norm=self.max_grad_norm,
             host_cores=len(os.sched_getaffinity(0)) if self.device == "cpu" else 0,
         )
         self.control.put(keys.job, description)
@@ -271,7 +279,7 @@ class Trainer(RecoveryMixin):
                     step=self.step, part=self.part, shard=self.shard, gen=self.gen,
                     control=self.control, batches=self.batches, loss_fn=self.loss_fn,
                     activation_shapes=self.activation_shapes, meter=self.meter, lr=lr,
-                    forget=forget,
+                    forget=forget, max_grad_norm=self.max_grad_norm,
                 )  # fmt: skip
             except (Aborted, CommError) as exc:
                 self._recover(str(exc))
@@ -298,8 +306,9 @@ class Trainer(RecoveryMixin):
             )  # fmt: skip
             checkpointed = self._checkpoint_if_due(done)
             forget = self.control.keys.step_keys(
-                self.generation, done, self.part.last_stage_workers(), checkpointed=checkpointed
-            )
+                self.generation, done, self.part.last_stage_workers(), checkpointed=checkpointed,
+                norm_owners=self.part.norm_owners() if self.max_grad_norm else None,
+            )  # fmt: skip
             if on_step is not None:
                 chief = self.rank == min(self.plan.workers)
                 on_step(

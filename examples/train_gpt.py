@@ -155,6 +155,12 @@ def main() -> None:
     )
     parser.add_argument("--checkpoint-every", type=int, default=10)
     parser.add_argument(
+        "--max-grad-norm",
+        type=float,
+        default=None,
+        help="clip gradients to this global norm across stages and replicas (default: off)",
+    )
+    parser.add_argument(
         "--dump", default=None, help="write final per-layer checksums and losses here (tests)"
     )
     args = parser.parse_args()
@@ -200,6 +206,7 @@ def main() -> None:
         lr_schedule=lr_at,
         checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every,
+        max_grad_norm=args.max_grad_norm,
     )
 
     def log(info: cr.StepInfo) -> None:

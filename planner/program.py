@@ -65,6 +65,11 @@ class TailKind(StrEnum):
     COMMIT = "commit"  # the all-or-none barrier over the plan's workers
     OPTIMIZE = "optimize"
     READ_LOSS = "read_loss"  # the step's loss: every last-stage worker's share
+    # Global-norm gradient clipping (Training.clip_grad_norm): each layer's squared
+    # gradient norm is reported once, by its lowest holder, before the commit; after it,
+    # every worker reads them all (the same values in the same order: the same scale).
+    REPORT_NORM = "report_norm"
+    READ_NORM = "read_norm"
 
 
 class ComputeOp(NamedTuple):
@@ -118,6 +123,19 @@ class WorkerProgram:
         """Whose shares of the loss make the step's loss."""
         return last_stage_workers(self.plan)
 
+    def norm_owners(self) -> list[int]:
+        """Whose squared gradient norms make the step's global norm (clipping only)."""
+        return norm_owners(self.plan)
+
+    def owned_layers(self) -> list[int]:
+        """The layers whose squared gradient norm this worker reports: those it is the
+        lowest holder of, so that replicas count each layer once."""
+        return [
+            layer
+            for layer in range(self.first_layer, self.end_layer)
+            if min(self.plan.holders(layer)) == self.worker
+        ]
+
 
 @dataclass(frozen=True)
 class StepProgram:
@@ -132,25 +150,35 @@ class StepProgram:
         raise KeyError(worker)
 
 
-def build_program(plan: Plan, layer_params: Sequence[int]) -> StepProgram:
-    """Every worker's program; ``layer_params`` (parameters per layer) orders the buckets."""
+def build_program(plan: Plan, layer_params: Sequence[int], *, clip: bool = False) -> StepProgram:
+    """Every worker's program; ``layer_params`` (parameters per layer) orders the buckets;
+    ``clip``: gradients are clipped to a global norm."""
     buckets = buckets_of(plan, layer_params)
     work = ops_for(plan.routes, position_in_home(plan), tie_rank(plan))
+    owners = set(norm_owners(plan)) if clip else None
     programs = tuple(
-        _program(plan, stage.worker, work.get(stage.worker, []), buckets) for stage in plan.stages
+        _program(plan, stage.worker, work.get(stage.worker, []), buckets, owners)
+        for stage in plan.stages
     )
     return StepProgram(plan=plan, workers=programs, buckets=buckets)
 
 
-def worker_program(plan: Plan, worker: int, layer_params: Sequence[int]) -> WorkerProgram:
+def worker_program(
+    plan: Plan, worker: int, layer_params: Sequence[int], *, clip: bool = False
+) -> WorkerProgram:
     """One worker's program (what the runtime builds for itself: only its own routes)."""
     routes = [r for r in plan.routes if worker in r.hops]
     ops = ops_for(routes, position_in_home(plan), tie_rank(plan)).get(worker, [])
-    return _program(plan, worker, ops, buckets_of(plan, layer_params))
+    owners = set(norm_owners(plan)) if clip else None
+    return _program(plan, worker, ops, buckets_of(plan, layer_params), owners)
 
 
 def _program(
-    plan: Plan, worker: int, ops: Sequence[ComputeOp], buckets: Sequence[Bucket]
+    plan: Plan,
+    worker: int,
+    ops: Sequence[ComputeOp],
+    buckets: Sequence[Bucket],
+    owners: set[int] | None,
 ) -> WorkerProgram:
     stage = plan.stage_of[worker]
     return WorkerProgram(
@@ -159,21 +187,31 @@ def _program(
         first_layer=stage.first_layer,
         end_layer=stage.end_layer,
         ops=tuple(ops),
-        tail=tail_of(worker, buckets, last_stage=stage.end_layer == plan.num_layers),
+        tail=tail_of(
+            worker,
+            buckets,
+            last_stage=stage.end_layer == plan.num_layers,
+            clip=None if owners is None else worker in owners,
+        ),
         max_in_flight=max_in_flight(ops),
     )
 
 
-def tail_of(worker: int, buckets: Iterable[Bucket], *, last_stage: bool) -> tuple[TailOp, ...]:
+def tail_of(
+    worker: int, buckets: Iterable[Bucket], *, last_stage: bool, clip: bool | None = None
+) -> tuple[TailOp, ...]:
     """What follows a worker's passes (module doc): its buckets in (round, index) order,
     the order every holder of a bucket reaches it in, so no two holders wait on each
-    other in a cycle."""
+    other in a cycle. ``clip``: None without clipping, else whether this worker reports
+    squared norms (it is the lowest holder of some layer)."""
     mine = sorted((b for b in buckets if worker in b.holders), key=lambda b: (b.round, b.index))
     return (
         *(TailOp(TailKind.EXCHANGE, b) for b in mine),
         TailOp(TailKind.ROUND),
         *((TailOp(TailKind.REPORT_LOSS),) if last_stage else ()),
+        *((TailOp(TailKind.REPORT_NORM),) if clip else ()),
         TailOp(TailKind.COMMIT),
+        *((TailOp(TailKind.READ_NORM),) if clip is not None else ()),
         TailOp(TailKind.OPTIMIZE),
         TailOp(TailKind.READ_LOSS),
     )
@@ -181,6 +219,11 @@ def tail_of(worker: int, buckets: Iterable[Bucket], *, last_stage: bool) -> tupl
 
 def last_stage_workers(plan: Plan) -> list[int]:
     return sorted(s.worker for s in plan.stages if s.end_layer == plan.num_layers)
+
+
+def norm_owners(plan: Plan) -> list[int]:
+    """The lowest holder of each layer: who reports its squared gradient norm."""
+    return sorted({min(plan.holders(layer)) for layer in range(plan.num_layers)})
 
 
 def position_in_home(plan: Plan) -> dict[int, int]:

@@ -259,12 +259,22 @@ class Keys:
     def migration(self, g: int, transfer: int, layer: int) -> str:
         return f"{self.generation(g)}mig/{transfer}/{layer}"
 
+    def norm(self, g: int, step: int, worker: int) -> str:
+        return f"{self.generation(g)}norm/{step}/{worker}"
+
     def step_keys(
-        self, g: int, step: int, last_stage: list[int], *, checkpointed: bool
+        self,
+        g: int,
+        step: int,
+        last_stage: list[int],
+        *,
+        checkpointed: bool,
+        norm_owners: list[int] | None = None,
     ) -> list[str]:
         """The keys of one step: deleted once every member has moved past it."""
         names = [commit_name(step)] + ([checkpoint_name(step)] if checkpointed else [])
         keys = [k for n in names for k in (self.agreement(g, n), self.agreement_done(g, n))]
+        keys += [self.norm(g, step, w) for w in norm_owners or ()]
         return keys + [self.loss(g, step, w) for w in last_stage]
 
 

@@ -19,7 +19,7 @@ follows.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from planner.cost import CostModel
@@ -105,12 +105,17 @@ def simulate_tails(
     )
 
 
+_STORE_OPS = frozenset(
+    (TailKind.REPORT_LOSS, TailKind.READ_LOSS, TailKind.REPORT_NORM, TailKind.READ_NORM)
+)
+
+
 def _local_s(kind: TailKind, layers: tuple[int, int], costs: CostModel) -> float:
     """A tail operation a worker runs alone. Rounding the gradients is CPU beyond the
     layers: on shared hosts the fitted per-worker overhead holds it (planner.fit)."""
     if kind is TailKind.OPTIMIZE:
         return costs.optimizer_s(*layers)
-    if kind is TailKind.REPORT_LOSS or kind is TailKind.READ_LOSS:
+    if kind in _STORE_OPS:
         return costs.store_s()
     return 0.0
 
@@ -205,10 +210,12 @@ def finish_step(
     ranges: Mapping[int, tuple[int, int]],
     costs: CostModel,
     num_layers: int,
+    norm_owners: Collection[int] | None = None,
 ) -> Timing:
     """``simulate_tails`` of the tails ``planner.program.tail_of`` makes, without making
     them: the buckets in the (round, index) order every tail has them in, then the last
-    stages' loss, the commit, the optimizer and the loss read back."""
+    stages' loss (and, clipping, ``norm_owners``' squared norms), the commit, (the norms
+    read back,) the optimizer and the loss read back."""
     comm_free = {w: compute_end.get(w, 0.0) for w in ranges}
     for bucket in sorted(buckets, key=lambda b: (b.round, b.index)):
         start = max(comm_free[h] for h in bucket.holders)
@@ -216,10 +223,14 @@ def finish_step(
         for h in bucket.holders:
             comm_free[h] = end
     store = costs.store_s()
-    reported = (t + store if ranges[w][1] == num_layers else t for w, t in comm_free.items())
+    owners = norm_owners if norm_owners is not None else ()
+    reported = (
+        t + store * ((ranges[w][1] == num_layers) + (w in owners)) for w, t in comm_free.items()
+    )
     commit_end = max(reported, default=0.0) + costs.commit_s()
+    after = store * (1 + (norm_owners is not None))  # the loss read, the norms read
     step = max(  # over distinct layer ranges: thousands of workers share a few
-        (commit_end + costs.optimizer_s(*r) + store for r in set(ranges.values())),
+        (commit_end + costs.optimizer_s(*r) + after for r in set(ranges.values())),
         default=commit_end,
     )
     return Timing(

@@ -52,6 +52,8 @@ class JobDescription(_Wire):
     link_bandwidth_bytes_per_s: float
     link_latency_s: float
     checkpoint_interval_steps: int
+    # Trainer(max_grad_norm=...): None when gradients are not clipped.
+    max_grad_norm: float | None = None
     # CPU workers share their host's cores (workload.Cluster.host_cores); 0 on devices.
     host_cores: int = 0
 
@@ -122,6 +124,7 @@ class JobDescription(_Wire):
             pp=self.pp,
             mtbf_s=mtbf_s,
             checkpoint_interval_s=max(step_s, 1e-3) * self.checkpoint_interval_steps,
+            clip_grad_norm=self.max_grad_norm is not None,
         )
         return Job(cluster=cluster, model=Model(self.model, layers), training=training)
 

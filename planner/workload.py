@@ -188,6 +188,9 @@ class Training:
     # rate (Cluster.device_mtbf_s) and what the job observes (planner.failures).
     mtbf_s: float | None = None
     checkpoint_interval_s: float = 1800.0
+    # Gradients clipped to a global norm: each step reports and reads the layers' squared
+    # norms through the store (planner.program.TailKind.REPORT_NORM).
+    clip_grad_norm: bool = False
 
     @property
     def num_micro_batches(self) -> int:

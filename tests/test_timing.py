@@ -52,10 +52,19 @@ def _random_plans(seeds):
             yield job, reroute_plan(plan, rng.sample(plan.workers, 1))
 
 
+@pytest.mark.parametrize("clip", [False, True], ids=["plain", "clipping"])
 @pytest.mark.parametrize("seed", range(40))
-def test_deduplicated_estimate_equals_the_full_graph(seed):
+def test_deduplicated_estimate_equals_the_full_graph(seed, clip):
+    from dataclasses import replace
+
     for job, plan in _random_plans([seed]):
-        full = simulate(build_program(plan, job.model.layer_params), CostModel(job))
+        if clip:
+            job = replace(
+                job,
+                training=replace(job.training, clip_grad_norm=True),
+                cluster=replace(job.cluster, store_round_trip_s=1e-3),
+            )
+        full = simulate(build_program(plan, job.model.layer_params, clip=clip), CostModel(job))
         assert estimate(job, plan).step_s == pytest.approx(full.step_s, rel=1e-12)
 
 
@@ -183,3 +192,28 @@ def test_a_tail_exchange_waits_for_its_last_holder_and_a_crossed_order_deadlocks
     crossed = (tail[1], tail[0], tail[2])
     with pytest.raises(ScheduleDeadlock, match="worker 0 at exchange"):
         simulate_tails({0: 0.0, 1: 0.0}, {0: tail, 1: crossed}, ranges, costs)
+
+
+def test_clipping_reports_each_layer_once_and_every_worker_reads_before_its_step():
+    from dataclasses import replace
+
+    from planner.program import TailKind
+
+    job = uniform_job(dp=2, pp=2, num_layers=4, micro_batches=4)
+    plan = reroute_plan(initial_plan(job), [1])  # a stage with one holder left
+    program = build_program(plan, job.model.layer_params, clip=True)
+    counted = sorted(layer for p in program.workers for layer in p.owned_layers())
+    assert counted == list(range(plan.num_layers))  # every layer once, whoever holds it
+    for p in program.workers:
+        kinds = [op.kind for op in p.tail]
+        assert (TailKind.REPORT_NORM in kinds) == bool(p.owned_layers())
+        assert kinds.index(TailKind.COMMIT) < kinds.index(TailKind.READ_NORM)
+        assert kinds.index(TailKind.READ_NORM) < kinds.index(TailKind.OPTIMIZE)
+        if TailKind.REPORT_NORM in kinds:
+            assert kinds.index(TailKind.REPORT_NORM) < kinds.index(TailKind.COMMIT)
+    plain = build_program(plan, job.model.layer_params)
+    assert all(TailKind.READ_NORM not in [op.kind for op in p.tail] for p in plain.workers)
+    # the estimator times the program it is given: clipping costs its store round trips
+    job = replace(job, cluster=replace(job.cluster, store_round_trip_s=1e-3))
+    clipped_job = replace(job, training=replace(job.training, clip_grad_norm=True))
+    assert estimate(clipped_job, plan).step_s > estimate(job, plan).step_s

@@ -28,6 +28,18 @@ STALL = (int(os.environ.get("MLP_STALL_RANK", "-1")), int(os.environ.get("MLP_ST
 RANK = int(os.environ.get("RANK", "0"))
 
 
+LR = 0.05
+
+
+def make_data() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    return [(torch.randn(8, generator=g), torch.randint(0, 4, (), generator=g)) for _ in range(256)]
+
+
+def make_layer(i: int, num_layers: int) -> nn.Module:
+    return nn.Linear(8, 4) if i == num_layers - 1 else nn.Sequential(nn.Linear(8, 8), nn.Tanh())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=50)
@@ -35,34 +47,33 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--global-batch", type=int, default=8)
     parser.add_argument("--dump", default=None)
+    parser.add_argument("--max-grad-norm", type=float, default=None)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    g = torch.Generator().manual_seed(0)
-    data = [(torch.randn(8, generator=g), torch.randint(0, 4, (), generator=g)) for _ in range(256)]
+    data = make_data()
 
     def layer(i: int) -> nn.Module:
-        return (
-            nn.Linear(8, 4) if i == args.layers - 1 else nn.Sequential(nn.Linear(8, 8), nn.Tanh())
-        )
+        return make_layer(i, args.layers)
 
     def lr_at(step: int) -> float:  # called once per step, before it: the test hooks
         if (RANK, step) == STALL:
             time.sleep(10**6)
         if SLEEP_S:
             time.sleep(SLEEP_S)
-        return 0.05
+        return LR
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     trainer = cr.Trainer(
         layers=layer,
         num_layers=args.layers,
         loss_fn=F.cross_entropy,
-        optimizer=lambda params: torch.optim.SGD(params, lr=0.05),
+        optimizer=lambda params: torch.optim.SGD(params, lr=LR),
         dataset=data,
         global_batch_size=args.global_batch,
         micro_batch_size=2,
         pipeline_stages=args.stages if world % args.stages == 0 else 1,
         lr_schedule=lr_at,
+        max_grad_norm=args.max_grad_norm,
     )
     result = trainer.fit(args.steps)
     if args.dump:

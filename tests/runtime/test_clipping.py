@@ -1,0 +1,106 @@
+"""Global-norm gradient clipping across stages and replicas, end to end (real processes,
+gloo): a run of 2 pipelines of 2 stages clipping at --max-grad-norm ends with the weights
+of one process that trains the whole model and clips with torch.nn.utils.clip_grad_norm_,
+and so does a run whose worker is killed mid-way and recovered in place."""
+
+from __future__ import annotations
+
+import glob
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+from chameleon_runtime.data import Batches
+from chameleon_runtime.shard import build_layer
+from tests.launcher.helpers import events, free_port, run
+from tests.runtime.mlp import LR, make_data, make_layer
+
+ROOT = Path(__file__).resolve().parents[2]
+MLP = str(ROOT / "tests" / "runtime" / "mlp.py")
+LAYERS, STEPS, BATCH, MICRO = 4, 12, 8, 2
+MAX_NORM = 0.2  # well below the MLP's gradient norms here: every step is clipped
+TOLERANCE = 1e-5  # float64 sums of float32 gradients against autograd's float32 sums
+
+pytestmark = pytest.mark.slow
+
+
+def checksum(module: torch.nn.Module) -> float:
+    """chameleon_runtime.shard.Shard.checksum of one layer."""
+    with torch.no_grad():
+        return float(
+            sum(p.double().sum() + (p.double() ** 2).sum() * 1e-3 for p in module.parameters())
+        )
+
+
+def single_process(max_norm: float | None) -> tuple[dict[int, float], list[float]]:
+    """The whole model in one process, the same batches in the same micro-batches, torch's
+    own clipping over all of its parameters. Returns checksums per layer and the
+    pre-clipping norm of every step."""
+    layers = [build_layer(lambda i: make_layer(i, LAYERS), 0, i) for i in range(LAYERS)]
+    params = [p for layer in layers for p in layer.parameters()]
+    opt = torch.optim.SGD(params, lr=LR)
+    batches = Batches(make_data(), global_batch_size=BATCH, micro_batch_size=MICRO)
+    m = batches.num_micro_batches
+    norms = []
+    for step in range(STEPS):
+        for mb in range(m):
+            x = batches.inputs(step, mb)
+            for layer in layers:
+                x = layer(x)
+            (F.cross_entropy(x, batches.targets(step, mb)) / m).backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(params, max_norm or float("inf"))))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return {i: checksum(layer) for i, layer in enumerate(layers)}, norms
+
+
+def chameleon(tmp: Path, *flags: str) -> tuple[dict[int, list[float]], list[dict]]:
+    log = tmp / "events.jsonl"
+    result = run(
+        "run", "--nproc-per-node", "4", "--plain", "--master-port", str(free_port()),
+        "--events", str(log), *flags, MLP, "--steps", str(STEPS), "--stages", "2",
+        "--layers", str(LAYERS), "--global-batch", str(BATCH), "--max-grad-norm",
+        str(MAX_NORM), "--dump", str(tmp / "dump"),
+        cwd=tmp, timeout=240,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    checks: dict[int, list[float]] = {}
+    for f in glob.glob(str(tmp / "dump.rank*.json")):
+        for layer, value in json.loads(Path(f).read_text())["checksums"].items():
+            checks.setdefault(int(layer), []).append(value)
+    return checks, events(log)
+
+
+def assert_weights(checks: dict[int, list[float]], expected: dict[int, float]) -> None:
+    assert sorted(checks) == sorted(expected)
+    for layer, values in checks.items():
+        assert max(values) == min(values), f"holders of layer {layer} disagree"
+        assert values[0] == pytest.approx(expected[layer], rel=TOLERANCE, abs=TOLERANCE), layer
+
+
+@pytest.fixture(scope="module")
+def clipped():
+    weights, norms = single_process(MAX_NORM)
+    unclipped, _ = single_process(None)
+    assert min(norms) > MAX_NORM  # every step clips: the test is about something
+    assert any(abs(weights[i] - unclipped[i]) > 100 * TOLERANCE for i in weights)
+    return weights
+
+
+def test_clipping_across_stages_and_replicas_is_clipping_the_whole_model(tmp_path, clipped):
+    checks, _events = chameleon(tmp_path)
+    assert_weights(checks, clipped)
+
+
+def test_a_run_with_a_kill_ends_with_the_clipped_failure_free_weights(
+    tmp_path, clipped, monkeypatch
+):
+    # steps of a few milliseconds could all be over before the launcher sees step 5
+    monkeypatch.setenv("MLP_STEP_SLEEP_S", "0.05")
+    checks, evs = chameleon(tmp_path, "--inject-fault", "kill:rank=3,step=5")
+    assert [e for e in evs if e["event"] == "recovered"], "no in-place recovery"
+    assert not [e for e in evs if e["event"] == "restart"]
+    assert_weights(checks, clipped)
