@@ -9,6 +9,7 @@
 See docs/runtime.md for the full API and examples/train_gpt.py for a complete script.
 """
 
+from chameleon_runtime.device import DeviceError
 from chameleon_runtime.trainer import FitResult, StepInfo, Trainer
 
-__all__ = ["FitResult", "StepInfo", "Trainer"]
+__all__ = ["DeviceError", "FitResult", "StepInfo", "Trainer"]

@@ -35,6 +35,7 @@ from chameleon_runtime import checkpoint
 from chameleon_runtime.comm import Aborted, CommError, Generation, Kept, settle
 from chameleon_runtime.control import Control
 from chameleon_runtime.data import Batches
+from chameleon_runtime.device import resolve_device
 from chameleon_runtime.memory import Meter
 from chameleon_runtime.pace import Pace
 from chameleon_runtime.profile import measure, probe, profile_job
@@ -81,6 +82,8 @@ class Trainer(RecoveryMixin):
         pipeline_stages: stages per pipeline at the start (WORLD_SIZE must be a multiple).
         lr_schedule: step -> learning rate, applied to every layer's optimizer.
         checkpoint_dir, checkpoint_every: atomic checkpoints every N steps (0: never).
+        device: "cpu", "cuda", "npu" or "auto" (chameleon_runtime.device: cpu only so far;
+            another is a DeviceError naming what is missing).
         max_grad_norm: clip the gradients to this global norm across every stage and
             replica, as torch.nn.utils.clip_grad_norm_ over the whole model (None: no
             clipping).
@@ -104,6 +107,8 @@ class Trainer(RecoveryMixin):
         device: str = "cpu",
         max_grad_norm: float | None = None,
     ) -> None:
+        # Before anything is built: a device that cannot be had is one line (DeviceError).
+        device = resolve_device(device, int(os.environ.get("LOCAL_RANK", "0")))
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(f"max_grad_norm must be positive, not {max_grad_norm}")
         if callable(layers) and not isinstance(layers, nn.Module):

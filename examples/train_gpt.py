@@ -19,6 +19,7 @@ import json
 import math
 import os
 import random
+import sys
 
 import torch
 from torch import nn
@@ -155,6 +156,12 @@ def main() -> None:
     )
     parser.add_argument("--checkpoint-every", type=int, default=10)
     parser.add_argument(
+        "--device",
+        default="cpu",
+        choices=("auto", "cpu", "cuda", "npu"),
+        help="what each worker computes on (default: cpu; the runtime trains on cpu only so far)",
+    )
+    parser.add_argument(
         "--max-grad-norm",
         type=float,
         default=None,
@@ -194,20 +201,24 @@ def main() -> None:
             * (1 + math.cos(math.pi * min(1.0, (step - warm) / max(1, args.steps - warm))))
         )
 
-    trainer = cr.Trainer(
-        layers=layer,
-        num_layers=num_layers,
-        loss_fn=loss_fn,
-        optimizer=lambda params: torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0),
-        dataset=data,
-        global_batch_size=args.global_batch,
-        micro_batch_size=args.micro_batch,
-        pipeline_stages=stages,
-        lr_schedule=lr_at,
-        checkpoint_dir=args.checkpoint_dir,
-        checkpoint_every=args.checkpoint_every,
-        max_grad_norm=args.max_grad_norm,
-    )
+    try:
+        trainer = cr.Trainer(
+            layers=layer,
+            num_layers=num_layers,
+            loss_fn=loss_fn,
+            optimizer=lambda params: torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0),
+            dataset=data,
+            global_batch_size=args.global_batch,
+            micro_batch_size=args.micro_batch,
+            pipeline_stages=stages,
+            lr_schedule=lr_at,
+            checkpoint_dir=args.checkpoint_dir,
+            checkpoint_every=args.checkpoint_every,
+            device=args.device,
+            max_grad_norm=args.max_grad_norm,
+        )
+    except cr.DeviceError as exc:  # one line, not a traceback
+        sys.exit(f"train_gpt.py: error: {exc}")
 
     def log(info: cr.StepInfo) -> None:
         if info.is_chief:

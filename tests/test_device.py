@@ -1,0 +1,67 @@
+"""Trainer(device=...): cpu trains; an accelerator that is missing, or present but not yet
+supported by the runtime's transports, is one line naming what is missing."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+import chameleon_runtime as cr
+from chameleon_runtime.device import DeviceError, resolve_device
+from tests.launcher.helpers import free_port, run
+
+ROOT = Path(__file__).resolve().parent.parent
+NO_GPU = not torch.cuda.is_available()
+NO_TORCH_NPU = importlib.util.find_spec("torch_npu") is None
+
+
+def test_cpu_and_auto_train_on_cpu():
+    assert resolve_device("cpu") == "cpu"
+    assert resolve_device("auto", local_rank=3) == "cpu"
+
+
+def test_an_unknown_device_names_the_choices():
+    with pytest.raises(DeviceError, match="unknown device 'tpu': choose one of auto, cpu"):
+        resolve_device("tpu")
+
+
+@pytest.mark.skipif(not NO_GPU, reason="a GPU is visible")
+def test_cuda_without_a_gpu_says_so_in_one_line():
+    with pytest.raises(DeviceError) as info:
+        resolve_device("cuda")
+    assert "no GPU visible" in str(info.value) and "\n" not in str(info.value)
+
+
+@pytest.mark.skipif(not NO_TORCH_NPU, reason="torch_npu is installed")
+def test_npu_without_torch_npu_names_the_package():
+    with pytest.raises(DeviceError, match="torch_npu is not installed"):
+        resolve_device("npu")
+
+
+@pytest.mark.skipif(not NO_GPU, reason="a GPU is visible")
+def test_the_trainer_refuses_before_building_anything():
+    with pytest.raises(DeviceError, match="device cuda"):
+        cr.Trainer(
+            layers=lambda i: nn.Linear(2, 2), num_layers=1, loss_fn=F.mse_loss,
+            optimizer=lambda p: torch.optim.SGD(p, lr=0.1), dataset=[], global_batch_size=2,
+            micro_batch_size=1, device="cuda",
+        )  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not NO_GPU, reason="a GPU is visible")
+def test_the_example_asked_for_a_missing_gpu_fails_in_one_line(tmp_path):
+    result = run(
+        "run", "--nproc-per-node", "2", "--plain", "--max-restarts", "0", "--master-port",
+        str(free_port()), str(ROOT / "examples" / "train_gpt.py"), "--device", "cuda",
+        "--steps", "2", cwd=tmp_path,
+    )  # fmt: skip
+    assert result.returncode != 0
+    out = result.stdout + result.stderr
+    assert "train_gpt.py: error: device cuda: no GPU visible" in out
+    assert "Traceback" not in out
