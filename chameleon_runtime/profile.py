@@ -34,13 +34,22 @@ from planner.wire import LayerCostWire
 
 
 def probe(
-    factory: LayerFactory, num_layers: int, sample: torch.Tensor, *, seed: int
+    factory: LayerFactory,
+    num_layers: int,
+    sample: torch.Tensor,
+    *,
+    seed: int,
+    wire_dtype: torch.dtype | None = None,
 ) -> tuple[list[int], list[tuple[torch.Size, torch.dtype]], list[str]]:
-    """(parameters per layer, output (shape, dtype) per layer, layer names)."""
+    """(parameters per layer, output (shape, dtype) per layer, layer names); a floating
+    output is ``wire_dtype`` where the shard rounds every layer's output to it (bf16)."""
     try:
-        return _probe_on("meta", factory, num_layers, sample, seed)
+        params, shapes, names = _probe_on("meta", factory, num_layers, sample, seed)
     except Exception:  # an op without a meta kernel: pay for a real pass, no grads
-        return _probe_on("cpu", factory, num_layers, sample, seed)
+        params, shapes, names = _probe_on("cpu", factory, num_layers, sample, seed)
+    if wire_dtype is not None:
+        shapes = [(s, wire_dtype if d.is_floating_point else d) for s, d in shapes]
+    return params, shapes, names
 
 
 def _probe_on(device: str, factory: LayerFactory, num_layers: int, sample: torch.Tensor, seed: int):
@@ -98,17 +107,17 @@ def measure(
             return t
 
         def forward(layer: nn.Module = layer, leaf: torch.Tensor = leaf) -> torch.Tensor:
-            return layer(leaf)
+            return shard.run_layer(layer, leaf)  # at the run's precision
 
         forward_s = _timed(forward, reps)
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            y = layer(leaf)
+            y = forward()
         grad = torch.randn_like(y) if y.is_floating_point() else None
 
         def backward(
             layer: nn.Module = layer, leaf: torch.Tensor = leaf, grad: torch.Tensor | None = grad
         ) -> None:
-            layer(leaf).backward(grad)
+            shard.run_layer(layer, leaf).backward(grad)
 
         backward_s = max(0.0, _timed(backward, reps) - forward_s)
         ghost = copy.deepcopy(layer)
@@ -331,8 +340,9 @@ def profile_job(trainer: Any, out: Path) -> None:
     keys = control.keys
     sample = trainer.batches.inputs(0, 0)
     trainer.layer_params, trainer.activation_shapes, trainer.layer_names = probe(
-        trainer.factory, trainer.num_layers, sample, seed=trainer.seed
-    )
+        trainer.factory, trainer.num_layers, sample, seed=trainer.seed,
+        wire_dtype=trainer.shard.wire_dtype,
+    )  # fmt: skip
     sample_steps = measure_steps(trainer, PROFILE_STEPS)
     trainer.shard.ensure(0, trainer.num_layers)
     names = trainer.layer_names

@@ -41,6 +41,12 @@ _DTYPES = {
 }
 
 
+# fp32: as the layers are written. bf16: autocast compute with fp32 master weights and
+# optimizer state (bf16's range needs no loss scaling). fp16 needs dynamic loss scaling,
+# which is not built: refused (Trainer).
+PRECISIONS = ("fp32", "bf16")
+
+
 def layer_seed(seed: int, layer: int) -> int:
     return (seed * 1_000_003 + layer * 7919) % (2**63)
 
@@ -64,11 +70,16 @@ class Shard:
         *,
         seed: int,
         device: str = "cpu",
+        precision: str = "fp32",
     ) -> None:
         self.factory = factory
         self.make_optimizer = make_optimizer
         self.seed = seed
         self.device = device
+        self.precision = precision
+        # bf16: compute under autocast, every layer's floating output rounded to bf16
+        # (PRECISIONS); the parameters, their gradients and the optimizer stay fp32.
+        self.wire_dtype = torch.bfloat16 if precision == "bf16" else None
         self.layers: dict[int, nn.Module] = {}
         self.optimizers: dict[int, torch.optim.Optimizer] = {}
         self.grad_sums: dict[int, list[torch.Tensor]] = {}  # float64, per held layer
@@ -102,8 +113,18 @@ class Shard:
         for i in range(first, end):
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(op_seed(self.seed, step, micro_batch, i))
-                x = self.layers[i](x)
+                x = self.run_layer(self.layers[i], x)
         return x
+
+    def run_layer(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """One layer at this shard's precision. Rounding every layer's output (not only a
+        stage's) keeps a step's arithmetic the same however layers are grouped into
+        stages, so a recovery that re-partitions does not change training."""
+        if self.wire_dtype is None:
+            return layer(x)
+        with torch.autocast(device_type=self.device, dtype=self.wire_dtype):
+            y = layer(x)
+        return y.to(self.wire_dtype) if y.is_floating_point() else y
 
     def params(self, first: int, end: int) -> Iterator[nn.Parameter]:
         for i in range(first, end):

@@ -40,7 +40,7 @@ from chameleon_runtime.memory import Meter
 from chameleon_runtime.pace import Pace
 from chameleon_runtime.profile import measure, probe, profile_job
 from chameleon_runtime.recovery import RecoveryMixin
-from chameleon_runtime.shard import LayerFactory, OptimizerFactory, Shard
+from chameleon_runtime.shard import PRECISIONS, LayerFactory, OptimizerFactory, Shard
 from chameleon_runtime.step import run_step
 from planner.partition import balanced_split
 from planner.plan import Plan, pipelines_plan, split_evenly
@@ -84,6 +84,8 @@ class Trainer(RecoveryMixin):
         checkpoint_dir, checkpoint_every: atomic checkpoints every N steps (0: never).
         device: "cpu", "cuda", "npu" or "auto" (chameleon_runtime.device: cpu only so far;
             another is a DeviceError naming what is missing).
+        precision: "fp32" or "bf16": bf16 computes under autocast and rounds every layer's
+            output to bf16, with fp32 weights, gradients and optimizer state.
         max_grad_norm: clip the gradients to this global norm across every stage and
             replica, as torch.nn.utils.clip_grad_norm_ over the whole model (None: no
             clipping).
@@ -106,7 +108,13 @@ class Trainer(RecoveryMixin):
         checkpoint_every: int = 0,
         device: str = "cpu",
         max_grad_norm: float | None = None,
+        precision: str = "fp32",
     ) -> None:
+        if precision not in PRECISIONS:
+            hint = " (it needs dynamic loss scaling, not built yet)" if precision == "fp16" else ""
+            raise ValueError(
+                f"precision {precision!r} is not supported{hint}: use {' or '.join(PRECISIONS)}"
+            )
         # Before anything is built: a device that cannot be had is one line (DeviceError).
         device = resolve_device(device, int(os.environ.get("LOCAL_RANK", "0")))
         if max_grad_norm is not None and not max_grad_norm > 0:
@@ -131,7 +139,7 @@ class Trainer(RecoveryMixin):
         self.checkpoint_every = checkpoint_every
         self.device = device
         self.max_grad_norm = max_grad_norm
-        self.shard = Shard(self.factory, optimizer, seed=seed, device=device)
+        self.shard = Shard(self.factory, optimizer, seed=seed, device=device, precision=precision)
         self.meter = Meter(self.shard)
         self.generation = 0
         self.applied = 0
@@ -185,8 +193,9 @@ class Trainer(RecoveryMixin):
         self._connect()
         sample = self.batches.inputs(0, 0)
         self.layer_params, self.activation_shapes, self.layer_names = probe(
-            self.factory, self.num_layers, sample, seed=self.seed
-        )
+            self.factory, self.num_layers, sample, seed=self.seed,
+            wire_dtype=self.shard.wire_dtype,
+        )  # fmt: skip
         joining = os.environ.get("CHAMELEON_JOIN")
         if joining:
             self._join(int(joining))

@@ -162,6 +162,12 @@ def main() -> None:
         help="what each worker computes on (default: cpu; the runtime trains on cpu only so far)",
     )
     parser.add_argument(
+        "--precision",
+        default="fp32",
+        choices=("fp32", "bf16", "fp16"),
+        help="bf16: autocast compute, fp32 master weights (fp16: not supported yet)",
+    )
+    parser.add_argument(
         "--max-grad-norm",
         type=float,
         default=None,
@@ -216,8 +222,9 @@ def main() -> None:
             checkpoint_every=args.checkpoint_every,
             device=args.device,
             max_grad_norm=args.max_grad_norm,
+            precision=args.precision,
         )
-    except cr.DeviceError as exc:  # one line, not a traceback
+    except (cr.DeviceError, ValueError) as exc:  # one line, not a traceback
         sys.exit(f"train_gpt.py: error: {exc}")
 
     def log(info: cr.StepInfo) -> None:

@@ -65,3 +65,28 @@ def test_the_example_asked_for_a_missing_gpu_fails_in_one_line(tmp_path):
     out = result.stdout + result.stderr
     assert "train_gpt.py: error: device cuda: no GPU visible" in out
     assert "Traceback" not in out
+
+
+@pytest.mark.parametrize(("precision", "why"), [("fp16", "loss scaling"), ("int8", "")])
+def test_an_unsupported_precision_is_one_line(precision, why):
+    with pytest.raises(ValueError, match=f"precision '{precision}' is not supported.*{why}"):
+        cr.Trainer(
+            layers=lambda i: nn.Linear(2, 2), num_layers=1, loss_fn=F.mse_loss,
+            optimizer=lambda p: torch.optim.SGD(p, lr=0.1), dataset=[], global_batch_size=2,
+            micro_batch_size=1, precision=precision,
+        )  # fmt: skip
+
+
+def test_bf16_rounds_every_layer_and_keeps_fp32_weights():
+    from chameleon_runtime.shard import Shard
+
+    shard = Shard(
+        lambda i: nn.Sequential(nn.Linear(4, 4), nn.Tanh()),
+        lambda p: torch.optim.SGD(p, lr=0.1), seed=0, precision="bf16",
+    )  # fmt: skip
+    shard.ensure(0, 3)
+    y = shard.forward(torch.randn(2, 4), 0, 3, step=0, micro_batch=0)
+    assert y.dtype is torch.bfloat16
+    y.float().sum().backward()
+    assert all(p.dtype is torch.float32 and p.grad.dtype is torch.float32
+               for p in shard.params(0, 3))  # fmt: skip

@@ -48,6 +48,7 @@ def main() -> None:
     parser.add_argument("--global-batch", type=int, default=8)
     parser.add_argument("--dump", default=None)
     parser.add_argument("--max-grad-norm", type=float, default=None)
+    parser.add_argument("--precision", default="fp32")
     args = parser.parse_args()
     torch.set_num_threads(1)
     data = make_data()
@@ -74,6 +75,7 @@ def main() -> None:
         pipeline_stages=args.stages if world % args.stages == 0 else 1,
         lr_schedule=lr_at,
         max_grad_norm=args.max_grad_norm,
+        precision=args.precision,
     )
     result = trainer.fit(args.steps)
     if args.dump:

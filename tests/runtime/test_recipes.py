@@ -1,7 +1,11 @@
-"""Global-norm gradient clipping across stages and replicas, end to end (real processes,
-gloo): a run of 2 pipelines of 2 stages clipping at --max-grad-norm ends with the weights
-of one process that trains the whole model and clips with torch.nn.utils.clip_grad_norm_,
-and so does a run whose worker is killed mid-way and recovered in place."""
+"""Training recipes across stages and replicas, end to end (real processes, gloo):
+
+- global-norm gradient clipping: a run of 2 pipelines of 2 stages clipping at
+  --max-grad-norm ends with the weights of one process that trains the whole model and
+  clips with torch.nn.utils.clip_grad_norm_, and so does a run whose worker is killed
+  mid-way and recovered in place;
+- bf16 (autocast, fp32 master weights), with clipping on: a run with a kill ends with the
+  weights of the failure-free run, whatever layout the recovery moves to."""
 
 from __future__ import annotations
 
@@ -57,13 +61,15 @@ def single_process(max_norm: float | None) -> tuple[dict[int, float], list[float
     return {i: checksum(layer) for i, layer in enumerate(layers)}, norms
 
 
-def chameleon(tmp: Path, *flags: str) -> tuple[dict[int, list[float]], list[dict]]:
+def chameleon(
+    tmp: Path, *flags: str, script: tuple[str, ...] = ()
+) -> tuple[dict[int, list[float]], list[dict]]:
     log = tmp / "events.jsonl"
     result = run(
         "run", "--nproc-per-node", "4", "--plain", "--master-port", str(free_port()),
         "--events", str(log), *flags, MLP, "--steps", str(STEPS), "--stages", "2",
         "--layers", str(LAYERS), "--global-batch", str(BATCH), "--max-grad-norm",
-        str(MAX_NORM), "--dump", str(tmp / "dump"),
+        str(MAX_NORM), "--dump", str(tmp / "dump"), *script,
         cwd=tmp, timeout=240,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
@@ -104,3 +110,23 @@ def test_a_run_with_a_kill_ends_with_the_clipped_failure_free_weights(
     assert [e for e in evs if e["event"] == "recovered"], "no in-place recovery"
     assert not [e for e in evs if e["event"] == "restart"]
     assert_weights(checks, clipped)
+
+
+def test_bf16_with_a_kill_ends_with_the_failure_free_bf16_weights(tmp_path, clipped, monkeypatch):
+    bf16 = ("--precision", "bf16")
+    (tmp_path / "free").mkdir()
+    (tmp_path / "kill").mkdir()
+    free, _ = chameleon(tmp_path / "free", script=bf16)
+    reference = {layer: values[0] for layer, values in free.items()}
+    # bf16 is on: its weights are not fp32's
+    assert any(abs(reference[i] - clipped[i]) > 10 * TOLERANCE for i in clipped)
+    monkeypatch.setenv("MLP_STEP_SLEEP_S", "0.05")
+    # a re-partition changes which layers a stage groups: every layer's output is rounded
+    # to bf16, so the arithmetic must not change with it
+    checks, evs = chameleon(
+        tmp_path / "kill", "--policy", "reparallelize", "--inject-fault", "kill:rank=3,step=5",
+        script=bf16,
+    )  # fmt: skip
+    recovered = [e for e in evs if e["event"] == "recovered"]
+    assert recovered and recovered[0]["policy"] == "reparallelize"
+    assert_weights(checks, reference)
