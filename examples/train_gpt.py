@@ -5,8 +5,9 @@
 8 workers = 2 pipelines of 4 stages (embedding + 4 blocks + head = 6 layers). Rank 5 dies
 at step 15; the launcher picks a recovery policy, the 7 survivors carry on in place from
 the step they were at, and the loss curve continues as if nothing happened. Add
-``--policy reroute`` (or reparallelize, restart) to the launcher to force one. Without
-chameleon run (plain python) it trains on one worker.
+``--policy reroute`` (or reparallelize, restart) to the launcher to force one, and
+``--max-grad-norm 1.0`` or ``--precision bf16`` to the script for a clipped or bf16 run.
+Without chameleon run (plain python) it trains on one worker.
 
 The corpus is generated here (a few hundred pseudo-English sentences from a fixed seed), so
 the example needs no download.
