@@ -236,7 +236,7 @@ def measure_steps(trainer: Any, steps: int) -> dict[str, float]:
             )  # as a run reports every step
             forget = trainer.control.keys.step_keys(
                 0, step, trainer.part.last_stage_workers(), checkpointed=False,
-                norm_owners=trainer.part.norm_owners() if trainer.max_grad_norm else None,
+                norm_owners=trainer.part.norm_owners(),
             )  # fmt: skip
     finally:
         trainer._leave()

@@ -76,7 +76,6 @@ class Shard:
         self.make_optimizer = make_optimizer
         self.seed = seed
         self.device = device
-        self.precision = precision
         # bf16: compute under autocast, every layer's floating output rounded to bf16
         # (PRECISIONS); the parameters, their gradients and the optimizer stay fp32.
         self.wire_dtype = torch.bfloat16 if precision == "bf16" else None
@@ -170,16 +169,15 @@ class Shard:
         and parameter order."""
         total = 0.0
         for i in layers:
-            for p in self.layers[i].parameters():
+            for p in self.params(i, i + 1):
                 if p.grad is not None:
                     total += float(p.grad.detach().double().pow(2).sum())
         return total
 
     def scale_grads(self, first: int, end: int, factor: float) -> None:
-        for i in range(first, end):
-            for p in self.layers[i].parameters():
-                if p.grad is not None:
-                    p.grad.mul_(factor)
+        for p in self.params(first, end):
+            if p.grad is not None:
+                p.grad.mul_(factor)
 
     def zero_grad(self) -> None:
         for opt in self.optimizers.values():

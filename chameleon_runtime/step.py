@@ -106,7 +106,6 @@ class StepResult:
     # CPU time this thread spent in the pass loop beyond the layers: receiving, sending,
     # stashing, the memory meter (the planner charges it per pass: planner.fit).
     pass_cpu_s: float = 0.0
-    grad_norm: float | None = None  # the global norm before clipping (clipping only)
 
 
 def run_step(
@@ -205,7 +204,6 @@ def _run(
                 ledger.send(gen, x.grad, op.prev, _tag(mb, True))
     pass_cpu = time.thread_time() - loop0 - cpu
     total = 0.0
-    grad_norm = None
     for op in part.tail:  # layers held here alone have no bucket: their sum is total
         kind = op.kind
         if kind is TailKind.EXCHANGE:
@@ -226,7 +224,7 @@ def _run(
             squared = shard.grad_sq_norm(part.owned_layers())
             control.put(keys.norm(gen.generation, step, part.worker), repr(squared))
         elif kind is TailKind.READ_NORM:
-            grad_norm = _clip(step, part, shard, gen, control, max_grad_norm)
+            _clip(step, part, shard, gen, control, max_grad_norm)
         elif kind is TailKind.OPTIMIZE:
             c0 = time.thread_time()
             shard.step(lr)
@@ -240,11 +238,10 @@ def _run(
         seconds=time.perf_counter() - started,
         compute_cpu_s=cpu,
         pass_cpu_s=max(0.0, pass_cpu),
-        grad_norm=grad_norm,
     )
 
 
-def _clip(step, part, shard, gen, control, max_grad_norm) -> float:  # noqa: ANN001
+def _clip(step, part, shard, gen, control, max_grad_norm) -> None:  # noqa: ANN001
     """Scale this worker's gradients as torch.nn.utils.clip_grad_norm_ scales the whole
     model's: by max_norm / (norm + 1e-6) when below 1. Every worker reads the same
     squared norms in the same order, so every replica scales by the same bits."""
@@ -253,7 +250,6 @@ def _clip(step, part, shard, gen, control, max_grad_norm) -> float:  # noqa: ANN
     scale = max_grad_norm / (norm + 1e-6)
     if scale < 1.0:
         shard.scale_grads(part.first_layer, part.end_layer, scale)
-    return norm
 
 
 def _exchange(

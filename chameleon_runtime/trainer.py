@@ -321,7 +321,7 @@ class Trainer(RecoveryMixin):
             checkpointed = self._checkpoint_if_due(done)
             forget = self.control.keys.step_keys(
                 self.generation, done, self.part.last_stage_workers(), checkpointed=checkpointed,
-                norm_owners=self.part.norm_owners() if self.max_grad_norm else None,
+                norm_owners=self.part.norm_owners(),
             )  # fmt: skip
             if on_step is not None:
                 chief = self.rank == min(self.plan.workers)
@@ -371,8 +371,7 @@ class Trainer(RecoveryMixin):
         status = self.control.status
         status.update(phase="checkpoint")
         with status.waiting("checkpoint"):
-            mine = [i for i in self.shard.held() if min(self.plan.holders(i)) == self.rank]
-            checkpoint.save_layers(self.checkpoint_dir, step, self.shard, mine)
+            checkpoint.save_layers(self.checkpoint_dir, step, self.shard, self.part.owned_layers())
         agreed = self.control.agree(self.generation, checkpoint_name(step), len(self.part.members))
         if agreed.held and self.rank == min(self.plan.workers):
             checkpoint.publish(self.checkpoint_dir, step, self.num_layers)

@@ -203,9 +203,8 @@ class Injector:
         if spec.at_s is not None:
             hit = since_start_s >= spec.at_s
         elif spec.step is not None:
-            step = status.step if status is not None else None
-            if status is not None and status.phase == "spare" and job_step is not None:
-                step = job_step
+            spare = status is not None and status.phase == "spare" and job_step is not None
+            step = job_step if spare else status.step if status is not None else None
             hit = step is not None and step > spec.step
         else:
             hit = phase is not None and phase.recovery == (spec.recovery or 1)

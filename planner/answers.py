@@ -8,8 +8,9 @@ keyed by what it depends on: a reroute by (plan, workers lost); the re-partition
 and the idle workers; a restart by those and the spares it would take.
 
 Where workers are interchangeable (planner.symmetry), a question about a plan of whole
-pipelines is asked under names drawn from the plan's structure, so that a failure at the same place in any
-pipeline is answered once; the caller names the chosen answer back (``Question.answer``).
+pipelines is asked under names drawn from the plan's structure, so that a failure at the
+same place in any pipeline is answered once; the caller names the chosen answer back
+(``Question.answer``).
 """
 
 from __future__ import annotations
@@ -76,9 +77,9 @@ class Answers:
         candidates' protocol still counts every survivor (``_repartitions``)."""
         if q.back is None:  # as named: an idle worker may come before the plan's
             return ("search", q.plan, q.lost, q.idle)
-        ranked = self.search.rank_shapes(len(q.plan.workers) - len(q.lost) + len(q.idle))
-        widest = max((sum(n * c for n, c in shape) for _t, shape, _c in ranked), default=0)
         kept = len(q.plan.workers) - len(q.lost)
+        ranked = self.search.rank_shapes(kept + len(q.idle))
+        widest = max((sum(n * c for n, c in shape) for _t, shape, _c in ranked), default=0)
         shapes = tuple(shape for _t, shape, _c in ranked)
         return ("search", q.plan, q.lost, shapes, q.idle[: max(0, widest - kept)])
 
@@ -93,11 +94,11 @@ class Answers:
         pool = q.pool
         enough = len(pool) >= len(q.lost)
         key = ("restart", q.plan, q.lost, q.idle, pool[: len(q.lost)] if enough else q.spares)
-        best = self._repartitions(q)[1]
         return self._cached(
             key,
             lambda: restart_candidate(
-                self.search, q.plan, q.lost, q.survivors, best_over_survivors=best,
+                self.search, q.plan, q.lost, q.survivors,
+                best_over_survivors=self._repartitions(q)[1],
                 since_checkpoint_s=0.0, spares=pool,
             ),
         )  # fmt: skip

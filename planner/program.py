@@ -124,17 +124,17 @@ class WorkerProgram:
         return last_stage_workers(self.plan)
 
     def norm_owners(self) -> list[int]:
-        """Whose squared gradient norms make the step's global norm (clipping only)."""
-        return norm_owners(self.plan)
+        """Whose squared gradient norms make the step's global norm: none where this
+        program does not clip (its step keys then hold no norm)."""
+        clips = any(op.kind is TailKind.READ_NORM for op in self.tail)
+        return norm_owners(self.plan) if clips else []
 
     def owned_layers(self) -> list[int]:
-        """The layers whose squared gradient norm this worker reports: those it is the
-        lowest holder of, so that replicas count each layer once."""
-        return [
-            layer
-            for layer in range(self.first_layer, self.end_layer)
-            if min(self.plan.holders(layer)) == self.worker
-        ]
+        """The layers this worker is the lowest holder of: the ones it writes to a
+        checkpoint and whose squared gradient norm it reports, so that replicas count
+        each layer once."""
+        lowest = lowest_holders(self.plan)
+        return [i for i in range(self.first_layer, self.end_layer) if lowest[i] == self.worker]
 
 
 @dataclass(frozen=True)
@@ -191,27 +191,33 @@ def _program(
             worker,
             buckets,
             last_stage=stage.end_layer == plan.num_layers,
-            clip=None if owners is None else worker in owners,
+            clip=owners is not None,
+            reports_norm=owners is not None and worker in owners,
         ),
         max_in_flight=max_in_flight(ops),
     )
 
 
 def tail_of(
-    worker: int, buckets: Iterable[Bucket], *, last_stage: bool, clip: bool | None = None
+    worker: int,
+    buckets: Iterable[Bucket],
+    *,
+    last_stage: bool,
+    clip: bool = False,
+    reports_norm: bool = False,
 ) -> tuple[TailOp, ...]:
     """What follows a worker's passes (module doc): its buckets in (round, index) order,
     the order every holder of a bucket reaches it in, so no two holders wait on each
-    other in a cycle. ``clip``: None without clipping, else whether this worker reports
-    squared norms (it is the lowest holder of some layer)."""
+    other in a cycle. ``clip``: gradients are clipped to a global norm, which this worker
+    reads; ``reports_norm``: it is the lowest holder of some layer and reports its part."""
     mine = sorted((b for b in buckets if worker in b.holders), key=lambda b: (b.round, b.index))
     return (
         *(TailOp(TailKind.EXCHANGE, b) for b in mine),
         TailOp(TailKind.ROUND),
         *((TailOp(TailKind.REPORT_LOSS),) if last_stage else ()),
-        *((TailOp(TailKind.REPORT_NORM),) if clip else ()),
+        *((TailOp(TailKind.REPORT_NORM),) if reports_norm else ()),
         TailOp(TailKind.COMMIT),
-        *((TailOp(TailKind.READ_NORM),) if clip is not None else ()),
+        *((TailOp(TailKind.READ_NORM),) if clip else ()),
         TailOp(TailKind.OPTIMIZE),
         TailOp(TailKind.READ_LOSS),
     )
@@ -221,9 +227,19 @@ def last_stage_workers(plan: Plan) -> list[int]:
     return sorted(s.worker for s in plan.stages if s.end_layer == plan.num_layers)
 
 
+def lowest_holders(plan: Plan) -> tuple[int, ...]:
+    """Each layer's lowest holder (computed once per plan: ``Plan.derived``)."""
+    hit = plan.derived.get(("lowest_holders",))
+    if hit is None:
+        hit = plan.derived[("lowest_holders",)] = tuple(
+            min(plan.holders(layer)) for layer in range(plan.num_layers)
+        )
+    return hit  # type: ignore[return-value]
+
+
 def norm_owners(plan: Plan) -> list[int]:
-    """The lowest holder of each layer: who reports its squared gradient norm."""
-    return sorted({min(plan.holders(layer)) for layer in range(plan.num_layers)})
+    """The workers that are some layer's lowest holder: who report squared norms."""
+    return sorted(set(lowest_holders(plan)))
 
 
 def position_in_home(plan: Plan) -> dict[int, int]:

@@ -27,6 +27,7 @@ Channels, all under ``chameleon/<attempt>/``:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
@@ -269,12 +270,12 @@ class Keys:
         last_stage: list[int],
         *,
         checkpointed: bool,
-        norm_owners: list[int] | None = None,
+        norm_owners: Sequence[int] = (),
     ) -> list[str]:
         """The keys of one step: deleted once every member has moved past it."""
         names = [commit_name(step)] + ([checkpoint_name(step)] if checkpointed else [])
         keys = [k for n in names for k in (self.agreement(g, n), self.agreement_done(g, n))]
-        keys += [self.norm(g, step, w) for w in norm_owners or ()]
+        keys += [self.norm(g, step, w) for w in norm_owners]
         return keys + [self.loss(g, step, w) for w in last_stage]
 
 

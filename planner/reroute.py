@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from planner.plan import Plan, Route
+from planner.program import position_in_home
 
 
 class RerouteInfeasible(ValueError):
@@ -52,7 +53,7 @@ def reroute_plan(plan: Plan, failed: Iterable[int]) -> Plan:
             if busiest[w] < peak:
                 busiest[w] = peak
     stage_of = plan.stage_of
-    position = {mb: q for mbs in plan.micro_batches_of_home.values() for q, mb in enumerate(mbs)}
+    position = position_in_home(plan)
     broken = [
         (position[mb], route.home, mb, route.hops)
         for route in plan.routes
