@@ -67,4 +67,4 @@ def load_layers(root: Path, step: int, shard: Shard, layers: list[int]) -> None:
     folder = step_dir(root, step)
     for i in layers:
         blob = torch.load(folder / f"layer_{i:04d}.pt", weights_only=True)
-        shard.import_layer(json.loads(blob["header"]), list(blob["tensors"]))
+        shard.import_layer(json.loads(blob["header"]), list(blob["tensors"]), restore=True)

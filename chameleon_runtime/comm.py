@@ -1,6 +1,7 @@
 """Communication for one plan generation: one process group over the generation's
-members, built straight on the store (no default group), point-to-point transfers with
-tags, and waits that an abort ends at once.
+members, built straight on the store (no default group), point-to-point transfers matched
+by their order (no tags: chameleon_runtime.transport), and waits that an abort ends at
+once.
 
 Why every blocking call runs on a helper thread: gloo cannot interrupt a blocked wait or
 a group being built (``abort()`` does not wake a waiter on torch 2.13). The main thread
@@ -38,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from chameleon_runtime.liveness import Interrupts, Status
+from chameleon_runtime.transport import GlooTransport, Transport
 
 BUILD_TIMEOUT_S = 30.0
 OP_TIMEOUT_S = 1800.0
@@ -104,17 +106,6 @@ def settle(timeout_s: float) -> list[str]:
     return [h.busy_with or "?" for h in stuck]
 
 
-def _make_group(store: dist.Store, rank: int, size: int, timeout: timedelta, device: str) -> Any:
-    if device == "cpu":
-        return dist.ProcessGroupGloo(store, rank, size, timeout)
-    if device == "cuda":
-        return dist.ProcessGroupNCCL(store, rank, size)
-    # Ascend: torch_npu registers ProcessGroupHCCL; imported only when asked for.
-    import torch_npu  # noqa: F401
-
-    return torch.distributed.ProcessGroupHCCL(store, rank, size, timeout)  # type: ignore[attr-defined]
-
-
 @dataclass(eq=False)
 class Kept:
     """A group that a later generation may carry over: built for generation ``built``
@@ -122,8 +113,8 @@ class Kept:
 
     ``unsettled`` counts abandoned generations on it whose posted messages have not all
     completed. A message left unmatched on a group (a peer drained a step it never
-    started; a migration interrupted half way) would match the next generation's message
-    of the same peer and tag, so only a settled group may be carried over: then every
+    started; a migration interrupted half way) would match the next generation's next
+    message between the same pair, so only a settled group may be carried over: then every
     message this worker posted on it was matched, and when every member says so, nothing
     is left posted in the group."""
 
@@ -173,7 +164,7 @@ class Generation:
         me: int,
         interrupts: Interrupts,
         status: Status,
-        device: str = "cpu",
+        transport: Transport | None = None,
         build_timeout_s: float = BUILD_TIMEOUT_S,
         op_timeout_s: float = OP_TIMEOUT_S,
         adopt: Kept | None = None,
@@ -184,7 +175,9 @@ class Generation:
         self.interrupts = interrupts
         self.status = status
         self._op_timeout = timedelta(seconds=op_timeout_s)
-        self._pending: list[tuple[Any, torch.Tensor, int]] = []  # (work, its tensor, peer)
+        self.transport = transport if transport is not None else GlooTransport()
+        # (work, the tensor it reads or writes, peer): posted, not yet known complete
+        self._pending: list[tuple[Any, torch.Tensor, int]] = []
         self._held: list[Any] = []  # the group, owned here and dropped by the helper
         self._abandoned = False
         self._helper = _Helper(f"comm-gen{generation}")
@@ -198,7 +191,7 @@ class Generation:
 
         def build() -> None:
             self._held.append(
-                _make_group(group_store, self._index[me], len(self.members), timeout, device)
+                self.transport.make_group(group_store, self._index[me], len(self.members), timeout)
             )
 
         try:
@@ -234,21 +227,33 @@ class Generation:
     def _post(self, fn: Callable[..., Any], *args: Any) -> Any:
         self._check()
         try:
-            return fn(*args)
+            return fn(self.group, *args)
         except Exception as exc:  # a broken pair raises at post time
             raise CommError(str(exc).splitlines()[0][:300]) from None
 
     # -- point to point --------------------------------------------------------------------
 
-    def send(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
+    def send(self, tensor: torch.Tensor, dst: int) -> None:
         """Asynchronous: completes at ``flush_sends`` (the tensor is kept alive till then)."""
-        tensor = tensor.contiguous()
-        work = self._post(self.group.send, [tensor], self._index[dst], tag)
-        self._pending.append((work, tensor, dst))
+        work, keep = self._post(self.transport.post_send, tensor, self._index[dst])
+        self._pending.append((work, keep, dst))
 
-    def recv(self, buffer: torch.Tensor, src: int, tag: int) -> torch.Tensor:
-        work = self._post(self.group.recv, [buffer], self._index[src], tag)
-        self._wait(work, "recv", (src,))
+    def recv(
+        self, buffer: torch.Tensor, src: int, posted: Callable[[], None] | None = None
+    ) -> torch.Tensor:
+        """Receive the next message from ``src`` into ``buffer``. ``posted`` is called
+        once the receive is posted: from then on it is matched by the peer's next message
+        whatever happens to this wait, so a drain must not post it again."""
+        work, into, finish = self._post(self.transport.post_recv, buffer, self._index[src])
+        if posted is not None:
+            posted()
+        try:
+            self._wait(work, "recv", (src,))
+        except BaseException:
+            self._pending.append((work, into, src))  # still posted: released with the group
+            raise
+        if finish is not None:
+            finish()
         return buffer
 
     def flush_sends(self) -> None:
@@ -260,22 +265,31 @@ class Generation:
                 self._pending = pending[i:]  # still to complete: released with the group
                 raise
 
-    def send_quietly(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
-        """Post a send even though the generation is aborted, ignoring errors (a dead
-        peer): draining, see chameleon_runtime.step. Completed when the group is released."""
-        try:
-            work = self.group.send([tensor.contiguous()], self._index[dst], tag)
-        except Exception:
+    def drain(
+        self,
+        sends: Sequence[tuple[int, torch.Size, torch.dtype]],
+        recvs: Sequence[tuple[int, torch.Size, torch.dtype]],
+    ) -> None:
+        """End an aborted step's traffic (chameleon_runtime.step): on gloo, post the
+        messages still owed, each way and in order per peer, zeros for sends and
+        receives nobody waits for, ignoring errors (a dead peer); they complete when the
+        group is released. A native communicator is aborted instead."""
+        if not self.transport.drains:
+            if self.group is not None:
+                self.transport.abort(self.group)
             return
-        self._pending.append((work, tensor, dst))
-
-    def recv_quietly(self, buffer: torch.Tensor, src: int, tag: int) -> None:
-        """Post a receive nobody waits for (draining): it lets the peer's send complete."""
-        try:
-            work = self.group.recv([buffer], self._index[src], tag)
-        except Exception:
-            return
-        self._pending.append((work, buffer, src))
+        for peer, shape, dtype in sends:
+            with contextlib.suppress(Exception):
+                work, keep = self.transport.post_send(
+                    self.group, torch.zeros(shape, dtype=dtype), self._index[peer]
+                )
+                self._pending.append((work, keep, peer))
+        for peer, shape, dtype in recvs:
+            with contextlib.suppress(Exception):
+                work, into, _ = self.transport.post_recv(
+                    self.group, torch.empty(shape, dtype=dtype), self._index[peer]
+                )
+                self._pending.append((work, into, peer))
 
     # -- the end ---------------------------------------------------------------------------
 
@@ -287,6 +301,8 @@ class Generation:
         self._abandoned = True
         pending, self._pending = self._pending, []
         held, timeout = self._held, self._op_timeout
+        if not self.transport.drains and self.group is not None:
+            self.transport.abort(self.group)  # what is posted ends now (transport module doc)
         self.group = None
         kept = getattr(self, "kept", None)
         if kept is not None:

@@ -2,18 +2,15 @@
 
 - ``cpu``;
 - ``cuda``: the GPU of this worker's ``LOCAL_RANK`` (modulo the GPUs visible, so several
-  ranks may share one);
+  ranks may share one), bound with ``torch.cuda.set_device``;
 - ``npu``: an Ascend NPU through ``torch_npu``, imported only when asked for;
-- ``auto``: the device this runtime trains on wherever it runs: cpu, for now.
+- ``auto``: cpu. It will pick a visible accelerator once the accelerator path has run on
+  one: everything the runtime allocates follows the device and the transports stage or
+  carry device tensors (chameleon_runtime.transport), but no GPU has run it yet (issue
+  11), so an accelerator is used only when asked for by name.
 
 A device that cannot be had is a ``DeviceError`` whose message is one line naming what is
 missing, never a traceback from deep inside a step.
-
-Only cpu trains today. The runtime moves activations, gradients and layers through gloo
-as CPU tensors; staging accelerator tensors through host memory, and the native NCCL/HCCL
-transport, are not built yet (issue 11, blocked on a machine with a GPU to test them). So
-a visible GPU or NPU is refused with a message saying so, rather than accepted and failed
-in the first step.
 """
 
 from __future__ import annotations
@@ -64,7 +61,14 @@ def resolve_device(name: str, local_rank: int = 0) -> str:
         if not count:
             raise DeviceError("device npu: torch_npu sees no NPU")
         where = f"npu:{local_rank % count}"
-    raise DeviceError(
-        f"device {name}: {where} is visible, but the runtime trains on cpu only so far "
-        "(its transfers go through gloo as CPU tensors); use --device cpu"
-    )
+    return where
+
+
+def bind(device: str) -> None:
+    """Make ``device`` this process's current accelerator (kernels and NCCL/HCCL
+    communicators land on it, not on device 0)."""
+    kind = torch.device(device)
+    if kind.type == "cuda":
+        torch.cuda.set_device(kind)
+    elif kind.type == "npu":
+        torch.npu.set_device(kind)  # type: ignore[attr-defined]

@@ -1,12 +1,7 @@
 """What the planner needs to know about a model, measured.
 
-- ``probe``: parameter counts and per-micro-batch output shapes of every layer, from one
-  pass on the meta device (no memory, no compute), so any worker can size its receive
-  buffers and the planner its transfers without building layers it does not hold.
-- ``measure``: forward, backward and optimizer time of layers a worker holds, on a
-  micro-batch of the real shape, while the other workers run too (on a shared host that
-  contention is part of what a step costs); bytes stashed for backward, counted exactly
-  with saved-tensor hooks.
+- ``probe``, ``measure`` (chameleon_runtime.layercost): each layer's parameters, shapes,
+  times and stashed bytes;
 - ``link_cost``: latency, bandwidth and CPU per byte between two workers, by ping-pong.
 - ``measure_move``, ``measure_tail``: the CPU per parameter of moving a layer, and of a
   step's tail.
@@ -17,132 +12,28 @@ measures instead of training (``profile_job``) and writes a cost table.
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import statistics
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
-from chameleon_runtime.shard import LayerFactory, Shard, build_layer
+from chameleon_runtime.layercost import measure, probe
+from chameleon_runtime.shard import Shard
 from planner.wire import LayerCostWire
 
 
-def probe(
-    factory: LayerFactory,
-    num_layers: int,
-    sample: torch.Tensor,
-    *,
-    seed: int,
-    wire_dtype: torch.dtype | None = None,
-) -> tuple[list[int], list[tuple[torch.Size, torch.dtype]], list[str]]:
-    """(parameters per layer, output (shape, dtype) per layer, layer names); a floating
-    output is ``wire_dtype`` where the shard rounds every layer's output to it (bf16)."""
-    try:
-        params, shapes, names = _probe_on("meta", factory, num_layers, sample, seed)
-    except Exception:  # an op without a meta kernel: pay for a real pass, no grads
-        params, shapes, names = _probe_on("cpu", factory, num_layers, sample, seed)
-    if wire_dtype is not None:
-        shapes = [(s, wire_dtype if d.is_floating_point else d) for s, d in shapes]
-    return params, shapes, names
-
-
-def _probe_on(device: str, factory: LayerFactory, num_layers: int, sample: torch.Tensor, seed: int):
-    params, shapes, names = [], [], []
-    x = sample.to(device)
-    with torch.no_grad():
-        for i in range(num_layers):
-            if device == "meta":
-                with torch.device("meta"):
-                    layer = factory(i)
-            else:
-                layer = build_layer(factory, seed, i)
-            x = layer(x)
-            params.append(sum(p.numel() for p in layer.parameters()))
-            shapes.append((x.shape, x.dtype))
-            names.append(type(layer).__name__)
-    return params, shapes, names
-
-
-def _timed(fn: Callable[[], object], reps: int) -> float:
-    fn()  # warm up
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def measure(
-    shard: Shard,
-    layers: list[int],
-    inputs: torch.Tensor,
-    names: list[str],
-    *,
-    reps: int = 3,
-) -> list[LayerCostWire]:
-    """Costs of consecutive held ``layers``, starting from ``inputs`` (one micro-batch)."""
-    out = []
-    x = inputs
-    for i in layers:
-        layer: nn.Module = shard.layers[i]
-        leaf = x.detach().requires_grad_(x.is_floating_point())
-        # Distinct storages, the layer's own weights left out (they are state): what the
-        # runtime's meter counts as this layer's activations (chameleon_runtime.memory).
-        weights = {p.untyped_storage().data_ptr() for p in layer.parameters()}
-        stashed: dict[int, int] = {}
-
-        def pack(
-            t: torch.Tensor, saved: dict[int, int] = stashed, weights: set[int] = weights
-        ) -> torch.Tensor:
-            storage = t.untyped_storage()
-            if storage.data_ptr() not in weights:
-                saved[storage.data_ptr()] = storage.nbytes()
-            return t
-
-        def forward(layer: nn.Module = layer, leaf: torch.Tensor = leaf) -> torch.Tensor:
-            return shard.run_layer(layer, leaf)  # at the run's precision
-
-        forward_s = _timed(forward, reps)
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            y = forward()
-        grad = torch.randn_like(y) if y.is_floating_point() else None
-
-        def backward(
-            layer: nn.Module = layer, leaf: torch.Tensor = leaf, grad: torch.Tensor | None = grad
-        ) -> None:
-            shard.run_layer(layer, leaf).backward(grad)
-
-        backward_s = max(0.0, _timed(backward, reps) - forward_s)
-        ghost = copy.deepcopy(layer)
-        optimizer = shard.make_optimizer(list(ghost.parameters()))
-        for p in ghost.parameters():
-            p.grad = torch.zeros_like(p)
-        optimizer_s = _timed(optimizer.step, reps)
-        layer.zero_grad(set_to_none=True)
-        out.append(
-            LayerCostWire(
-                name=f"{names[i]}.{i}",
-                num_params=sum(p.numel() for p in layer.parameters()),
-                forward_s=forward_s,
-                backward_s=backward_s,
-                optimizer_s=optimizer_s,
-                activation_bytes=y.numel() * y.element_size(),
-                stash_bytes=sum(stashed.values()),
-            )
-        )
-        x = y.detach()
-    return out
-
-
 def link_cost(
-    gen: Any, me: int, peer: int, *, sizes: tuple[int, ...] = (256, 1 << 22), reps: int = 5
+    gen: Any,
+    me: int,
+    peer: int,
+    *,
+    sizes: tuple[int, ...] = (256, 1 << 22),
+    reps: int = 5,
+    device: str = "cpu",
 ) -> tuple[float, float, float]:
     """(latency s, bandwidth bytes/s, CPU s per byte) between two workers, from ping-pongs
     of a small and a large float32 message: latency from the small, bandwidth and this
@@ -150,18 +41,17 @@ def link_cost(
     kernel's TCP) from the difference."""
     times, cpu = {}, {}
     for size in sizes:
-        buf = torch.zeros(size // 4)
+        buf = torch.zeros(size // 4, device=device)  # staged to host on gloo, as a step's
         samples, cpu_samples = [], []
         for rep in range(reps + 1):
-            tag = 3_000_000 + size % 1000 * 10 + rep
             t0, c0 = time.perf_counter(), time.process_time()
             if me < peer:
-                gen.send(buf, peer, tag)
+                gen.send(buf, peer)
                 gen.flush_sends()
-                gen.recv(buf, peer, tag)
+                gen.recv(buf, peer)
             else:
-                gen.recv(buf, peer, tag)
-                gen.send(buf, peer, tag)
+                gen.recv(buf, peer)
+                gen.send(buf, peer)
                 gen.flush_sends()
             if rep:
                 samples.append((time.perf_counter() - t0) / 2)
@@ -358,10 +248,14 @@ def profile_job(trainer: Any, out: Path) -> None:
     gen = Generation(
         store=control.store, prefix=keys.profile("groups"), generation=0,
         members=list(range(world)), me=rank, interrupts=control.interrupts,
-        status=control.status, device=trainer.device,
+        status=control.status, transport=trainer.transport,
     )  # fmt: skip
     pg_init_s = time.perf_counter() - t0
-    link = link_cost(gen, rank, 1 - rank) if world >= 2 and rank in (0, 1) else None
+    link = (
+        link_cost(gen, rank, 1 - rank, device=trainer.device)
+        if world >= 2 and rank in (0, 1)
+        else None
+    )
     t0 = time.perf_counter()
     for _ in range(100):
         control.store.add(keys.profile("ping"), 0)

@@ -26,8 +26,8 @@ members all belong to the group of the last generation this worker applied keeps
 group (a reroute always, a re-partition over survivors too); one that takes in a worker
 from outside builds a new group. Every member publishes which group it could carry
 over before the ``groups`` agreement and reads the others' after it, so all of them
-decide alike. A message left unmatched on the group would match a later generation's of
-the same peer and tag (a survivor drains a step that a peer aborted before starting it;
+decide alike. A message left unmatched on the group would match a later generation's next
+message of the same pair (a survivor drains a step a peer aborted before starting it;
 a migration is interrupted half way), so a worker offers the group only once every
 message it posted there has completed (``Kept.settled``), and never after its migration
 on it was interrupted. When all members offer it, nothing is left posted in it.
@@ -49,6 +49,7 @@ import torch
 from chameleon_runtime.comm import Aborted, CommError, Generation, Kept
 from chameleon_runtime.memory import Meter
 from chameleon_runtime.shard import Shard, pack_layers, unpack_layers
+from chameleon_runtime.transport import Transport
 from planner.program import WorkerProgram, worker_program
 from planner.protocol import Applied, Joined, Ready
 from planner.wire import PlanMessage, TransferWire
@@ -57,38 +58,29 @@ if TYPE_CHECKING:
     from chameleon_runtime.control import Control
     from planner.plan import Plan
 
-# Migration tags sit above the step's (2 per micro-batch) and the buckets' (1,000,000 +):
-# transfer n, its message j (0: the sizes, 1: the packed layers).
-MIGRATION_TAG = 1 << 30
-
-
-def _migration_tag(transfer: int, message: int) -> int:
-    return MIGRATION_TAG + 2 * transfer + message
-
 
 def move_layers(
     gen: Generation, shard: Shard, transfers: Sequence[TransferWire], me: int
 ) -> list[tuple[dict, list[torch.Tensor]]]:
     """Send and receive layer state, round by round (a worker takes part in one transfer
     per round); a transfer is two messages, its sizes and its layers packed
-    (``shard.pack_layers``). What ``me`` received, unpacked, not yet installed. (The
+    (``shard.pack_layers``), matched by order: both sides take the rounds in order and a
+    round's transfers in list order. What ``me`` received, unpacked, not yet installed. (The
     profile times a chain of transfers through this same function.)"""
     received = []
     for r in sorted({t.round for t in transfers}):
-        for n, t in enumerate(transfers):
+        for t in transfers:
             if t.round != r or me not in (t.src, t.dst):
                 continue
             if t.src == me:
                 layers = [shard.export_layer(i) for i in range(t.first_layer, t.end_layer)]
                 blob, header_len = pack_layers(layers)
                 sizes = torch.tensor([header_len, blob.numel()], dtype=torch.int64)
-                gen.send(sizes, t.dst, _migration_tag(n, 0))
-                gen.send(blob, t.dst, _migration_tag(n, 1))
+                gen.send(sizes, t.dst)
+                gen.send(blob, t.dst)
             else:
-                sizes = gen.recv(torch.zeros(2, dtype=torch.int64), t.src, _migration_tag(n, 0))
-                blob = gen.recv(
-                    torch.empty(int(sizes[1]), dtype=torch.uint8), t.src, _migration_tag(n, 1)
-                )
+                sizes = gen.recv(torch.zeros(2, dtype=torch.int64), t.src)
+                blob = gen.recv(torch.empty(int(sizes[1]), dtype=torch.uint8), t.src)
                 received += unpack_layers(blob, int(sizes[0]))
         gen.flush_sends()
     return received
@@ -102,7 +94,9 @@ class RecoveryMixin:
     shard: Shard
     meter: Meter
     device: str
+    transport: Transport
     max_grad_norm: float | None
+    global_norm: bool  # each step reads the gradients' global norm (Trainer)
     layer_params: list[int]
     generation: int
     applied: int  # the last generation whose migration this worker completed
@@ -122,7 +116,7 @@ class RecoveryMixin:
         self.control.status.update(phase="groups", generation=generation)
         self.control.failpoint("groups")
         keys = self.control.keys
-        kept = self.kept if self.device == "cpu" else None  # gloo only (module doc)
+        kept = self.kept if self.transport.carries_over else None  # gloo only (module doc)
         usable = kept is not None and kept.settled and set(members) <= set(kept.members)
         offer = kept if usable else None
         self.control.put(keys.kept(generation, self.rank), str(offer.built if offer else -1))
@@ -142,12 +136,12 @@ class RecoveryMixin:
             me=self.rank,
             interrupts=self.control.interrupts,
             status=self.control.status,
-            device=self.device,
+            transport=self.transport,
         )
         self.groups_s = time.perf_counter() - t0
         self.meter.reset()  # a new layout: its own peak
         self.part = (
-            worker_program(plan, self.rank, self.layer_params, clip=self.max_grad_norm is not None)
+            worker_program(plan, self.rank, self.layer_params, global_norm=self.global_norm)
             if self.rank in plan.stage_of
             else None
         )

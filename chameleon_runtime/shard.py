@@ -32,6 +32,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from chameleon_runtime.scaler import INIT_SCALE, LossScale
+
 LayerFactory = Callable[[int], nn.Module]
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
@@ -41,10 +43,10 @@ _DTYPES = {
 }
 
 
-# fp32: as the layers are written. bf16: autocast compute with fp32 master weights and
-# optimizer state (bf16's range needs no loss scaling). fp16 needs dynamic loss scaling,
-# which is not built: refused (Trainer).
-PRECISIONS = ("fp32", "bf16")
+# fp32: as the layers are written. bf16 and fp16: autocast compute with fp32 master weights
+# and optimizer state; fp16's narrow range adds dynamic loss scaling (chameleon_runtime.scaler).
+PRECISIONS = ("fp32", "bf16", "fp16")
+_WIRE = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def layer_seed(seed: int, layer: int) -> int:
@@ -71,14 +73,17 @@ class Shard:
         seed: int,
         device: str = "cpu",
         precision: str = "fp32",
+        init_loss_scale: float = INIT_SCALE,
     ) -> None:
         self.factory = factory
         self.make_optimizer = make_optimizer
         self.seed = seed
         self.device = device
-        # bf16: compute under autocast, every layer's floating output rounded to bf16
-        # (PRECISIONS); the parameters, their gradients and the optimizer stay fp32.
-        self.wire_dtype = torch.bfloat16 if precision == "bf16" else None
+        self.device_type = torch.device(device).type  # autocast's "cuda", not "cuda:1"
+        # bf16, fp16: compute under autocast, every layer's floating output rounded to the
+        # half type (PRECISIONS); the parameters, their gradients and the optimizer stay fp32.
+        self.wire_dtype = _WIRE[precision]
+        self.scaler = LossScale(scale=init_loss_scale) if precision == "fp16" else None
         self.layers: dict[int, nn.Module] = {}
         self.optimizers: dict[int, torch.optim.Optimizer] = {}
         self.grad_sums: dict[int, list[torch.Tensor]] = {}  # float64, per held layer
@@ -121,7 +126,7 @@ class Shard:
         stages, so a recovery that re-partitions does not change training."""
         if self.wire_dtype is None:
             return layer(x)
-        with torch.autocast(device_type=self.device, dtype=self.wire_dtype):
+        with torch.autocast(device_type=self.device_type, dtype=self.wire_dtype):
             y = layer(x)
         return y.to(self.wire_dtype) if y.is_floating_point() else y
 
@@ -148,7 +153,7 @@ class Shard:
     def flat_sums(self, first: int, end: int) -> torch.Tensor:
         """A flat copy of this worker's float64 gradient sums of layers [first, end)."""
         sums = [t.reshape(-1) for i in range(first, end) for t in self._sums(i)]
-        return torch.cat(sums) if sums else torch.zeros(0, dtype=torch.float64)
+        return torch.cat(sums) if sums else torch.zeros(0, dtype=torch.float64, device=self.device)
 
     def set_flat_sums(self, first: int, end: int, flat: torch.Tensor) -> None:
         """Replace the sums of layers [first, end) with ``flat`` (the holders' total)."""
@@ -215,6 +220,8 @@ class Shard:
             "params": [[list(p.shape), str(p.dtype)] for p in params],
             "state": state_items,
         }
+        if self.scaler is not None:
+            header["loss_scale"] = self.scaler.to_header()
         return header, tensors
 
     @staticmethod
@@ -227,8 +234,13 @@ class Shard:
         ]
         return out
 
-    def import_layer(self, header: dict, tensors: list[torch.Tensor]) -> None:
+    def import_layer(
+        self, header: dict, tensors: list[torch.Tensor], *, restore: bool = False
+    ) -> None:
+        """Install a layer (from a migration, or a checkpoint: ``restore``)."""
         i = header["layer"]
+        if self.scaler is not None:
+            self.scaler.adopt(header.get("loss_scale"), restore=restore)
         if i not in self.layers:
             self.layers[i] = build_layer(self.factory, self.seed, i, self.device)
             self.optimizers[i] = self.make_optimizer(list(self.layers[i].parameters()))

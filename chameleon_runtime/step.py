@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -35,65 +36,67 @@ from chameleon_runtime.control import Control
 from chameleon_runtime.data import Batches
 from chameleon_runtime.memory import Meter
 from chameleon_runtime.shard import Shard
-from planner.program import Bucket, OpKind, TailKind, WorkerProgram
+from planner.program import Bucket, Message, OpKind, TailKind, WorkerProgram
 from planner.protocol import commit_name
 
-BUCKET_TAG = 1_000_000
-
-
-def _tag(micro_batch: int, backward: bool) -> int:
-    return 2 * micro_batch + int(backward)
-
-
 Shape = tuple[torch.Size, torch.dtype]
-Key = tuple[int, int]  # (peer, tag)
+
+
+class ProtocolError(RuntimeError):
+    """The runtime posted a message out of its program's order: a bug, never a failure
+    of a peer (messages are matched by order alone: chameleon_runtime.transport)."""
 
 
 class Ledger:
-    """Every message of this worker's step, both ways, until it happens: what it owes
-    (sends) and what it is owed (receives), each with its shape."""
+    """Every message of this worker's step, both ways, in program order
+    (``WorkerProgram.messages``) until it is posted: per peer, what it still owes (sends)
+    and is still owed (receives), each with its shape. Each message posted must be its
+    peer's next one in that order; an aborted step posts the rest (``drain``)."""
 
     def __init__(self, part: WorkerProgram, shapes: Sequence[Shape], shard: Shard) -> None:
         first, end = part.first_layer, part.end_layer
         out = shapes[end - 1]
         inp = shapes[first - 1] if first > 0 else None
-        self.owes: dict[Key, Shape] = {}
-        self.owed: dict[Key, Shape] = {}
-        for op in part.ops:
-            mb = op.micro_batch
-            if op.kind is OpKind.FORWARD:
-                if op.next is not None:
-                    self.owes[(op.next, _tag(mb, False))] = out
-                if op.prev is not None and inp is not None:
-                    self.owed[(op.prev, _tag(mb, False))] = inp
-            else:
-                if op.prev is not None and inp is not None:
-                    self.owes[(op.prev, _tag(mb, True))] = inp
-                if op.next is not None:
-                    self.owed[(op.next, _tag(mb, True))] = out
-        for b in part.buckets:
-            size = torch.Size([sum(p.numel() for p in shard.params(b.first_layer, b.end_layer))])
-            for h in b.holders:
-                if h != part.worker:
-                    self.owes[(h, BUCKET_TAG + b.index)] = (size, torch.float64)
-                    self.owed[(h, BUCKET_TAG + b.index)] = (size, torch.float64)
+        self.owes: dict[int, deque[tuple[Message, Shape]]] = {}
+        self.owed: dict[int, deque[tuple[Message, Shape]]] = {}
+        buckets = {b.index: b for b in part.buckets}
+        for m in part.messages():
+            if m.kind == "X":
+                b = buckets[m.index]
+                size = sum(p.numel() for p in shard.params(b.first_layer, b.end_layer))
+                shape: Shape = (torch.Size([size]), torch.float64)
+            else:  # a forward's input comes from prev, its output goes to next; backward: reverse
+                towards_prev = (m.kind == "F") != m.send
+                shape = inp if towards_prev else out  # type: ignore[assignment]
+            (self.owes if m.send else self.owed).setdefault(m.peer, deque()).append((m, shape))
 
-    def send(self, gen: Generation, tensor: torch.Tensor, peer: int, tag: int) -> None:
-        gen.send(tensor, peer, tag)
-        self.owes.pop((peer, tag), None)
+    @staticmethod
+    def _next(queue: dict[int, deque], peer: int, kind: str, index: int) -> deque:
+        """The peer's queue, checked to start with this message."""
+        q = queue.get(peer)
+        if not q or (q[0][0].kind, q[0][0].index) != (kind, index):
+            head = q[0][0] if q else None
+            raise ProtocolError(f"posted {kind}{index} with {peer}, its program says {head}")
+        return q
 
-    def recv(self, gen: Generation, buffer: torch.Tensor, peer: int, tag: int) -> torch.Tensor:
-        gen.recv(buffer, peer, tag)
-        self.owed.pop((peer, tag), None)
-        return buffer
+    def send(self, gen: Generation, tensor: torch.Tensor, peer: int, kind: str, index: int) -> None:
+        q = self._next(self.owes, peer, kind, index)
+        gen.send(tensor, peer)
+        q.popleft()  # posted (a send that fails to post leaves the pair broken anyway)
+
+    def recv(
+        self, gen: Generation, buffer: torch.Tensor, peer: int, kind: str, index: int
+    ) -> torch.Tensor:
+        q = self._next(self.owed, peer, kind, index)
+        return gen.recv(buffer, peer, posted=q.popleft)
 
     def drain(self, gen: Generation) -> None:
-        for (peer, tag), (shape, dtype) in self.owes.items():
-            gen.send_quietly(torch.zeros(shape, dtype=dtype), peer, tag)
-        for (peer, tag), (shape, dtype) in self.owed.items():
-            gen.recv_quietly(torch.empty(shape, dtype=dtype), peer, tag)
+        """Post every message still owed, each way, in order per peer."""
+        sends = [(p, *shape) for p, q in self.owes.items() for _, shape in q]
+        recvs = [(p, *shape) for p, q in self.owed.items() for _, shape in q]
         self.owes.clear()
         self.owed.clear()
+        gen.drain(sends, recvs)
 
 
 @dataclass
@@ -156,6 +159,9 @@ def _run(
     m_total = part.plan.num_micro_batches
     first, end = part.first_layer, part.end_layer
     in_shape, in_dtype = activation_shapes[first - 1] if first > 0 else (None, None)
+    device = shard.device
+    scaler = shard.scaler  # fp16's loss scale (chameleon_runtime.scaler), else None
+    skip = False  # fp16: this step's gradients overflowed somewhere; every worker skips it
     stash: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     partial_loss = 0.0
     cpu = 0.0
@@ -165,32 +171,32 @@ def _run(
         mb = op.micro_batch
         if op.kind is OpKind.FORWARD:
             if op.prev is None:
-                x = batches.inputs(step, mb)
+                x = batches.inputs(step, mb).to(device)
             else:
                 x = ledger.recv(
-                    gen, torch.empty(in_shape, dtype=in_dtype), op.prev, _tag(mb, False)
+                    gen, torch.empty(in_shape, dtype=in_dtype, device=device), op.prev, "F", mb
                 )
                 x.requires_grad_(True)
             c0 = time.thread_time()
             with meter.saving(mb):
                 y = shard.forward(x, first, end, step=step, micro_batch=mb)
                 if op.next is None:
-                    loss = loss_fn(y, batches.targets(step, mb)) / m_total
+                    # In fp32 whatever the precision: an fp16 loss times the loss scale
+                    # would overflow before any gradient does.
+                    loss = loss_fn(y, batches.targets(step, mb).to(device)).float() / m_total
             cpu += time.thread_time() - c0
             if op.next is None:
                 partial_loss += loss.item()
-                stash[mb] = (x, loss)
+                stash[mb] = (x, loss if scaler is None else loss * scaler.scale)
             else:
-                ledger.send(gen, y.detach(), op.next, _tag(mb, False))
+                ledger.send(gen, y.detach(), op.next, "F", mb)
                 stash[mb] = (x, y)
             meter.keep(mb, *stash[mb])
             meter.sample()
         else:
             x, y = stash.pop(mb)
             grad = (
-                None
-                if op.next is None
-                else ledger.recv(gen, torch.empty_like(y), op.next, _tag(mb, True))
+                None if op.next is None else ledger.recv(gen, torch.empty_like(y), op.next, "B", mb)
             )
             c0 = time.thread_time()
             y.backward(grad)
@@ -201,7 +207,7 @@ def _run(
             shard.accumulate(first, end)  # exact float64 sums: any order (chameleon_runtime.shard)
             cpu += time.thread_time() - c0
             if op.prev is not None:
-                ledger.send(gen, x.grad, op.prev, _tag(mb, True))
+                ledger.send(gen, x.grad, op.prev, "B", mb)
     pass_cpu = time.thread_time() - loop0 - cpu
     total = 0.0
     for op in part.tail:  # layers held here alone have no bucket: their sum is total
@@ -224,10 +230,11 @@ def _run(
             squared = shard.grad_sq_norm(part.owned_layers())
             control.put(keys.norm(gen.generation, step, part.worker), repr(squared))
         elif kind is TailKind.READ_NORM:
-            _clip(step, part, shard, gen, control, max_grad_norm)
+            skip = not _read_norm(step, part, shard, gen, control, max_grad_norm)
         elif kind is TailKind.OPTIMIZE:
             c0 = time.thread_time()
-            shard.step(lr)
+            if not skip:
+                shard.step(lr)
             cpu += time.thread_time() - c0
             shard.zero_grad()
         elif kind is TailKind.READ_LOSS:
@@ -241,15 +248,30 @@ def _run(
     )
 
 
-def _clip(step, part, shard, gen, control, max_grad_norm) -> None:  # noqa: ANN001
-    """Scale this worker's gradients as torch.nn.utils.clip_grad_norm_ scales the whole
-    model's: by max_norm / (norm + 1e-6) when below 1. Every worker reads the same
-    squared norms in the same order, so every replica scales by the same bits."""
+def _read_norm(step, part, shard, gen, control, max_grad_norm) -> bool:  # noqa: ANN001
+    """Read the global gradient norm; False: fp16 gradients overflowed, skip the step.
+    Every worker reads the same squared norms in the same order, so every worker makes
+    the same decision and every replica scales by the same bits. fp16: unscale by the
+    loss scale (a power of two: exact) and update it (chameleon_runtime.scaler). Clipping:
+    scale as torch.nn.utils.clip_grad_norm_ scales the whole model's gradients, by
+    max_norm / (norm + 1e-6) when below 1."""
     keys = [control.keys.norm(gen.generation, step, w) for w in part.norm_owners()]
-    norm = math.sqrt(sum(float(v) for v in control.store.multi_get(keys)))
-    scale = max_grad_norm / (norm + 1e-6)
-    if scale < 1.0:
-        shard.scale_grads(part.first_layer, part.end_layer, scale)
+    squared = sum(float(v) for v in control.store.multi_get(keys))
+    first, end = part.first_layer, part.end_layer
+    scaler = shard.scaler
+    if scaler is not None:
+        inverse = 1.0 / scaler.scale
+        finite = math.isfinite(squared)
+        scaler.update(step, finite)
+        if not finite:
+            return False
+        shard.scale_grads(first, end, inverse)
+        squared *= inverse * inverse
+    if max_grad_norm is not None:
+        scale = max_grad_norm / (math.sqrt(squared) + 1e-6)
+        if scale < 1.0:
+            shard.scale_grads(first, end, scale)
+    return True
 
 
 def _exchange(
@@ -260,11 +282,10 @@ def _exchange(
     (every holder computes the same bits, and the same bits as any other grouping of the
     micro-batches would). At most three bucket-sized buffers live at once (mine, the
     total, one received), however many holders share the bucket."""
-    tag = BUCKET_TAG + bucket.index
     mine = shard.flat_sums(bucket.first_layer, bucket.end_layer)
     for h in bucket.holders:
         if h != me:
-            ledger.send(gen, mine, h, tag)
+            ledger.send(gen, mine, h, "X", bucket.index)
     total: torch.Tensor | None = None
     scratch: torch.Tensor | None = None
     for h in bucket.holders:
@@ -272,7 +293,7 @@ def _exchange(
             part = mine
         else:
             scratch = torch.empty_like(mine) if scratch is None else scratch
-            part = ledger.recv(gen, scratch, h, tag)
+            part = ledger.recv(gen, scratch, h, "X", bucket.index)
         if total is None:
             total = part.clone()
         else:

@@ -19,6 +19,7 @@ Life of a worker:
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import time
@@ -35,13 +36,16 @@ from chameleon_runtime import checkpoint
 from chameleon_runtime.comm import Aborted, CommError, Generation, Kept, settle
 from chameleon_runtime.control import Control
 from chameleon_runtime.data import Batches
-from chameleon_runtime.device import resolve_device
+from chameleon_runtime.device import bind, resolve_device
+from chameleon_runtime.layercost import measure, probe
 from chameleon_runtime.memory import Meter
 from chameleon_runtime.pace import Pace
-from chameleon_runtime.profile import measure, probe, profile_job
+from chameleon_runtime.profile import profile_job
 from chameleon_runtime.recovery import RecoveryMixin
+from chameleon_runtime.scaler import INIT_SCALE
 from chameleon_runtime.shard import PRECISIONS, LayerFactory, OptimizerFactory, Shard
 from chameleon_runtime.step import run_step
+from chameleon_runtime.transport import transport_for
 from planner.partition import balanced_split
 from planner.plan import Plan, pipelines_plan, split_evenly
 from planner.program import WorkerProgram
@@ -82,10 +86,17 @@ class Trainer(RecoveryMixin):
         pipeline_stages: stages per pipeline at the start (WORLD_SIZE must be a multiple).
         lr_schedule: step -> learning rate, applied to every layer's optimizer.
         checkpoint_dir, checkpoint_every: atomic checkpoints every N steps (0: never).
-        device: "cpu", "cuda", "npu" or "auto" (chameleon_runtime.device: cpu only so far;
-            another is a DeviceError naming what is missing).
-        precision: "fp32" or "bf16": bf16 computes under autocast and rounds every layer's
-            output to bf16, with fp32 weights, gradients and optimizer state.
+        device: "cpu", "cuda", "npu" or "auto" (chameleon_runtime.device: a worker uses its
+            LOCAL_RANK's accelerator; one that cannot be had is a DeviceError naming what is
+            missing; auto is cpu until the accelerator path has run on one).
+        transport: "gloo" (accelerator tensors staged through pinned host memory, so
+            several ranks may share one GPU) or "native" (NCCL on cuda, HCCL on npu):
+            chameleon_runtime.transport.
+        precision: "fp32", "bf16" or "fp16": the half types compute under autocast and
+            round every layer's output to the half type, with fp32 weights, gradients and
+            optimizer state; fp16 adds dynamic loss scaling (chameleon_runtime.scaler: a
+            step whose gradients overflow anywhere is skipped by every worker).
+        init_loss_scale: fp16's first loss scale (torch.amp.GradScaler's default).
         max_grad_norm: clip the gradients to this global norm across every stage and
             replica, as torch.nn.utils.clip_grad_norm_ over the whole model (None: no
             clipping).
@@ -107,16 +118,21 @@ class Trainer(RecoveryMixin):
         checkpoint_dir: str | os.PathLike | None = None,
         checkpoint_every: int = 0,
         device: str = "cpu",
+        transport: str = "gloo",
         max_grad_norm: float | None = None,
         precision: str = "fp32",
+        init_loss_scale: float = INIT_SCALE,
     ) -> None:
         if precision not in PRECISIONS:
-            hint = " (it needs dynamic loss scaling, not built yet)" if precision == "fp16" else ""
             raise ValueError(
-                f"precision {precision!r} is not supported{hint}: use {' or '.join(PRECISIONS)}"
+                f"precision {precision!r} is not supported: use {', '.join(PRECISIONS)}"
             )
+        if not (init_loss_scale > 0 and math.log2(init_loss_scale).is_integer()):
+            raise ValueError(f"init_loss_scale must be a power of two, not {init_loss_scale}")
         # Before anything is built: a device that cannot be had is one line (DeviceError).
         device = resolve_device(device, int(os.environ.get("LOCAL_RANK", "0")))
+        self.transport = transport_for(device, transport)
+        bind(device)
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(f"max_grad_norm must be positive, not {max_grad_norm}")
         if callable(layers) and not isinstance(layers, nn.Module):
@@ -139,7 +155,13 @@ class Trainer(RecoveryMixin):
         self.checkpoint_every = checkpoint_every
         self.device = device
         self.max_grad_norm = max_grad_norm
-        self.shard = Shard(self.factory, optimizer, seed=seed, device=device, precision=precision)
+        self.precision = precision
+        # Each step reads the global gradient norm: to clip, or for fp16's overflow check.
+        self.global_norm = max_grad_norm is not None or precision == "fp16"
+        self.shard = Shard(
+            self.factory, optimizer, seed=seed, device=device, precision=precision,
+            init_loss_scale=init_loss_scale,
+        )  # fmt: skip
         self.meter = Meter(self.shard)
         self.generation = 0
         self.applied = 0
@@ -257,6 +279,7 @@ class Trainer(RecoveryMixin):
             link_latency_s=1e-4,
             checkpoint_interval_steps=max(1, self.checkpoint_every),
             max_grad_norm=self.max_grad_norm,
+            precision=self.precision,
             host_cores=len(os.sched_getaffinity(0)) if self.device == "cpu" else 0,
         )
         self.control.put(keys.job, description)
@@ -356,6 +379,11 @@ class Trainer(RecoveryMixin):
                 file=sys.stderr,
                 flush=True,
             )
+
+    @property
+    def loss_scale(self) -> float | None:
+        """fp16's current loss scale (None at other precisions)."""
+        return self.shard.scaler.scale if self.shard.scaler is not None else None
 
     def checksums(self) -> dict[int, float]:
         """A fingerprint of each layer this worker holds (to compare holders and runs)."""

@@ -6,7 +6,8 @@
 at step 15; the launcher picks a recovery policy, the 7 survivors carry on in place from
 the step they were at, and the loss curve continues as if nothing happened. Add
 ``--policy reroute`` (or reparallelize, restart) to the launcher to force one, and
-``--max-grad-norm 1.0`` or ``--precision bf16`` to the script for a clipped or bf16 run.
+``--max-grad-norm 1.0`` or ``--precision bf16`` (or fp16) to the script for a clipped or
+mixed-precision run.
 Without chameleon run (plain python) it trains on one worker.
 
 The corpus is generated here (a few hundred pseudo-English sentences from a fixed seed), so
@@ -160,13 +161,21 @@ def main() -> None:
         "--device",
         default="cpu",
         choices=("auto", "cpu", "cuda", "npu"),
-        help="what each worker computes on (default: cpu; the runtime trains on cpu only so far)",
+        help="what each worker computes on: its LOCAL_RANK's GPU or NPU, or cpu (default; auto "
+        "is cpu until the accelerator path has run on one)",
+    )
+    parser.add_argument(
+        "--transport",
+        default="gloo",
+        choices=("gloo", "native"),
+        help="gloo (default; accelerator tensors staged through host memory) or native "
+        "(NCCL on cuda, HCCL on npu)",
     )
     parser.add_argument(
         "--precision",
         default="fp32",
         choices=("fp32", "bf16", "fp16"),
-        help="bf16: autocast compute, fp32 master weights (fp16: not supported yet)",
+        help="bf16, fp16: autocast compute, fp32 master weights; fp16 with dynamic loss scaling",
     )
     parser.add_argument(
         "--max-grad-norm",
@@ -222,6 +231,7 @@ def main() -> None:
             checkpoint_dir=args.checkpoint_dir,
             checkpoint_every=args.checkpoint_every,
             device=args.device,
+            transport=args.transport,
             max_grad_norm=args.max_grad_norm,
             precision=args.precision,
         )

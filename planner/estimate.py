@@ -78,14 +78,14 @@ def estimate(job: Job, plan: Plan, *, memo: Memo | None = None) -> Estimate:
     buckets = buckets_of(plan, job.model.layer_params)
     if job.cluster.host_cores:
         # The whole program is simulated there; its in-flight counts are read off it.
-        program = build_program(plan, job.model.layer_params, clip=job.training.clip_grad_norm)
+        program = build_program(plan, job.model.layer_params, global_norm=job.training.global_norm)
         step_s = shared_host_step_s(job, plan, costs, program)
         in_flight = {w.worker: w.max_in_flight for w in program.workers}
     else:
         compute_end, in_flight = _compute_phase(
             job, plan, costs, ranges, {} if memo is None else memo
         )
-        owners = set(norm_owners(plan)) if job.training.clip_grad_norm else None
+        owners = set(norm_owners(plan)) if job.training.global_norm else None
         step_s = finish_step(compute_end, buckets, ranges, costs, plan.num_layers, owners).step_s
     exchange: dict[int, int] = {}
     for b in buckets:

@@ -65,7 +65,8 @@ class TailKind(StrEnum):
     COMMIT = "commit"  # the all-or-none barrier over the plan's workers
     OPTIMIZE = "optimize"
     READ_LOSS = "read_loss"  # the step's loss: every last-stage worker's share
-    # Global-norm gradient clipping (Training.clip_grad_norm): each layer's squared
+    # The global gradient norm (Training.global_norm: clipping, or fp16's overflow check
+    # that skips a step on every worker alike): each layer's squared
     # gradient norm is reported once, by its lowest holder, before the commit; after it,
     # every worker reads them all (the same values in the same order: the same scale).
     REPORT_NORM = "report_norm"
@@ -91,6 +92,17 @@ class Bucket:
 class TailOp(NamedTuple):
     kind: TailKind
     bucket: Bucket | None = None  # EXCHANGE only
+
+
+class Message(NamedTuple):
+    """One point-to-point message of a step, as one side sees it. Between two workers,
+    messages are matched by their order alone (NCCL and HCCL have no tags), so the
+    runtime sends and receives exactly in ``WorkerProgram.messages`` order."""
+
+    peer: int
+    send: bool  # True: this worker sends it to ``peer``; False: receives it from ``peer``
+    kind: str  # "F" a forward's activation, "B" a backward's gradient, "X" a bucket's sums
+    index: int  # the micro-batch ("F", "B") or the bucket ("X")
 
 
 @dataclass(frozen=True)
@@ -125,9 +137,33 @@ class WorkerProgram:
 
     def norm_owners(self) -> list[int]:
         """Whose squared gradient norms make the step's global norm: none where this
-        program does not clip (its step keys then hold no norm)."""
-        clips = any(op.kind is TailKind.READ_NORM for op in self.tail)
-        return norm_owners(self.plan) if clips else []
+        program does not read the global norm (its step keys then hold no norm)."""
+        reads = any(op.kind is TailKind.READ_NORM for op in self.tail)
+        return norm_owners(self.plan) if reads else []
+
+    def messages(self) -> tuple[Message, ...]:
+        """Every message this worker sends or receives in a step, in the order it posts
+        them (chameleon_runtime.step): per pass, its input received before its output
+        sent; per bucket, its sums sent to every other holder, then theirs received in
+        holder order. A worker's first stage takes no input message."""
+        me, out = self.worker, []
+        for op in self.ops:
+            mb = op.micro_batch
+            if op.kind is OpKind.FORWARD:
+                if op.prev is not None:
+                    out.append(Message(op.prev, False, "F", mb))
+                if op.next is not None:
+                    out.append(Message(op.next, True, "F", mb))
+            else:
+                if op.next is not None:
+                    out.append(Message(op.next, False, "B", mb))
+                if op.prev is not None:
+                    out.append(Message(op.prev, True, "B", mb))
+        for b in self.buckets:
+            others = [h for h in b.holders if h != me]
+            out += [Message(h, True, "X", b.index) for h in others]
+            out += [Message(h, False, "X", b.index) for h in others]
+        return tuple(out)
 
     def owned_layers(self) -> list[int]:
         """The layers this worker is the lowest holder of: the ones it writes to a
@@ -150,12 +186,15 @@ class StepProgram:
         raise KeyError(worker)
 
 
-def build_program(plan: Plan, layer_params: Sequence[int], *, clip: bool = False) -> StepProgram:
+def build_program(
+    plan: Plan, layer_params: Sequence[int], *, global_norm: bool = False
+) -> StepProgram:
     """Every worker's program; ``layer_params`` (parameters per layer) orders the buckets;
-    ``clip``: gradients are clipped to a global norm."""
+    ``global_norm``: every step reads the gradients' global norm (to clip them, or to
+    check fp16 gradients for overflow)."""
     buckets = buckets_of(plan, layer_params)
     work = ops_for(plan.routes, position_in_home(plan), tie_rank(plan))
-    owners = set(norm_owners(plan)) if clip else None
+    owners = set(norm_owners(plan)) if global_norm else None
     programs = tuple(
         _program(plan, stage.worker, work.get(stage.worker, []), buckets, owners)
         for stage in plan.stages
@@ -164,12 +203,12 @@ def build_program(plan: Plan, layer_params: Sequence[int], *, clip: bool = False
 
 
 def worker_program(
-    plan: Plan, worker: int, layer_params: Sequence[int], *, clip: bool = False
+    plan: Plan, worker: int, layer_params: Sequence[int], *, global_norm: bool = False
 ) -> WorkerProgram:
     """One worker's program (what the runtime builds for itself: only its own routes)."""
     routes = [r for r in plan.routes if worker in r.hops]
     ops = ops_for(routes, position_in_home(plan), tie_rank(plan)).get(worker, [])
-    owners = set(norm_owners(plan)) if clip else None
+    owners = set(norm_owners(plan)) if global_norm else None
     return _program(plan, worker, ops, buckets_of(plan, layer_params), owners)
 
 
@@ -191,7 +230,7 @@ def _program(
             worker,
             buckets,
             last_stage=stage.end_layer == plan.num_layers,
-            clip=owners is not None,
+            global_norm=owners is not None,
             reports_norm=owners is not None and worker in owners,
         ),
         max_in_flight=max_in_flight(ops),
@@ -203,13 +242,13 @@ def tail_of(
     buckets: Iterable[Bucket],
     *,
     last_stage: bool,
-    clip: bool = False,
+    global_norm: bool = False,
     reports_norm: bool = False,
 ) -> tuple[TailOp, ...]:
     """What follows a worker's passes (module doc): its buckets in (round, index) order,
     the order every holder of a bucket reaches it in, so no two holders wait on each
-    other in a cycle. ``clip``: gradients are clipped to a global norm, which this worker
-    reads; ``reports_norm``: it is the lowest holder of some layer and reports its part."""
+    other in a cycle. ``global_norm``: the step reads the gradients' global norm;
+    ``reports_norm``: it is the lowest holder of some layer and reports its part."""
     mine = sorted((b for b in buckets if worker in b.holders), key=lambda b: (b.round, b.index))
     return (
         *(TailOp(TailKind.EXCHANGE, b) for b in mine),
@@ -217,7 +256,7 @@ def tail_of(
         *((TailOp(TailKind.REPORT_LOSS),) if last_stage else ()),
         *((TailOp(TailKind.REPORT_NORM),) if reports_norm else ()),
         TailOp(TailKind.COMMIT),
-        *((TailOp(TailKind.READ_NORM),) if clip else ()),
+        *((TailOp(TailKind.READ_NORM),) if global_norm else ()),
         TailOp(TailKind.OPTIMIZE),
         TailOp(TailKind.READ_LOSS),
     )

@@ -13,7 +13,7 @@ frozen dataclasses of ``planner.plan`` and ``planner.workload``.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -54,6 +54,7 @@ class JobDescription(_Wire):
     checkpoint_interval_steps: int
     # Trainer(max_grad_norm=...): None when gradients are not clipped.
     max_grad_norm: float | None = None
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     # CPU workers share their host's cores (workload.Cluster.host_cores); 0 on devices.
     host_cores: int = 0
 
@@ -124,7 +125,8 @@ class JobDescription(_Wire):
             pp=self.pp,
             mtbf_s=mtbf_s,
             checkpoint_interval_s=max(step_s, 1e-3) * self.checkpoint_interval_steps,
-            clip_grad_norm=self.max_grad_norm is not None,
+            # fp16's overflow check reads the global norm as clipping does
+            global_norm=self.max_grad_norm is not None or self.precision == "fp16",
         )
         return Job(cluster=cluster, model=Model(self.model, layers), training=training)
 

@@ -188,9 +188,10 @@ class Training:
     # rate (Cluster.device_mtbf_s) and what the job observes (planner.failures).
     mtbf_s: float | None = None
     checkpoint_interval_s: float = 1800.0
-    # Gradients clipped to a global norm: each step reports and reads the layers' squared
-    # norms through the store (planner.program.TailKind.REPORT_NORM).
-    clip_grad_norm: bool = False
+    # Each step reports and reads the layers' squared gradient norms through the store
+    # (planner.program.TailKind.REPORT_NORM): to clip the gradients to a global norm, or
+    # for fp16's overflow check.
+    global_norm: bool = False
 
     @property
     def num_micro_batches(self) -> int:

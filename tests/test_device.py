@@ -1,5 +1,5 @@
-"""Trainer(device=...): cpu trains; an accelerator that is missing, or present but not yet
-supported by the runtime's transports, is one line naming what is missing."""
+"""Trainer(device=..., transport=...): cpu trains; an accelerator that is missing is one
+line naming what is missing; the transports (chameleon_runtime.transport) by name."""
 
 from __future__ import annotations
 
@@ -23,6 +23,18 @@ NO_TORCH_NPU = importlib.util.find_spec("torch_npu") is None
 def test_cpu_and_auto_train_on_cpu():
     assert resolve_device("cpu") == "cpu"
     assert resolve_device("auto", local_rank=3) == "cpu"
+
+
+def test_the_transport_is_gloo_on_cpu_and_named_otherwise():
+    from chameleon_runtime.transport import GlooTransport, NativeTransport, transport_for
+
+    assert isinstance(transport_for("cpu", "native"), GlooTransport)  # the CPU's native
+    assert isinstance(transport_for("cuda:0", "gloo"), GlooTransport)
+    native = transport_for("cuda:1", "native")
+    assert isinstance(native, NativeTransport) and native.name == "nccl"
+    assert not native.drains and not native.carries_over  # aborted, never carried over
+    with pytest.raises(ValueError, match="unknown transport backend 'mpi'"):
+        transport_for("cuda:0", "mpi")
 
 
 def test_an_unknown_device_names_the_choices():
@@ -67,13 +79,19 @@ def test_the_example_asked_for_a_missing_gpu_fails_in_one_line(tmp_path):
     assert "Traceback" not in out
 
 
-@pytest.mark.parametrize(("precision", "why"), [("fp16", "loss scaling"), ("int8", "")])
-def test_an_unsupported_precision_is_one_line(precision, why):
-    with pytest.raises(ValueError, match=f"precision '{precision}' is not supported.*{why}"):
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"precision": "int8"}, "precision 'int8' is not supported: use fp32, bf16, fp16"),
+        ({"precision": "fp16", "init_loss_scale": 1000.0}, "must be a power of two, not 1000"),
+    ],
+)
+def test_an_unsupported_precision_is_one_line(kwargs, message):
+    with pytest.raises(ValueError, match=message):
         cr.Trainer(
             layers=lambda i: nn.Linear(2, 2), num_layers=1, loss_fn=F.mse_loss,
             optimizer=lambda p: torch.optim.SGD(p, lr=0.1), dataset=[], global_batch_size=2,
-            micro_batch_size=1, precision=precision,
+            micro_batch_size=1, **kwargs,
         )  # fmt: skip
 
 

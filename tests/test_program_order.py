@@ -1,7 +1,7 @@
 """The step program's messages between any two workers are received in the order they are
-sent. NCCL and HCCL match point-to-point messages by that order alone (no tags); the
-runtime still tags its gloo messages, and this is what would let it drop them: checked on
-launch plans, rerouted plans and the search's re-partitions (heterogeneous stages)."""
+sent. NCCL and HCCL match point-to-point messages by that order alone (no tags), and the
+runtime matches its gloo messages the same way: checked on launch plans, rerouted plans
+and the search's re-partitions (heterogeneous stages)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 
 from planner.config import load_job
 from planner.layout import initial_plan
-from planner.program import OpKind, StepProgram, TailKind, build_program
+from planner.program import StepProgram, build_program
 from planner.reroute import RerouteInfeasible, reroute_plan
 from planner.search import Search
 from tests.synthetic import random_job
@@ -24,32 +24,14 @@ Stream = dict[tuple[int, int], list[tuple[str, int]]]
 
 def streams(program: StepProgram) -> tuple[Stream, Stream]:
     """Per ordered pair (sender, receiver): the messages in the sender's program order and
-    in the receiver's (chameleon_runtime.step: passes in order, then each bucket's sends
-    to every other holder before its receives in holder order)."""
+    in the receiver's (``WorkerProgram.messages``, the order chameleon_runtime.step posts
+    them in and checks itself against)."""
     sends: Stream = {}
     recvs: Stream = {}
     for p in program.workers:
-        me = p.worker
-        for op in p.ops:
-            mb = op.micro_batch
-            if op.kind is OpKind.FORWARD:
-                if op.prev is not None:
-                    recvs.setdefault((op.prev, me), []).append(("F", mb))
-                if op.next is not None:
-                    sends.setdefault((me, op.next), []).append(("F", mb))
-            else:
-                if op.next is not None:
-                    recvs.setdefault((op.next, me), []).append(("B", mb))
-                if op.prev is not None:
-                    sends.setdefault((me, op.prev), []).append(("B", mb))
-        for t in p.tail:
-            if t.kind is TailKind.EXCHANGE:
-                assert t.bucket is not None
-                others = [h for h in t.bucket.holders if h != me]
-                for h in others:
-                    sends.setdefault((me, h), []).append(("X", t.bucket.index))
-                for h in others:
-                    recvs.setdefault((h, me), []).append(("X", t.bucket.index))
+        for m in p.messages():
+            pair = (p.worker, m.peer) if m.send else (m.peer, p.worker)
+            (sends if m.send else recvs).setdefault(pair, []).append((m.kind, m.index))
     return sends, recvs
 
 
@@ -88,6 +70,6 @@ def test_repartitions_receive_in_send_order(config):
             with contextlib.suppress(RerouteInfeasible):
                 plans.append(reroute_plan(proposal.plan, [proposal.plan.workers[0]]))
             for plan in plans:
-                assert_fifo(build_program(plan, job.model.layer_params, clip=True))
+                assert_fifo(build_program(plan, job.model.layer_params, global_norm=True))
                 checked += 1
     assert checked > 20

@@ -61,10 +61,12 @@ def test_deduplicated_estimate_equals_the_full_graph(seed, clip):
         if clip:
             job = replace(
                 job,
-                training=replace(job.training, clip_grad_norm=True),
+                training=replace(job.training, global_norm=True),
                 cluster=replace(job.cluster, store_round_trip_s=1e-3),
             )
-        full = simulate(build_program(plan, job.model.layer_params, clip=clip), CostModel(job))
+        full = simulate(
+            build_program(plan, job.model.layer_params, global_norm=clip), CostModel(job)
+        )
         assert estimate(job, plan).step_s == pytest.approx(full.step_s, rel=1e-12)
 
 
@@ -201,7 +203,7 @@ def test_clipping_reports_each_layer_once_and_every_worker_reads_before_its_step
 
     job = uniform_job(dp=2, pp=2, num_layers=4, micro_batches=4)
     plan = reroute_plan(initial_plan(job), [1])  # a stage with one holder left
-    program = build_program(plan, job.model.layer_params, clip=True)
+    program = build_program(plan, job.model.layer_params, global_norm=True)
     counted = sorted(layer for p in program.workers for layer in p.owned_layers())
     assert counted == list(range(plan.num_layers))  # every layer once, whoever holds it
     for p in program.workers:
@@ -215,5 +217,5 @@ def test_clipping_reports_each_layer_once_and_every_worker_reads_before_its_step
     assert all(TailKind.READ_NORM not in [op.kind for op in p.tail] for p in plain.workers)
     # the estimator times the program it is given: clipping costs its store round trips
     job = replace(job, cluster=replace(job.cluster, store_round_trip_s=1e-3))
-    clipped_job = replace(job, training=replace(job.training, clip_grad_norm=True))
+    clipped_job = replace(job, training=replace(job.training, global_norm=True))
     assert estimate(clipped_job, plan).step_s > estimate(job, plan).step_s

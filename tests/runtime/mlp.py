@@ -49,6 +49,9 @@ def main() -> None:
     parser.add_argument("--dump", default=None)
     parser.add_argument("--max-grad-norm", type=float, default=None)
     parser.add_argument("--precision", default="fp32")
+    parser.add_argument("--init-loss-scale", type=float, default=2.0**16)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--transport", default="gloo")
     args = parser.parse_args()
     torch.set_num_threads(1)
     data = make_data()
@@ -76,11 +79,15 @@ def main() -> None:
         lr_schedule=lr_at,
         max_grad_norm=args.max_grad_norm,
         precision=args.precision,
+        init_loss_scale=args.init_loss_scale,
+        device=args.device,
+        transport=args.transport,
     )
     result = trainer.fit(args.steps)
     if args.dump:
         with open(f"{args.dump}.rank{RANK}.json", "w") as f:
-            json.dump({"checksums": trainer.checksums(), "losses": result.losses}, f)
+            dump = {"checksums": trainer.checksums(), "losses": result.losses}
+            json.dump(dump | {"loss_scale": trainer.loss_scale}, f)
 
 
 if __name__ == "__main__":

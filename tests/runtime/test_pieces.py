@@ -12,7 +12,7 @@ from chameleon_runtime import checkpoint
 from chameleon_runtime.data import Batches
 from chameleon_runtime.pace import Pace
 from chameleon_runtime.shard import Shard
-from chameleon_runtime.step import Ledger
+from chameleon_runtime.step import Ledger, ProtocolError
 from planner.plan import pipelines_plan
 from planner.program import worker_program
 
@@ -87,17 +87,55 @@ def _plan():
     )
 
 
-def test_the_ledger_lists_every_message_of_a_step_both_ways():
+def test_the_ledger_lists_every_message_of_a_step_both_ways_in_program_order():
     plan = _plan()
     shard = Shard(factory, adam, seed=0)
     shard.ensure(2, 4)
     part = worker_program(plan, 1, [20, 20, 20, 20])
     shapes = [(torch.Size([2, 4]), torch.float32)] * 4
     ledger = Ledger(part, shapes, shard)
-    # Worker 1 (stage 1 of pipeline 0) receives 2 activations, sends 2 gradients, and
-    # swaps its bucket's gradients with worker 3 (the other holder of layers 2-3).
-    assert sorted(ledger.owed) == [(0, 0), (0, 2), (3, 1_000_000 + part.buckets[0].index)]
-    assert sorted(ledger.owes) == [(0, 1), (0, 3), (3, 1_000_000 + part.buckets[0].index)]
+    # Worker 1 (stage 1 of pipeline 0, micro-batches 0 and 1) receives 2 activations from
+    # worker 0, sends it 2 gradients, and swaps its bucket's sums with worker 3 (the
+    # other holder of layers 2-3).
+    bucket = part.buckets[0].index
+    listed = {p: [(m.kind, m.index, shape) for m, shape in q] for p, q in ledger.owed.items()}
+    n = sum(p.numel() for p in shard.params(2, 4))
+    assert listed == {
+        0: [("F", 0, shapes[1]), ("F", 1, shapes[1])],
+        3: [("X", bucket, (torch.Size([n]), torch.float64))],
+    }
+    listed = {p: [(m.kind, m.index) for m, _ in q] for p, q in ledger.owes.items()}
+    assert listed == {0: [("B", 0), ("B", 1)], 3: [("X", bucket)]}
+
+
+class _Recorder:
+    """Stands in for a Generation's transfers: records what is posted, in order."""
+
+    def __init__(self):
+        self.posted = []
+
+    def send(self, tensor, peer):
+        self.posted.append(("send", peer))
+
+    def drain(self, sends, recvs):
+        self.posted.append(("drain", [p for p, *_ in sends], [p for p, *_ in recvs]))
+
+
+def test_a_message_out_of_program_order_is_refused_and_the_drain_keeps_the_order():
+    plan = _plan()
+    shard = Shard(factory, adam, seed=0)
+    shard.ensure(0, 2)
+    part = worker_program(plan, 0, [20, 20, 20, 20])  # sends F0, F1 to 1; receives B0, B1
+    ledger = Ledger(part, [(torch.Size([2, 4]), torch.float32)] * 4, shard)
+    gen = _Recorder()
+    with pytest.raises(ProtocolError, match="F1"):
+        ledger.send(gen, torch.zeros(2, 4), 1, "F", 1)  # F0 comes first
+    ledger.send(gen, torch.zeros(2, 4), 1, "F", 0)
+    assert [(m.kind, m.index) for m, _ in ledger.owes[1]] == [("F", 1)]
+    ledger.drain(gen)
+    # What is left, each way: F1 to worker 1; B0, B1 from it; the bucket's swap with 2.
+    assert gen.posted == [("send", 1), ("drain", [1, 2], [1, 1, 2])]
+    assert not ledger.owes and not ledger.owed
 
 
 def test_pace_leaves_out_warm_up_and_starts_again_with_each_generation():

@@ -5,7 +5,10 @@
   clips with torch.nn.utils.clip_grad_norm_, and so does a run whose worker is killed
   mid-way and recovered in place;
 - bf16 (autocast, fp32 master weights), with clipping on: a run with a kill ends with the
-  weights of the failure-free run, whatever layout the recovery moves to."""
+  weights of the failure-free run, whatever layout the recovery moves to;
+- fp16 with dynamic loss scaling, clipping on, from a loss scale that overflows: every
+  worker skips the same steps, and a run with a kill ends with the failure-free fp16
+  weights and loss scale."""
 
 from __future__ import annotations
 
@@ -75,13 +78,19 @@ def chameleon(
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     checks: dict[int, list[float]] = {}
     for f in glob.glob(str(tmp / "dump.rank*.json")):
-        for layer, value in json.loads(Path(f).read_text())["checksums"].items():
+        dump = json.loads(Path(f).read_text())
+        for layer, value in dump["checksums"].items():
             checks.setdefault(int(layer), []).append(value)
+        if dump["checksums"]:  # a worker of the last plan (a spare's state is not current)
+            checks.setdefault(-1, []).append(dump["loss_scale"])  # -1: fp16's loss scale
     return checks, events(log)
 
 
 def assert_weights(checks: dict[int, list[float]], expected: dict[int, float]) -> None:
-    assert sorted(checks) == sorted(expected)
+    scales = checks.pop(-1)
+    assert len(set(scales)) == 1, f"workers end with different loss scales {scales}"
+    assert scales[0] == expected.get(-1), scales
+    assert sorted(checks) == sorted(k for k in expected if k >= 0)
     for layer, values in checks.items():
         assert max(values) == min(values), f"holders of layer {layer} disagree"
         assert values[0] == pytest.approx(expected[layer], rel=TOLERANCE, abs=TOLERANCE), layer
@@ -98,7 +107,7 @@ def clipped():
 
 def test_clipping_across_stages_and_replicas_is_clipping_the_whole_model(tmp_path, clipped):
     checks, _events = chameleon(tmp_path)
-    assert_weights(checks, clipped)
+    assert_weights(checks, clipped | {-1: None})
 
 
 def test_a_run_with_a_kill_ends_with_the_clipped_failure_free_weights(
@@ -109,7 +118,7 @@ def test_a_run_with_a_kill_ends_with_the_clipped_failure_free_weights(
     checks, evs = chameleon(tmp_path, "--inject-fault", "kill:rank=3,step=5")
     assert [e for e in evs if e["event"] == "recovered"], "no in-place recovery"
     assert not [e for e in evs if e["event"] == "restart"]
-    assert_weights(checks, clipped)
+    assert_weights(checks, clipped | {-1: None})
 
 
 def test_bf16_with_a_kill_ends_with_the_failure_free_bf16_weights(tmp_path, clipped, monkeypatch):
@@ -129,4 +138,26 @@ def test_bf16_with_a_kill_ends_with_the_failure_free_bf16_weights(tmp_path, clip
     )  # fmt: skip
     recovered = [e for e in evs if e["event"] == "recovered"]
     assert recovered and recovered[0]["policy"] == "reparallelize"
+    assert_weights(checks, reference)
+
+
+def test_fp16_skips_overflowing_steps_alike_and_a_kill_keeps_the_failure_free_weights(
+    tmp_path, clipped, monkeypatch
+):
+    # 2^24 overflows fp16's gradients here: the first steps are skipped while the scale
+    # halves, on every worker alike (else replicas would disagree and the commit break)
+    fp16 = ("--precision", "fp16", "--init-loss-scale", str(2.0**24))
+    (tmp_path / "free").mkdir()
+    (tmp_path / "kill").mkdir()
+    free, _ = chameleon(tmp_path / "free", script=fp16)
+    scale = free[-1][0]
+    assert scale < 2.0**24 and len(set(free[-1])) == 1, free[-1]
+    reference = {layer: values[0] for layer, values in free.items()}
+    assert any(abs(reference[i] - clipped[i]) > 10 * TOLERANCE for i in clipped)
+    monkeypatch.setenv("MLP_STEP_SLEEP_S", "0.05")
+    checks, evs = chameleon(
+        tmp_path / "kill", "--policy", "reparallelize", "--inject-fault", "kill:rank=3,step=3",
+        script=fp16,
+    )  # fmt: skip
+    assert [e for e in evs if e["event"] == "recovered"], "no in-place recovery"
     assert_weights(checks, reference)

@@ -1,0 +1,121 @@
+"""How a generation's tensors travel between two workers: one interface, two transports.
+
+Messages carry no tags. Between two workers they are matched by the order they are
+posted in, on each side (``planner.program.WorkerProgram.messages`` for a step; rounds,
+then transfers, for a migration), which is all NCCL and HCCL offer, and the gloo
+transport runs the same discipline so that CI exercises the ordering the accelerator
+backends depend on. gloo needs tags no more than NCCL does: its pairs deliver one
+(peer, tag) slot in order.
+
+- ``GlooTransport``: a gloo group. CPU tensors go as they are; an accelerator's tensors
+  are staged through pinned host memory (a copy to host before the send, from host after
+  the receive), so several ranks can share one GPU: gloo neither needs one communicator
+  per device nor takes the GPU's memory for its buffers. An aborted step is drained
+  (chameleon_runtime.step): gloo cannot cancel a posted message, so each side posts what
+  it still owed and the pair's stream ends matched.
+- ``NativeTransport``: NCCL (``cuda``) or HCCL (``npu``) on device tensors. A posted
+  NCCL operation cannot be matched by a drain that its dead peer never joins, so an
+  aborted generation's communicator is aborted instead (``ProcessGroupNCCL.abort``), and
+  a communicator is never carried over to the next generation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+TAG = 0  # every message: matching is by order (module doc)
+
+Finish = Callable[[], None] | None  # what completes a receive once its wait returns
+
+
+class GlooTransport:
+    name = "gloo"
+    drains = True  # an aborted step posts what it still owes (module doc)
+    carries_over = True  # a settled group may serve the next generation
+
+    def make_group(self, store: dist.Store, rank: int, size: int, timeout: timedelta) -> Any:
+        return dist.ProcessGroupGloo(store, rank, size, timeout)
+
+    def post_send(self, group: Any, tensor: torch.Tensor, peer: int) -> tuple[Any, torch.Tensor]:
+        """Post ``tensor``; returns the work and what must stay alive until it completes."""
+        host = _to_host(tensor)
+        return group.send([host], peer, TAG), host
+
+    def post_recv(
+        self, group: Any, buffer: torch.Tensor, peer: int
+    ) -> tuple[Any, torch.Tensor, Finish]:
+        """Post a receive into ``buffer``; returns the work, what it writes into, and what
+        completes it once waited for (the copy from host for an accelerator's buffer)."""
+        if buffer.device.type == "cpu":
+            return group.recv([buffer], peer, TAG), buffer, None
+        host = torch.empty(buffer.shape, dtype=buffer.dtype, pin_memory=True)
+        return group.recv([host], peer, TAG), host, lambda: buffer.copy_(host)
+
+    def abort(self, group: Any) -> None:
+        """Nothing to do: gloo waits end when their messages are drained or the peer's
+        connection closes."""
+
+
+class NativeTransport:
+    drains = False
+    carries_over = False
+
+    def __init__(self, device: str) -> None:
+        self.device = torch.device(device)
+        self.name = "nccl" if self.device.type == "cuda" else "hccl"
+
+    def make_group(self, store: dist.Store, rank: int, size: int, timeout: timedelta) -> Any:
+        if self.device.type == "cuda":
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout
+            return dist.ProcessGroupNCCL(store, rank, size, options)
+        import torch_npu  # noqa: F401  (registers ProcessGroupHCCL; only when asked for)
+
+        return torch.distributed.ProcessGroupHCCL(store, rank, size, timeout)  # type: ignore[attr-defined]
+
+    def post_send(self, group: Any, tensor: torch.Tensor, peer: int) -> tuple[Any, torch.Tensor]:
+        """Host tensors (a migration's packed layers) go through the device."""
+        tensor = tensor.contiguous().to(self.device)
+        return group.send([tensor], peer, TAG), tensor
+
+    def post_recv(
+        self, group: Any, buffer: torch.Tensor, peer: int
+    ) -> tuple[Any, torch.Tensor, Finish]:
+        if buffer.device == self.device:
+            return group.recv([buffer], peer, TAG), buffer, None
+        into = torch.empty(buffer.shape, dtype=buffer.dtype, device=self.device)
+        return group.recv([into], peer, TAG), into, lambda: buffer.copy_(into)
+
+    def abort(self, group: Any) -> None:
+        """End every operation posted on the communicator, so that no survivor blocks
+        on a dead peer (the drain's job on gloo)."""
+        abort = getattr(group, "abort", None)
+        if abort is not None:
+            abort()
+
+
+Transport = GlooTransport | NativeTransport
+
+
+def transport_for(device: str, backend: str = "gloo") -> Transport:
+    """``backend``: "gloo" (any device; accelerator tensors staged through host memory)
+    or "native" (NCCL on cuda, HCCL on npu)."""
+    if backend == "gloo" or device == "cpu":
+        return GlooTransport()
+    if backend == "native":
+        return NativeTransport(device)
+    raise ValueError(f"unknown transport backend {backend!r} (gloo, native)")
+
+
+def _to_host(tensor: torch.Tensor) -> torch.Tensor:
+    tensor = tensor.contiguous()
+    if tensor.device.type == "cpu":
+        return tensor
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    host.copy_(tensor)  # synchronous: the send must not read a buffer still being filled
+    return host
