@@ -308,10 +308,13 @@ class Generation:
         if kept is not None:
             kept._count(+1)
 
+        helper = self._helper
+
         def release() -> None:
-            for work, _tensor, _peer in pending:
+            for work, tensor, peer in pending:
                 # Completed, or failed because the peer is gone or released its end first:
-                # over either way.
+                # over either way. (What it waits on, for settle's report.)
+                helper.busy_with = f"release of gen {self.generation}: {tensor.numel()} with {peer}"
                 with contextlib.suppress(Exception):
                     work.wait(timeout)
             pending.clear()
