@@ -325,7 +325,9 @@ class LocalGroup:
             self._bad_since.pop(rank, None)
         if not self._runtime:
             return None  # a plain script: its process state is all there is to watch
-        return self._liveness.judge(rank, worker.pid, worker.started_at, status, now)
+        # durations on the monotonic clock (workers.Worker.started_at); ``now`` is the wall
+        # clock of the failure's timestamps
+        return self._liveness.judge(rank, worker.pid, worker.started_at, status, time.monotonic())
 
     def _failpoint_env(self) -> dict[str, str]:
         return (

@@ -107,6 +107,8 @@ class Worker:
     rank: int
     local_rank: int
     popen: subprocess.Popen
+    # time.monotonic() at spawn: the startup timeout is a duration, and a wall clock that
+    # steps (an NTP correction) would make a worker starting normally look hung
     started_at: float
     log_dir: Path
     stdout: StreamPlan
@@ -169,7 +171,7 @@ def start_worker(
     )
     if reaper is not None:
         reaper.hold(popen.pid)  # the worker leads its own session: pgid == pid
-    worker = Worker(rank, local_rank, popen, time.time(), log_dir, out_plan, err_plan)
+    worker = Worker(rank, local_rank, popen, time.monotonic(), log_dir, out_plan, err_plan)
     for pipe, plan, is_err in ((popen.stdout, out_plan, False), (popen.stderr, err_plan, True)):
         thread = threading.Thread(
             target=_pump,
