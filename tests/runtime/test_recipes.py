@@ -121,21 +121,30 @@ def test_a_run_with_a_kill_ends_with_the_clipped_failure_free_weights(
     assert_weights(checks, clipped | {-1: None})
 
 
+def free_and_killed(
+    tmp: Path, monkeypatch: pytest.MonkeyPatch, script: tuple[str, ...], kill_step: int
+) -> tuple[dict[int, list[float]], dict[int, list[float]], list[dict]]:
+    """The same run failure-free, and with rank 3 killed at ``kill_step`` and recovered
+    by a re-partition, which changes how layers are grouped into stages: the free run's
+    checks, the killed run's checks and its events."""
+    (tmp / "free").mkdir()
+    (tmp / "kill").mkdir()
+    free, _ = chameleon(tmp / "free", script=script)
+    monkeypatch.setenv("MLP_STEP_SLEEP_S", "0.05")
+    checks, evs = chameleon(
+        tmp / "kill", "--policy", "reparallelize", "--inject-fault",
+        f"kill:rank=3,step={kill_step}", script=script,
+    )  # fmt: skip
+    return free, checks, evs
+
+
 def test_bf16_with_a_kill_ends_with_the_failure_free_bf16_weights(tmp_path, clipped, monkeypatch):
-    bf16 = ("--precision", "bf16")
-    (tmp_path / "free").mkdir()
-    (tmp_path / "kill").mkdir()
-    free, _ = chameleon(tmp_path / "free", script=bf16)
+    # every layer's output is rounded to bf16, so the re-partition must not change the
+    # arithmetic
+    free, checks, evs = free_and_killed(tmp_path, monkeypatch, ("--precision", "bf16"), 5)
     reference = {layer: values[0] for layer, values in free.items()}
     # bf16 is on: its weights are not fp32's
     assert any(abs(reference[i] - clipped[i]) > 10 * TOLERANCE for i in clipped)
-    monkeypatch.setenv("MLP_STEP_SLEEP_S", "0.05")
-    # a re-partition changes which layers a stage groups: every layer's output is rounded
-    # to bf16, so the arithmetic must not change with it
-    checks, evs = chameleon(
-        tmp_path / "kill", "--policy", "reparallelize", "--inject-fault", "kill:rank=3,step=5",
-        script=bf16,
-    )  # fmt: skip
     recovered = [e for e in evs if e["event"] == "recovered"]
     assert recovered and recovered[0]["policy"] == "reparallelize"
     assert_weights(checks, reference)
@@ -147,17 +156,10 @@ def test_fp16_skips_overflowing_steps_alike_and_a_kill_keeps_the_failure_free_we
     # 2^24 overflows fp16's gradients here: the first steps are skipped while the scale
     # halves, on every worker alike (else replicas would disagree and the commit break)
     fp16 = ("--precision", "fp16", "--init-loss-scale", str(2.0**24))
-    (tmp_path / "free").mkdir()
-    (tmp_path / "kill").mkdir()
-    free, _ = chameleon(tmp_path / "free", script=fp16)
+    free, checks, evs = free_and_killed(tmp_path, monkeypatch, fp16, 3)
     scale = free[-1][0]
     assert scale < 2.0**24 and len(set(free[-1])) == 1, free[-1]
     reference = {layer: values[0] for layer, values in free.items()}
     assert any(abs(reference[i] - clipped[i]) > 10 * TOLERANCE for i in clipped)
-    monkeypatch.setenv("MLP_STEP_SLEEP_S", "0.05")
-    checks, evs = chameleon(
-        tmp_path / "kill", "--policy", "reparallelize", "--inject-fault", "kill:rank=3,step=3",
-        script=fp16,
-    )  # fmt: skip
     assert [e for e in evs if e["event"] == "recovered"], "no in-place recovery"
     assert_weights(checks, reference)
