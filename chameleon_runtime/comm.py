@@ -273,10 +273,9 @@ class Generation:
         """End an aborted step's traffic (chameleon_runtime.step): on gloo, post the
         messages still owed, each way and in order per peer, zeros for sends and
         receives nobody waits for, ignoring errors (a dead peer); they complete when the
-        group is released. A native communicator is aborted instead."""
+        group is released. A native communicator is not drained: ``abandon``, the first
+        thing a recovery does, aborts it."""
         if not self.transport.drains:
-            if self.group is not None:
-                self.transport.abort(self.group)
             return
         for peer, shape, dtype in sends:
             with contextlib.suppress(Exception):

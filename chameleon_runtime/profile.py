@@ -5,6 +5,7 @@
 - ``link_cost``: latency, bandwidth and CPU per byte between two workers, by ping-pong.
 - ``measure_move``, ``measure_tail``: the CPU per parameter of moving a layer, and of a
   step's tail.
+- ``describe_job``: the job as the planner sees it, which every run publishes at start.
 
 ``chameleon profile`` runs a training script with CHAMELEON_PROFILE set: the Trainer then
 measures instead of training (``profile_job``) and writes a cost table.
@@ -23,7 +24,7 @@ import torch
 
 from chameleon_runtime.layercost import measure, probe
 from chameleon_runtime.shard import Shard
-from planner.wire import LayerCostWire
+from planner.wire import JobDescription, LayerCostWire
 
 
 def link_cost(
@@ -320,3 +321,46 @@ def profile_job(trainer: Any, out: Path) -> None:
     tmp = out.with_name(out.name + ".tmp")
     tmp.write_text(table.model_dump_json(indent=2))
     os.replace(tmp, out)
+
+
+def describe_job(trainer: Any, plan: Any, costs: list[LayerCostWire]) -> JobDescription:
+    """The job as the planner sees it: the layers' measured costs and what the trainer
+    was given (batch, layout, precision, clipping), published by the chief at start."""
+    return JobDescription(
+        model=type(trainer).__name__,
+        layers=costs,
+        global_batch_size=trainer.batches.global_batch_size,
+        micro_batch_size=trainer.batches.micro_batch_size,
+        param_bytes=4,
+        # float64 sums, exchanged as such (chameleon_runtime.shard); the float32 gradient
+        # of the pass in flight adds up to 4 more per parameter at the peak.
+        grad_bytes=8,
+        optimizer_bytes=_optimizer_bytes_per_param(trainer.shard),
+        dp=len(plan.pipelines),
+        pp=trainer.pipeline_stages,
+        memory_limit_bytes=_memory_per_worker(),
+        link_bandwidth_bytes_per_s=1e9,
+        link_latency_s=1e-4,
+        checkpoint_interval_steps=max(1, trainer.checkpoint_every),
+        max_grad_norm=trainer.max_grad_norm,
+        precision=trainer.precision,
+        host_cores=len(os.sched_getaffinity(0)) if trainer.device == "cpu" else 0,
+    )
+
+
+def _optimizer_bytes_per_param(shard: Shard) -> int:
+    """Adam keeps two fp32 moments per parameter; SGD with momentum one."""
+    name = (
+        type(next(iter(shard.optimizers.values()))).__name__.lower() if shard.optimizers else "adam"
+    )
+    return 8 if "adam" in name else 4
+
+
+def _memory_per_worker() -> int:
+    limit = os.environ.get("CHAMELEON_MEMORY_LIMIT_BYTES")
+    if limit:
+        return int(limit)
+    import psutil
+
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return int(psutil.virtual_memory().total / max(1, local))

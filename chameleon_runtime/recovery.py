@@ -95,7 +95,6 @@ class RecoveryMixin:
     meter: Meter
     device: str
     transport: Transport
-    max_grad_norm: float | None
     global_norm: bool  # each step reads the gradients' global norm (Trainer)
     layer_params: list[int]
     generation: int

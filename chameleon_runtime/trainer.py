@@ -40,7 +40,7 @@ from chameleon_runtime.device import bind, resolve_device
 from chameleon_runtime.layercost import measure, probe
 from chameleon_runtime.memory import Meter
 from chameleon_runtime.pace import Pace
-from chameleon_runtime.profile import profile_job
+from chameleon_runtime.profile import describe_job, profile_job
 from chameleon_runtime.recovery import RecoveryMixin
 from chameleon_runtime.scaler import INIT_SCALE
 from chameleon_runtime.shard import PRECISIONS, LayerFactory, OptimizerFactory, Shard
@@ -48,9 +48,9 @@ from chameleon_runtime.step import run_step
 from chameleon_runtime.transport import transport_for
 from planner.partition import balanced_split
 from planner.plan import Plan, pipelines_plan, split_evenly
-from planner.program import WorkerProgram
+from planner.program import WorkerProgram, reads_global_norm
 from planner.protocol import Finish, checkpoint_name
-from planner.wire import JobDescription, LayerCostWire, PlanMessage
+from planner.wire import LayerCostWire, PlanMessage
 
 
 @dataclass(frozen=True)
@@ -156,8 +156,7 @@ class Trainer(RecoveryMixin):
         self.device = device
         self.max_grad_norm = max_grad_norm
         self.precision = precision
-        # Each step reads the global gradient norm: to clip, or for fp16's overflow check.
-        self.global_norm = max_grad_norm is not None or precision == "fp16"
+        self.global_norm = reads_global_norm(max_grad_norm, precision)
         self.shard = Shard(
             self.factory, optimizer, seed=seed, device=device, precision=precision,
             init_loss_scale=init_loss_scale,
@@ -247,11 +246,11 @@ class Trainer(RecoveryMixin):
     def _publish_costs(self, plan: Plan, first: int, end: int) -> None:
         shape, dtype = self.activation_shapes[first - 1] if first > 0 else (None, None)
         if first == 0:
-            x = self.batches.inputs(0, 0)
+            x = self.batches.inputs(0, 0).to(self.device)
         elif dtype.is_floating_point:
-            x = torch.randn(*shape, dtype=dtype)
+            x = torch.randn(*shape, dtype=dtype, device=self.device)
         else:
-            x = torch.zeros(*shape, dtype=dtype)
+            x = torch.zeros(*shape, dtype=dtype, device=self.device)
         keys = self.control.keys
         for cost in measure(self.shard, list(range(first, end)), x, self.layer_names):
             index = int(cost.name.rsplit(".", 1)[1])
@@ -262,26 +261,7 @@ class Trainer(RecoveryMixin):
             LayerCostWire.model_validate_json(self.control.wait(keys.layer(i)))
             for i in range(self.num_layers)
         ]
-        description = JobDescription(
-            model=type(self).__name__,
-            layers=costs,
-            global_batch_size=self.batches.global_batch_size,
-            micro_batch_size=self.batches.micro_batch_size,
-            param_bytes=4,
-            # float64 sums, exchanged as such (chameleon_runtime.shard); the float32 gradient
-            # of the pass in flight adds up to 4 more per parameter at the peak.
-            grad_bytes=8,
-            optimizer_bytes=_optimizer_bytes_per_param(self.shard),
-            dp=len(plan.pipelines),
-            pp=self.pipeline_stages,
-            memory_limit_bytes=_memory_per_worker(),
-            link_bandwidth_bytes_per_s=1e9,
-            link_latency_s=1e-4,
-            checkpoint_interval_steps=max(1, self.checkpoint_every),
-            max_grad_norm=self.max_grad_norm,
-            precision=self.precision,
-            host_cores=len(os.sched_getaffinity(0)) if self.device == "cpu" else 0,
-        )
+        description = describe_job(self, plan, costs)
         self.control.put(keys.job, description)
 
     # -- the loop ----------------------------------------------------------------------
@@ -405,21 +385,3 @@ class Trainer(RecoveryMixin):
             checkpoint.publish(self.checkpoint_dir, step, self.num_layers)
         status.update(phase="train")
         return True
-
-
-def _optimizer_bytes_per_param(shard: Shard) -> int:
-    """Adam keeps two fp32 moments per parameter; SGD with momentum one."""
-    name = (
-        type(next(iter(shard.optimizers.values()))).__name__.lower() if shard.optimizers else "adam"
-    )
-    return 8 if "adam" in name else 4
-
-
-def _memory_per_worker() -> int:
-    limit = os.environ.get("CHAMELEON_MEMORY_LIMIT_BYTES")
-    if limit:
-        return int(limit)
-    import psutil
-
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    return int(psutil.virtual_memory().total / max(1, local))

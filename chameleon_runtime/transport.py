@@ -43,18 +43,14 @@ class GlooTransport:
 
     def post_send(self, group: Any, tensor: torch.Tensor, peer: int) -> tuple[Any, torch.Tensor]:
         """Post ``tensor``; returns the work and what must stay alive until it completes."""
-        host = _to_host(tensor)
-        return group.send([host], peer, TAG), host
+        return _post_send(group, tensor, peer, _HOST, pin=True)
 
     def post_recv(
         self, group: Any, buffer: torch.Tensor, peer: int
     ) -> tuple[Any, torch.Tensor, Finish]:
         """Post a receive into ``buffer``; returns the work, what it writes into, and what
         completes it once waited for (the copy from host for an accelerator's buffer)."""
-        if buffer.device.type == "cpu":
-            return group.recv([buffer], peer, TAG), buffer, None
-        host = torch.empty(buffer.shape, dtype=buffer.dtype, pin_memory=True)
-        return group.recv([host], peer, TAG), host, lambda: buffer.copy_(host)
+        return _post_recv(group, buffer, peer, _HOST, pin=True)
 
     def abort(self, group: Any) -> None:
         """Nothing to do: gloo waits end when their messages are drained or the peer's
@@ -80,16 +76,12 @@ class NativeTransport:
 
     def post_send(self, group: Any, tensor: torch.Tensor, peer: int) -> tuple[Any, torch.Tensor]:
         """Host tensors (a migration's packed layers) go through the device."""
-        tensor = tensor.contiguous().to(self.device)
-        return group.send([tensor], peer, TAG), tensor
+        return _post_send(group, tensor, peer, self.device, pin=False)
 
     def post_recv(
         self, group: Any, buffer: torch.Tensor, peer: int
     ) -> tuple[Any, torch.Tensor, Finish]:
-        if buffer.device == self.device:
-            return group.recv([buffer], peer, TAG), buffer, None
-        into = torch.empty(buffer.shape, dtype=buffer.dtype, device=self.device)
-        return group.recv([into], peer, TAG), into, lambda: buffer.copy_(into)
+        return _post_recv(group, buffer, peer, self.device, pin=False)
 
     def abort(self, group: Any) -> None:
         """End every operation posted on the communicator, so that no survivor blocks
@@ -112,10 +104,27 @@ def transport_for(device: str, backend: str = "gloo") -> Transport:
     raise ValueError(f"unknown transport backend {backend!r} (gloo, native)")
 
 
-def _to_host(tensor: torch.Tensor) -> torch.Tensor:
+_HOST = torch.device("cpu")
+
+
+def _post_send(
+    group: Any, tensor: torch.Tensor, peer: int, wire: torch.device, *, pin: bool
+) -> tuple[Any, torch.Tensor]:
+    """Send ``tensor`` from the transport's ``wire`` device, staged there if it lives
+    elsewhere (``pin``: into pinned host memory)."""
     tensor = tensor.contiguous()
-    if tensor.device.type == "cpu":
-        return tensor
-    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-    host.copy_(tensor)  # synchronous: the send must not read a buffer still being filled
-    return host
+    if tensor.device != wire:
+        staged = torch.empty(tensor.shape, dtype=tensor.dtype, device=wire, pin_memory=pin)
+        tensor = staged.copy_(tensor)  # synchronous: the send must not read a buffer being filled
+    return group.send([tensor], peer, TAG), tensor
+
+
+def _post_recv(
+    group: Any, buffer: torch.Tensor, peer: int, wire: torch.device, *, pin: bool
+) -> tuple[Any, torch.Tensor, Finish]:
+    """Receive into ``buffer`` on the ``wire`` device, staged there and copied into
+    ``buffer`` once waited for if it lives elsewhere."""
+    if buffer.device == wire:
+        return group.recv([buffer], peer, TAG), buffer, None
+    into = torch.empty(buffer.shape, dtype=buffer.dtype, device=wire, pin_memory=pin)
+    return group.recv([into], peer, TAG), into, lambda: buffer.copy_(into)

@@ -186,6 +186,13 @@ class StepProgram:
         raise KeyError(worker)
 
 
+def reads_global_norm(max_grad_norm: float | None, precision: str) -> bool:
+    """Whether every step reads the gradients' global norm: to clip them to
+    ``max_grad_norm``, or for fp16's overflow check (chameleon_runtime.scaler). The one
+    rule the runtime's programs and the planner's estimates (planner.wire) both follow."""
+    return max_grad_norm is not None or precision == "fp16"
+
+
 def build_program(
     plan: Plan, layer_params: Sequence[int], *, global_norm: bool = False
 ) -> StepProgram:

@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from planner.migration import Migration
 from planner.plan import Plan, Route, Stage
+from planner.program import reads_global_norm
 from planner.workload import Cluster, Job, Layer, Link, Model, Training
 
 NonNegative = Annotated[float, Field(ge=0)]
@@ -125,8 +126,7 @@ class JobDescription(_Wire):
             pp=self.pp,
             mtbf_s=mtbf_s,
             checkpoint_interval_s=max(step_s, 1e-3) * self.checkpoint_interval_steps,
-            # fp16's overflow check reads the global norm as clipping does
-            global_norm=self.max_grad_norm is not None or self.precision == "fp16",
+            global_norm=reads_global_norm(self.max_grad_norm, self.precision),
         )
         return Job(cluster=cluster, model=Model(self.model, layers), training=training)
 
