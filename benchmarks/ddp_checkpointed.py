@@ -4,7 +4,8 @@
     chameleon run --nproc-per-node 4 benchmarks/ddp_checkpointed.py 150
 
 Trains a small MLP on gloo, checkpoints every 10 steps (atomically), resumes from the last
-checkpoint after a restart, and prints "STEP <n> <unix time>" from rank 0 per step.
+checkpoint after a restart, and prints "STEP <n> <unix time>" from rank 0 per step (and
+"PID <rank> <pid>" from every rank at start).
 """
 
 import os
@@ -17,6 +18,7 @@ import torch.distributed as dist
 torch.set_num_threads(1)
 dist.init_process_group("gloo")
 rank = dist.get_rank()
+print(f"PID {rank} {os.getpid()}", flush=True)  # which process to kill, for the benchmark
 total_steps = int(sys.argv[1])
 torch.manual_seed(0)
 model = torch.nn.parallel.DistributedDataParallel(

@@ -72,7 +72,9 @@ def main(argv: list[str] | None = None) -> int:
         code = command.main(args=argv, prog_name="chameleon", standalone_mode=False)
         return code if isinstance(code, int) else 0
     except UsageError as exc:
-        error(f"chameleon: usage error: {exc.format_message()}")  # type: ignore[attr-defined]
+        # click's "no arguments, so help" carries no message: the help was printed
+        message = exc.format_message() or "a command is needed (listed above)"  # type: ignore[attr-defined]
+        error(f"chameleon: usage error: {message}")
         return USAGE
     except ClickException as exc:
         error(f"chameleon: error: {exc.format_message()}")  # type: ignore[attr-defined]

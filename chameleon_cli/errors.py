@@ -7,6 +7,7 @@ with ``--debug`` (or CHAMELEON_DEBUG=1).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import typer
@@ -41,6 +42,24 @@ class JobFailed(Exception):
     def __init__(self, message: str, exit_code: int = JOB_FAILED) -> None:
         super().__init__(message)
         self.exit_code = exit_code
+
+
+def check_script(path: str) -> None:
+    """A training script named on the command line must be a file."""
+    if os.path.isdir(path):
+        raise UserError(f"training script is a directory, not a file: {path}")
+    if not os.path.isfile(path):
+        raise UserError(f"training script not found: {path}")
+
+
+def writable_dir(flag: str, path: str) -> None:
+    """``path`` (a folder a flag names) exists or can be made, and can be written."""
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"{flag} {path}: cannot create the folder ({exc.strerror})") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise UserError(f"{flag} {path}: the folder is not writable")
 
 
 @dataclass(frozen=True)

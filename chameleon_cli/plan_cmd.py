@@ -33,7 +33,8 @@ def plan(
         list[str] | None, typer.Option("--fail", help="Ranks that fail: 3, 3,5 or 0-3. Repeatable.")
     ] = None,
     fail_node: Annotated[
-        list[int] | None, typer.Option("--fail-node", help="A node that fails whole. Repeatable.")
+        list[int] | None,
+        typer.Option("--fail-node", min=0, help="A node that fails whole. Repeatable."),
     ] = None,
     policy: Annotated[
         PolicyName | None,

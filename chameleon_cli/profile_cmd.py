@@ -12,7 +12,7 @@ from pathlib import Path
 
 import typer
 
-from chameleon_cli.errors import JobFailed, UsageError, UserError
+from chameleon_cli.errors import JobFailed, UsageError, UserError, check_script, writable_dir
 from chameleon_cli.output import Fields, Output, Table, choose_mode, error
 from chameleon_cli.units import fmt_bytes, fmt_s
 from launcher.agent import Agent, JobError
@@ -50,19 +50,25 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 def profile(ctx: typer.Context) -> None:
     """Measure a chameleon_runtime script into a cost table for the planner."""
     argv = list(ctx.args)
-    if not argv or argv[0] in ("-h", "--help"):
+    if argv[:1] in (["-h"], ["--help"]):
         sys.stdout.write(HELP)
         return
+    if not argv:
+        raise UsageError(
+            "--out TABLE.json and a training script are needed (chameleon profile --help)"
+        )
     ns = _parse(argv)
     out = Path(ns.out).resolve()
+    if out.is_dir():
+        raise UserError(f"--out {ns.out} is a folder: name the cost table's file")
+    writable_dir("--out", str(out.parent))
     try:
         args = parse_run_args(
             ["--standalone", "--nproc-per-node", ns.nproc_per_node, ns.script, *ns.script_args]
         )
     except ArgsError as exc:
         raise UsageError(str(exc)) from None
-    if not os.path.isfile(args.script):
-        raise UserError(f"training script not found: {args.script}")
+    check_script(args.script)
     out.unlink(missing_ok=True)
     os.environ["CHAMELEON_PROFILE"] = str(out)
     agent = Agent(args, console=Console())

@@ -9,7 +9,7 @@ import sys
 import typer
 from rich.console import Console as RichConsole
 
-from chameleon_cli.errors import UsageError, UserError
+from chameleon_cli.errors import UsageError, UserError, check_script, writable_dir
 from chameleon_cli.live_view import LiveView
 from chameleon_cli.output import Mode, Output, choose_mode, error
 from chameleon_cli.run_view import outcome_blocks
@@ -23,15 +23,21 @@ CONTEXT = {"allow_extra_args": True, "ignore_unknown_options": True, "help_optio
 def run(ctx: typer.Context) -> None:
     """Launch and supervise a training job (torchrun-compatible flags; see chameleon run --help)."""
     argv = list(ctx.args)
-    if not argv or argv[0] in ("-h", "--help"):
+    if argv[:1] in (["-h"], ["--help"]):
         sys.stdout.write(run_help())
         return
+    if not argv:
+        raise UsageError("no training script given (chameleon run --help shows the flags)")
     try:
         args = parse_run_args(argv)
     except ArgsError as exc:
         raise UsageError(str(exc)) from None
-    if not (args.module or args.no_python) and not os.path.isfile(args.script):
-        raise UserError(f"training script not found: {args.script}")
+    if not (args.module or args.no_python):
+        check_script(args.script)
+    if args.log_dir:
+        writable_dir("--log-dir", args.log_dir)
+    if args.events:
+        writable_dir("--events", os.path.dirname(os.path.abspath(args.events)))
     console = Console()
     mode = choose_mode(json=False, plain=args.plain, stream=sys.stderr)
     live = LiveView(RichConsole(file=sys.stderr)) if mode is Mode.RICH else None

@@ -63,12 +63,13 @@ def failures_table(failures: list[Failure], t0: float | None) -> Table:
                 describe(f),
                 f.cause.value,
                 (f.message or "-")[:90],
+                f.where or "-",
                 f.log_file or "-",
             ]
         )
     return Table(
         "Failures (* = root cause: the earliest)",
-        ["rank", "node", "attempt", "at", "what", "cause", "message", "log"],
+        ["rank", "node", "attempt", "at", "what", "cause", "message", "where", "log"],
         rows,
     )
 

@@ -43,10 +43,14 @@ def timeline(
     plain: Annotated[bool, typer.Option("--plain", help="Plain text even on a terminal.")] = False,
 ) -> None:
     """Show the recovery timeline of a run from its event log."""
+    if events_path.is_dir():
+        raise UserError(f"event log is a directory, not a file: {events_path}")
     if not events_path.is_file():
         raise UserError(f"event log not found: {events_path}")
     try:
         records = read_events(events_path)
+    except UnicodeDecodeError:
+        raise UserError(f"{events_path} is not an event log (not text)") from None
     except ValueError as exc:
         raise UserError(str(exc)) from None
     rows = recoveries(records)

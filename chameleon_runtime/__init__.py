@@ -6,10 +6,13 @@
                          pipeline_stages=4)
     trainer.fit(steps=100, on_step=lambda info: print(info.step, info.loss))
 
+A plain torchrun script gets hang detection from ``cr.heartbeat()`` once a step and
+``with cr.section("checkpoint", timeout=600):`` around long phases (no-ops elsewhere).
 See docs/runtime.md for the full API and examples/train_gpt.py for a complete script.
 """
 
 from chameleon_runtime.device import DeviceError
+from chameleon_runtime.scriptbeat import heartbeat, section
 from chameleon_runtime.trainer import FitResult, StepInfo, Trainer
 
-__all__ = ["DeviceError", "FitResult", "StepInfo", "Trainer"]
+__all__ = ["DeviceError", "FitResult", "StepInfo", "Trainer", "heartbeat", "section"]

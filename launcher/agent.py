@@ -22,7 +22,7 @@ from pathlib import Path
 from launcher.args import RunArgs
 from launcher.events import EventLog
 from launcher.leader import Leader, record_missing_nodes
-from launcher.local import LocalGroup, RoundSettings, worker_command
+from launcher.local import LocalGroup
 from launcher.rendezvous import (
     RUN_ID_KEY,
     ControlPlane,
@@ -33,8 +33,10 @@ from launcher.rendezvous import (
     control_endpoint,
     node_key,
 )
+from launcher.settings import RoundSettings, worker_command
 from launcher.store import StoreError, bind_listener, host_store, put_json, serve_store
 from launcher.supervisor import Action, Failure
+from launcher.warm import ForkServer
 from launcher.watch import Timeouts as WatchTimeouts
 from launcher.worker_store import WorkerStoreView
 from launcher.workers import Console, Reaper
@@ -46,6 +48,7 @@ FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUI
 # grace to flush, not the full shutdown timeout.
 RESTART_GRACE_S = 2.0
 SYNC_PERIOD_S = 0.25
+WARM_START_AFTER_S = 30.0  # start the fork server by then even if the workers say nothing
 
 
 @dataclass
@@ -93,6 +96,8 @@ class Agent:
         self.restarts_used = 0
         self.control: ControlPlane | None = None
         self.reaper: Reaper | None = None
+        self.forkserver: ForkServer | None = None
+        self._warm_announced = False  # the "warm_start_ready" event was emitted
         # Leader: the last round's world, and when each node's heartbeat last moved.
         self._last_world: World | None = None
         self.beat_seen: dict[str, float] = {}
@@ -181,6 +186,8 @@ class Agent:
             # exit aborts the process (SIGABRT) and the job's exit code would be lost.
             if beating is not None:
                 beating.join(timeout=5.0)
+            if self.forkserver is not None:
+                self.forkserver.close()
             self.reaper.close()
 
     def _emit_start(self, control: ControlPlane) -> None:
@@ -301,10 +308,39 @@ class Agent:
                 ),
             ),
             reaper=self.reaper,
+            forkserver=self.forkserver,
         )
         group.start()
         self.started_at = time.monotonic()
+        if world.attempt > 0:
+            self._warm_up(group, force=True)  # not up before a failure: up for the next one
         return group
+
+    def _warm_up(self, group: LocalGroup, *, force: bool = False) -> None:
+        """Start the fork server for the next restart (launcher/forkserver.py) once this
+        round's workers are up (each has written a line or a status, or 30 s passed):
+        its imports would otherwise take the cores the workers' own start-up needs."""
+        server = self.forkserver
+        if server is not None:
+            if not self._warm_announced and server.ready:
+                self._warm_announced = True
+                self.events.emit("warm_start_ready", pid=server.pid)
+            return
+        if self.args.warm_start and (force or group.started_up(WARM_START_AFTER_S)):
+            self._start_forkserver()
+
+    def _start_forkserver(self) -> None:
+        env = dict(os.environ)
+        if "OMP_NUM_THREADS" not in env and self.args.nproc_per_node > 1:
+            env["OMP_NUM_THREADS"] = "1"  # as the workers get it (launcher/environment.py)
+        try:
+            self.forkserver = ForkServer(env, self.run_dir / "forkserver.log")
+        except OSError as exc:  # restarts start fresh interpreters, as without the server
+            self.args = replace(self.args, warm_start=False)
+            self.events.emit("warm_start_unavailable", detail=str(exc))
+            return
+        if self.reaper is not None:
+            self.reaper.hold(self.forkserver.pid)
 
     def _world(self, control: ControlPlane, attempt: int) -> World | None:
         a = self.args
@@ -351,6 +387,7 @@ class Agent:
                 # machine whose cores the workers saturate, the launcher's own polling
                 # comes out of their step time.
                 news = False
+                self._warm_up(group)
                 for failure in group.poll():
                     self.events.emit("failure", **failure.to_json())
                     control.report_failure(failure)
@@ -404,9 +441,14 @@ class Agent:
             return outcome
 
     def _interrupted(self, group: LocalGroup) -> Outcome:
+        """Forward the signal; one line per rank on the console instead of every worker's
+        KeyboardInterrupt traceback (those stay in the workers' logs)."""
         signum = self._signal or signal.SIGTERM
         self.events.emit("interrupted", signal=signum)
+        self.console.quiet_errors = True
         group.stop(signum=signum, grace_s=self.args.shutdown_timeout_s)
+        for line in group.stopped_lines(signum):
+            self.console.say(line)
         return self._finish(128 + signum, f"stopped by signal {signum}")
 
     def _finish(self, code: int, reason: str) -> Outcome:

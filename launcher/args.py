@@ -12,7 +12,7 @@ import os
 import re
 from dataclasses import dataclass, field
 
-from launcher.faults import FaultSpec, parse_fault
+from launcher.faults import ANY, FaultSpec, parse_fault
 
 _DURATION = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(ms|s|m|min|h|d)?\s*$")
 _SCALE = {"ms": 1e-3, "s": 1.0, None: 1.0, "m": 60.0, "min": 60.0, "h": 3600.0, "d": 86400.0}
@@ -192,6 +192,13 @@ def _parser() -> _Parser:
         "default: learned from the failures seen, on a prior of the config's "
         "device_mtbf_hours (else Llama 3's rate) over the devices in use",
     )
+    add(
+        "--no-warm-start",
+        dest="warm_start",
+        action="store_false",
+        help="restart workers as fresh interpreters, not from the warm fork server that has "
+        "torch imported (one per node)",
+    )
     add("--plain", action="store_true", help="plain output even on a terminal")
     p.add_argument(
         "training_script", metavar="SCRIPT", help="the training script (or module with -m)"
@@ -245,6 +252,7 @@ class RunArgs:
     migration_schedule: str
     mtbf_s: float | None  # None: learned (planner.failures)
     plain: bool
+    warm_start: bool
     script: str
     script_args: tuple[str, ...] = field(default_factory=tuple)
 
@@ -346,6 +354,20 @@ def parse_run_args(argv: list[str]) -> RunArgs:
         faults = tuple(parse_fault(spec) for spec in ns.inject_fault)
     except ValueError as exc:
         raise ArgsError(f"--inject-fault: {exc}") from None
+    most = nproc * max_nodes  # ranks a round can have (every node runs --nproc-per-node)
+    for spec, fault in zip(ns.inject_fault, faults, strict=True):
+        if fault.rank != ANY and fault.rank >= most:
+            raise ArgsError(
+                f"--inject-fault {spec}: rank {fault.rank} is not in this job (ranks 0..{most - 1})"
+            )
+    if not 0 <= ns.master_port <= 65535:
+        raise ArgsError(f"--master-port {ns.master_port} is not a port (0..65535)")
+    if ns.rdzv_endpoint:
+        _host, colon, port = ns.rdzv_endpoint.rpartition(":")
+        if colon and not (port.isdigit() and int(port) <= 65535):
+            raise ArgsError(
+                f"--rdzv-endpoint must be HOST:PORT with a port 0..65535, got {ns.rdzv_endpoint!r}"
+            )
     filter_ranks = None
     if ns.local_ranks_filter:
         try:
@@ -400,6 +422,7 @@ def parse_run_args(argv: list[str]) -> RunArgs:
         migration_schedule=ns.migration_schedule,
         mtbf_s=mtbf_s,
         plain=ns.plain,
+        warm_start=ns.warm_start,
         script=ns.training_script,
         script_args=tuple(ns.training_script_args),
     )

@@ -12,24 +12,22 @@ Detection, per worker, every monitor interval:
 from __future__ import annotations
 
 import signal
-import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
 
-from launcher.args import RunArgs
 from launcher.environment import WorkerIdentity, worker_env
 from launcher.faults import ANY, FaultKind, FaultSpec, Injector
-from launcher.rendezvous import NodeInfo, World
+from launcher.rootcause import ErrorReport, from_stderr, read_error_file
+from launcher.settings import RoundSettings
 from launcher.supervisor import Failure, FailureKind
-from launcher.watch import Liveness
-from launcher.watch import Timeouts as WatchTimeouts
+from launcher.warm import ForkServer
+from launcher.watch import Liveness, ScriptBeats
 from launcher.worker_store import WorkerStoreView
 from launcher.workers import Console, Reaper, Worker, signal_worker, start_worker, stop_workers
-from planner.protocol import RecoveryPhase
+from planner.protocol import BEAT_RECORD_BYTES, RecoveryPhase, ScriptBeat
 
 HANG_CHECK_PERIOD_S = 0.25  # psutil and heartbeat reads; crashes are polled every interval
 _BAD_STATUSES = {
@@ -38,66 +36,6 @@ _BAD_STATUSES = {
     psutil.STATUS_ZOMBIE,
     psutil.STATUS_DISK_SLEEP,
 }
-
-RUN_PATH_SNIPPET = (
-    "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
-)
-
-
-def worker_command(
-    script: str, args: Sequence[str], *, module: bool, no_python: bool, run_path: bool
-) -> list[str]:
-    """torchrun's: python -u SCRIPT, python -u -m MODULE, SCRIPT (--no-python), or
-    runpy.run_path in a fresh interpreter (--run-path)."""
-    if run_path:
-        return [sys.executable, "-u", "-c", RUN_PATH_SNIPPET, script, *args]
-    if no_python:
-        return [script, *args]
-    if module:
-        return [sys.executable, "-u", "-m", script, *args]
-    return [sys.executable, "-u", script, *args]
-
-
-@dataclass
-class RoundSettings:
-    attempt: int
-    node_rank: int
-    num_nodes: int
-    rank_offset: int
-    world_size: int
-    nproc: int
-    role: str
-    master_addr: str
-    master_port: int
-    max_restarts: int
-    run_id: str
-    log_dir: Path
-    redirects: dict[int, int]
-    tee: dict[int, int]
-    local_ranks_filter: frozenset[int] | None
-    watch: WatchTimeouts
-    extra_env: dict[str, str] = field(default_factory=dict)
-
-    @classmethod
-    def of(
-        cls, a: RunArgs, world: World, me: NodeInfo, *, run_id: str, run_dir: Path
-    ) -> RoundSettings:
-        """This node's settings for one round, from ``chameleon run``'s arguments."""
-        watch = WatchTimeouts(a.heartbeat_timeout_s, a.step_timeout_s, a.startup_timeout_s)
-        return cls(
-            attempt=world.attempt, node_rank=me.node_rank, num_nodes=len(world.nodes),
-            rank_offset=me.rank_offset, world_size=world.world_size, nproc=me.nproc,
-            role=a.role, master_addr=world.worker_addr, master_port=world.worker_port,
-            max_restarts=a.max_restarts, run_id=run_id, log_dir=run_dir,
-            redirects=a.redirects, tee=a.tee, local_ranks_filter=a.local_ranks_filter,
-            watch=watch,
-            extra_env={
-                # This launch's folder, the same for every attempt: a script can keep its
-                # checkpoints there, so a restart resumes and a new launch starts fresh.
-                "CHAMELEON_RUN_DIR": str(run_dir),
-                "CHAMELEON_HEARTBEAT_S": f"{watch.beat_period_s:g}",
-            },
-        )  # fmt: skip
 
 
 class LocalGroup:
@@ -112,6 +50,7 @@ class LocalGroup:
         base_env: dict[str, str],
         view: WorkerStoreView | None = None,
         reaper: Reaper | None = None,
+        forkserver: ForkServer | None = None,
     ) -> None:
         self.s = settings
         self.command = command
@@ -121,11 +60,13 @@ class LocalGroup:
         self.view = view
         self.respawned: dict[int, int] = {}  # rank -> replacements started
         self.reaper = reaper
+        self.forkserver = forkserver  # warm interpreters, when ready (launcher/forkserver.py)
         self.workers: dict[int, Worker] = {}
         self.finished: set[int] = set()
         self.failed: dict[int, Failure] = {}
         self._bad_since: dict[int, float] = {}
         self._liveness = Liveness(settings.watch)
+        self._beats = ScriptBeats(settings.watch)
         self._runtime = False  # a worker of this node posted a chameleon_runtime status
         ranks = list(range(settings.rank_offset, settings.rank_offset + settings.nproc))
         self._injector = Injector(
@@ -157,6 +98,8 @@ class LocalGroup:
             "node": self.s.node_rank,
             "ranks": sorted(self.workers),
             "pids": [self.workers[r].pid for r in sorted(self.workers)],
+            # forked from the warm server (launcher/forkserver.py), not fresh interpreters
+            "warm": all(w.warm for w in self.workers.values()),
         }
 
     def _spawn(self, rank: int, log_name: str, env_extra: dict[str, str]) -> Worker:
@@ -182,7 +125,13 @@ class LocalGroup:
             max_restarts=self.s.max_restarts,
             run_id=self.s.run_id,
             error_file=str(log_dir / "error.json"),
-            chameleon={**self.s.extra_env, **self._failpoint_env(), **env_extra},
+            chameleon={
+                **self.s.extra_env,
+                **self._failpoint_env(),
+                # a plain script's heartbeats (chameleon_runtime.heartbeat), read here
+                "CHAMELEON_BEAT_FILE": str(log_dir / "heartbeat"),
+                **env_extra,
+            },
         )
         show = self.s.local_ranks_filter is None or local_rank in self.s.local_ranks_filter
         return start_worker(
@@ -196,6 +145,7 @@ class LocalGroup:
             console=self.console,
             show_on_console=show,
             reaper=self.reaper,
+            forkserver=self.forkserver,
         )
 
     def _respawn_requested(self) -> None:
@@ -215,8 +165,20 @@ class LocalGroup:
             self._bad_since.pop(rank, None)
             self._fault_times.pop(rank, None)  # its predecessor's, not its own
             self.emit(
-                "worker_respawned", rank=rank, attempt=self.s.attempt, count=wanted, pid=worker.pid
+                "worker_respawned",
+                rank=rank,
+                attempt=self.s.attempt,
+                count=wanted,
+                pid=worker.pid,
+                warm=worker.warm,
             )
+
+    def started_up(self, after_s: float) -> bool:
+        """Every worker has shown it is past its start-up (a line of output, a status or a
+        heartbeat), or ``after_s`` passed since they were spawned."""
+        if time.time() - self._started_at >= after_s:
+            return True
+        return all(w.first_output_at is not None for w in self.workers.values()) or (self._runtime)
 
     @property
     def all_finished(self) -> bool:
@@ -242,16 +204,17 @@ class LocalGroup:
                     hang = self._hang_reason(rank, worker, statuses.get(rank), now)
                 if hang is not None:
                     signal_worker(worker, signal.SIGKILL)
-                    new.append(self._failure(rank, worker, FailureKind.HANG, now, None, hang))
+                    report = ErrorReport(hang, None, None, "")
+                    new.append(self._failure(rank, worker, FailureKind.HANG, now, None, report))
                 continue
             if code == 0:
                 self.finished.add(rank)
                 continue
             kind = FailureKind.SIGNAL if code < 0 else FailureKind.EXIT
-            message = _last_error_line(worker, any_line=kind is FailureKind.EXIT)
+            report = _error_report(worker, exited=kind is FailureKind.EXIT)
             if rank in self._hung:  # killed on the leader's word: it hung
-                kind, message = FailureKind.HANG, self._hung.pop(rank)
-            new.append(self._failure(rank, worker, kind, now, code, message))
+                kind, report = FailureKind.HANG, ErrorReport(self._hung.pop(rank), None, None, "")
+            new.append(self._failure(rank, worker, kind, now, code, report))
         if now >= self._next_hang_check:
             self._next_hang_check = now + HANG_CHECK_PERIOD_S
         for failure in new:
@@ -293,11 +256,13 @@ class LocalGroup:
         kind: FailureKind,
         now: float,
         code: int | None,
-        message: str,
+        report: ErrorReport | None,
     ) -> Failure:
         failed_at = self._fault_times.get(rank)
         if failed_at is None and kind is FailureKind.HANG:
             failed_at = self._bad_since.get(rank, now)
+        if failed_at is None and report is not None and report.written_at is not None:
+            failed_at = min(report.written_at, now)  # when it raised, not when we polled
         logs = worker.log_files()
         return Failure(
             rank=rank,
@@ -307,8 +272,10 @@ class LocalGroup:
             failed_at=failed_at if failed_at is not None else now,
             detected_at=now,
             exit_code=code,
-            message=message,
+            message=report.message if report else "",
             log_file=str(logs[-1]) if logs else None,
+            where=report.where if report else None,
+            peer_error=report is not None and report.from_a_peer,
         )
 
     def _hang_reason(self, rank: int, worker: Worker, status, now: float) -> str | None:  # noqa: ANN001
@@ -324,7 +291,14 @@ class LocalGroup:
         else:
             self._bad_since.pop(rank, None)
         if not self._runtime:
-            return None  # a plain script: its process state is all there is to watch
+            # a plain script: its heartbeats if it calls chameleon_runtime.heartbeat(),
+            # else its process state is all there is to watch
+            hung = self._beats.judge(rank, worker.pid, _read_beat(worker.beat_file), now)
+            if hung is None:
+                return None
+            why, since = hung
+            self._bad_since[rank] = since
+            return why
         # durations on the monotonic clock (workers.Worker.started_at); ``now`` is the wall
         # clock of the failure's timestamps
         return self._liveness.judge(rank, worker.pid, worker.started_at, status, time.monotonic())
@@ -389,23 +363,38 @@ class LocalGroup:
         else:
             signal_worker(worker, signal.SIGTERM)
 
+    def stopped_lines(self, signum: int) -> list[str]:
+        """One line per rank of this node after ``stop(signum=...)``: how it ended."""
+        lines = []
+        for rank, worker in sorted(self.workers.items()):
+            code = worker.poll()
+            if rank in self.finished or rank in self.failed:
+                continue
+            how = f"exit code {code}" if code is None or code >= 0 else f"signal {-code}"
+            said = from_stderr(list(worker.stderr_tail), any_line=False)
+            where = f" ({said.message}{' at ' + said.where if said.where else ''})" if said else ""
+            lines.append(f"[rank {rank}]: stopped by signal {signum}: {how}{where}")
+        return lines
+
     def stop(self, *, signum: int = signal.SIGTERM, grace_s: float) -> None:
         stop_workers(
             list(self.workers.values()), signum=signum, grace_s=grace_s, reaper=self.reaper
         )
 
 
-def _last_error_line(worker: Worker, *, any_line: bool) -> str:
-    """The most telling stderr line: the last exception line, else (``any_line``, for a
-    worker that exited by itself) the last line. A worker killed by a signal wrote no last
-    words: its last line is whatever it printed before, e.g. a library's warning."""
-    time.sleep(0.05)  # let the pump drain what the process wrote before dying
-    lines = [line for line in worker.stderr_tail if line.strip()]
-    for line in reversed(lines):
-        stripped = line.strip()
-        if stripped and (
-            stripped.split(":")[0].endswith(("Error", "Exception", "Interrupt"))
-            or "Error:" in stripped
-        ):
-            return stripped[-300:]
-    return lines[-1].strip()[-300:] if lines and any_line else ""
+def _read_beat(path: Path) -> ScriptBeat | None:
+    try:
+        with open(path, "rb") as f:
+            return ScriptBeat.decode(f.read(BEAT_RECORD_BYTES))
+    except OSError:
+        return None
+
+
+def _error_report(worker: Worker, *, exited: bool) -> ErrorReport | None:
+    """What the worker said about its failure: its error file (torchrun's ``@record``),
+    else its stderr's last traceback or telling line (launcher/rootcause.py)."""
+    report = read_error_file(worker.error_file) if exited else None
+    if report is None:
+        time.sleep(0.05)  # let the pump drain what the process wrote before dying
+        report = from_stderr(list(worker.stderr_tail), any_line=exited)
+    return report

@@ -45,11 +45,13 @@ class Failure:
     exit_code: int | None = None  # the process's own code, negative for a signal
     message: str = ""
     log_file: str | None = None
+    where: str | None = None  # the script's file and line that raised (launcher/rootcause.py)
+    peer_error: bool = False  # the backend reporting a broken peer, not this rank's code
 
     @property
     def cause(self) -> Cause:
         if self.kind is FailureKind.EXIT:
-            return Cause.USER_CODE
+            return Cause.INFRASTRUCTURE if self.peer_error else Cause.USER_CODE
         if self.kind is FailureKind.SIGNAL:
             return Cause.HARDWARE
         return Cause.INFRASTRUCTURE
@@ -74,6 +76,8 @@ class Failure:
             "exit_code": self.exit_code,
             "message": self.message,
             "log_file": self.log_file,
+            "where": self.where,
+            "peer_error": self.peer_error,
         }
 
     @classmethod

@@ -11,6 +11,10 @@ Pure: statuses and times in, verdicts out.
   never under 60 s) once it has completed a step, within ``--startup-timeout`` before its
   first step and while it checkpoints. Recovery phases are the recovery state machine's
   to time (launcher/recovery.py); spares and finished workers make no progress to judge.
+- Heartbeats of plain scripts (``ScriptBeats``, each agent for its own workers): a
+  script that calls ``chameleon_runtime.heartbeat()`` once a step is hung when its beats
+  stop (see the class for the timeouts); one that never calls it is watched by its
+  process state alone (launcher/local.py).
 - Blame (``blame``): when one worker stalls its peers stall too, waiting for it. Each
   worker says what it waits on; the chain is followed to the worker that waits on no one
   but itself (its compute, its checkpoint), and that one alone is blamed, so the others
@@ -22,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from planner.protocol import WorkerStatus
+from planner.protocol import ScriptBeat, WorkerStatus
 
 MIN_STEP_TIMEOUT_S = 60.0
 STEP_TIMEOUT_FACTOR = 10.0
@@ -75,6 +79,43 @@ class Liveness:
         if now - started_at >= self.timeouts.startup_s:
             return f"no heartbeat within the startup timeout ({self.timeouts.startup_s:g} s)"
         return None
+
+
+class ScriptBeats:
+    """One agent's view of its plain scripts' heartbeats (chameleon_runtime.heartbeat):
+    a worker that has beaten twice is hung when its beats stop for --heartbeat-timeout,
+    or 10x the slowest gap between its beats when that is longer (a slow healthy step is
+    not a hang); inside a section, for the section's timeout (None: the startup timeout);
+    after one beat only, for the startup timeout (its first full step is still to come).
+    A worker without beats is left to the process-state check."""
+
+    def __init__(self, timeouts: Timeouts) -> None:
+        self.timeouts = timeouts
+        self._seen: dict[int, tuple[int, int, float]] = {}  # rank -> (pid, beats, moved at)
+
+    def judge(
+        self, rank: int, pid: int, beat: ScriptBeat | None, now: float
+    ) -> tuple[str, float] | None:
+        """(why the worker ``pid`` is hung, since when), or None."""
+        if beat is None or beat.pid != pid:
+            return None
+        seen = self._seen.get(rank)
+        if seen is None or seen[:2] != (pid, beat.beats):
+            self._seen[rank] = (pid, beat.beats, now)
+            return None
+        silent = now - seen[2]
+        if beat.section is not None:
+            limit = beat.timeout_s or self.timeouts.startup_s
+            where = f"in section {beat.section!r}, whose timeout is {limit:g} s"
+        elif beat.slowest_gap_s is None:
+            limit = self.timeouts.startup_s
+            where = f"after its first, within the startup timeout ({limit:g} s)"
+        else:
+            limit = max(self.timeouts.heartbeat_s, STEP_TIMEOUT_FACTOR * beat.slowest_gap_s)
+            where = f"(timeout {limit:g} s; slowest gap between beats {beat.slowest_gap_s:.2f} s)"
+        if silent < limit:
+            return None
+        return f"no heartbeat for {silent:.1f} s {where}", seen[2]
 
 
 @dataclass(frozen=True)

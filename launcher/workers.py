@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import ctypes
 import os
 import signal
 import subprocess
@@ -30,18 +29,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-_PR_SET_PDEATHSIG = 1
+from launcher.forkserver import die_with_parent
+from launcher.warm import ForkedProcess, ForkServer
 
 
 def _die_with_parent(parent_pid: int) -> Callable[[], None]:
-    def preexec() -> None:
-        if sys.platform.startswith("linux"):
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        if os.getppid() != parent_pid:  # the launcher died before prctl took effect
-            os._exit(1)
-
-    return preexec
+    return lambda: die_with_parent(parent_pid)
 
 
 class Reaper:
@@ -84,6 +77,9 @@ class Console:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.write: Callable[[str, bool], None] = self._plain
+        # Set while the job is being interrupted: workers' stderr (each one's
+        # KeyboardInterrupt traceback) stays in their logs; the agent says one line per rank.
+        self.quiet_errors = False
 
     @staticmethod
     def _plain(line: str, is_err: bool) -> None:
@@ -92,8 +88,15 @@ class Console:
         stream.flush()
 
     def emit(self, line: str, *, is_err: bool) -> None:
+        if is_err and self.quiet_errors:
+            return
         with self._lock:
             self.write(line, is_err)
+
+    def say(self, line: str) -> None:
+        """The launcher's own line, on stderr, even while workers' stderr is quiet."""
+        with self._lock:
+            self.write(line, True)
 
 
 @dataclass
@@ -106,7 +109,7 @@ class StreamPlan:
 class Worker:
     rank: int
     local_rank: int
-    popen: subprocess.Popen
+    popen: subprocess.Popen | ForkedProcess
     # time.monotonic() at spawn: the startup timeout is a duration, and a wall clock that
     # steps (an NTP correction) would make a worker starting normally look hung
     started_at: float
@@ -115,6 +118,8 @@ class Worker:
     stderr: StreamPlan
     stderr_tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=40))
     pumps: list[threading.Thread] = field(default_factory=list)
+    warm: bool = False  # forked from the warm server, not a fresh interpreter
+    first_output_at: float | None = None  # its first line on either stream (it is up)
 
     @property
     def pid(self) -> int:
@@ -126,6 +131,10 @@ class Worker:
     @property
     def error_file(self) -> Path:
         return self.log_dir / "error.json"
+
+    @property
+    def beat_file(self) -> Path:
+        return self.log_dir / "heartbeat"
 
     def log_files(self) -> list[Path]:
         return [p for p in (self.stdout.to_file, self.stderr.to_file) if p is not None]
@@ -154,25 +163,36 @@ def start_worker(
     show_on_console: bool,
     reaper: Reaper | None = None,
     cwd: str | None = None,
+    forkserver: ForkServer | None = None,
 ) -> Worker:
+    """Start one worker: a child of the warm fork server when one is given and ready
+    (launcher/forkserver.py), else a fresh process."""
     log_dir.mkdir(parents=True, exist_ok=True)
     out_plan, err_plan = stream_plans(log_dir, redirect, tee)
     if not show_on_console:
         out_plan.to_console = err_plan.to_console = False
-    popen = subprocess.Popen(
-        list(cmd),
-        env=env,
-        cwd=cwd,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        start_new_session=True,
-        preexec_fn=_die_with_parent(os.getpid()),
-    )
+    forked = forkserver.spawn(list(cmd), env, cwd) if forkserver is not None else None
+    popen: subprocess.Popen | ForkedProcess
+    if forked is not None:
+        popen, out_fd, err_fd = forked
+        pipes: tuple[IO[bytes], IO[bytes]] = (os.fdopen(out_fd, "rb"), os.fdopen(err_fd, "rb"))
+    else:
+        popen = subprocess.Popen(
+            list(cmd),
+            env=env,
+            cwd=cwd,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+            preexec_fn=_die_with_parent(os.getpid()),
+        )
+        pipes = (popen.stdout, popen.stderr)  # type: ignore[assignment]
     if reaper is not None:
         reaper.hold(popen.pid)  # the worker leads its own session: pgid == pid
     worker = Worker(rank, local_rank, popen, time.monotonic(), log_dir, out_plan, err_plan)
-    for pipe, plan, is_err in ((popen.stdout, out_plan, False), (popen.stderr, err_plan, True)):
+    worker.warm = forked is not None
+    for pipe, plan, is_err in ((pipes[0], out_plan, False), (pipes[1], err_plan, True)):
         thread = threading.Thread(
             target=_pump,
             args=(pipe, plan, is_err, worker, console),
@@ -191,6 +211,8 @@ def _pump(
     sink = open(plan.to_file, "ab") if plan.to_file else None  # noqa: SIM115 - closed below
     try:
         for raw in iter(pipe.readline, b""):
+            if worker.first_output_at is None:
+                worker.first_output_at = time.monotonic()
             if sink is not None:
                 sink.write(raw)
                 sink.flush()

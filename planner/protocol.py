@@ -20,6 +20,8 @@ Channels, all under ``chameleon/<attempt>/``:
   rendezvous. The leader deletes a generation's keys once a later one is applied, and the
   last member to reach a step's commit deletes the previous step's keys, so the store does
   not grow with steps or recoveries.
+- Not in the store: a plain script's ``ScriptBeat`` (chameleon_runtime.heartbeat), one
+  fixed-size record in the file ``CHAMELEON_BEAT_FILE`` names, read by its own agent.
 - ``aware/<rank>``, ``job``, ``layer/<i>``, ``latest``, ``phase``, ``finished``,
   ``respawn/<rank>``: registration, the job's description, the latest generation, the
   leader's recovery phase, the final step, and replacement requests.
@@ -285,3 +287,35 @@ def commit_name(step: int) -> str:
 
 def checkpoint_name(step: int) -> str:
     return f"ckpt/{step}"
+
+
+# -- plain scripts' heartbeats ---------------------------------------------------------
+
+BEAT_RECORD_BYTES = 256  # fixed: a reader never sees the tail of a longer, older record
+
+
+class ScriptBeat(BaseModel):
+    """A plain script's heartbeat record: who wrote it, how many beats, the open section."""
+
+    model_config = ConfigDict(frozen=True)
+
+    pid: int
+    beats: int
+    section: str | None = None
+    timeout_s: float | None = None  # the section's; None: the startup timeout
+    # the longest time between two heartbeats so far (sections left out); None before two
+    slowest_gap_s: float | None = None
+
+    def encode(self) -> bytes:
+        data = self.model_dump_json().encode()
+        if len(data) > BEAT_RECORD_BYTES:
+            raise ValueError("section name too long for a heartbeat record")
+        return data.ljust(BEAT_RECORD_BYTES)
+
+    @classmethod
+    def decode(cls, data: bytes) -> ScriptBeat | None:
+        """None for an empty or torn record (read while being rewritten): read again later."""
+        try:
+            return cls.model_validate_json(data.strip() or b"{}")
+        except ValueError:
+            return None

@@ -1,0 +1,73 @@
+"""What one node's workers are started with for one round: the command torchrun would run
+and the round's settings, from ``chameleon run``'s arguments and the round's world."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from launcher.args import RunArgs
+from launcher.rendezvous import NodeInfo, World
+from launcher.watch import Timeouts as WatchTimeouts
+
+RUN_PATH_SNIPPET = (
+    "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+)
+
+
+def worker_command(
+    script: str, args: Sequence[str], *, module: bool, no_python: bool, run_path: bool
+) -> list[str]:
+    """torchrun's: python -u SCRIPT, python -u -m MODULE, SCRIPT (--no-python), or
+    runpy.run_path in a fresh interpreter (--run-path)."""
+    if run_path:
+        return [sys.executable, "-u", "-c", RUN_PATH_SNIPPET, script, *args]
+    if no_python:
+        return [script, *args]
+    if module:
+        return [sys.executable, "-u", "-m", script, *args]
+    return [sys.executable, "-u", script, *args]
+
+
+@dataclass
+class RoundSettings:
+    attempt: int
+    node_rank: int
+    num_nodes: int
+    rank_offset: int
+    world_size: int
+    nproc: int
+    role: str
+    master_addr: str
+    master_port: int
+    max_restarts: int
+    run_id: str
+    log_dir: Path
+    redirects: dict[int, int]
+    tee: dict[int, int]
+    local_ranks_filter: frozenset[int] | None
+    watch: WatchTimeouts
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def of(
+        cls, a: RunArgs, world: World, me: NodeInfo, *, run_id: str, run_dir: Path
+    ) -> RoundSettings:
+        """This node's settings for one round, from ``chameleon run``'s arguments."""
+        watch = WatchTimeouts(a.heartbeat_timeout_s, a.step_timeout_s, a.startup_timeout_s)
+        return cls(
+            attempt=world.attempt, node_rank=me.node_rank, num_nodes=len(world.nodes),
+            rank_offset=me.rank_offset, world_size=world.world_size, nproc=me.nproc,
+            role=a.role, master_addr=world.worker_addr, master_port=world.worker_port,
+            max_restarts=a.max_restarts, run_id=run_id, log_dir=run_dir,
+            redirects=a.redirects, tee=a.tee, local_ranks_filter=a.local_ranks_filter,
+            watch=watch,
+            extra_env={
+                # This launch's folder, the same for every attempt: a script can keep its
+                # checkpoints there, so a restart resumes and a new launch starts fresh.
+                "CHAMELEON_RUN_DIR": str(run_dir),
+                "CHAMELEON_HEARTBEAT_S": f"{watch.beat_period_s:g}",
+            },
+        )  # fmt: skip

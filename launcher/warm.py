@@ -1,0 +1,187 @@
+"""The launcher's end of the warm fork server (launcher/forkserver.py): start it, spawn
+workers through it, learn their exit codes, close it.
+
+A child of the server is not the launcher's child: its exit code comes from the server,
+which reaps it and reports it over the socket. ``ForkedProcess`` wraps that in the parts
+of ``subprocess.Popen`` the launcher uses, so launcher/workers.py treats both alike.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+from launcher.forkserver import MAX_MESSAGE, eligible, send
+
+
+class ForkedProcess:
+    """A child of the fork server, shaped like the parts of ``subprocess.Popen`` the
+    launcher uses (pid, poll, wait, send_signal); its exit code comes from the server."""
+
+    def __init__(self, pid: int, server: ForkServer) -> None:
+        self.pid = pid
+        self._server = server
+        self._code: int | None = None
+
+    @property
+    def returncode(self) -> int | None:
+        if self._code is None:
+            self._code = self._server.exit_code(self.pid)
+            if self._code is not None:
+                self._server.forget(self.pid)  # kept here: the server's table stays small
+        return self._code
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            self._server.wait_exit(self.pid, timeout)
+        code = self.returncode
+        if code is None:
+            raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout or 0)
+        return code
+
+    def send_signal(self, signum: int) -> None:
+        if self.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signum)
+
+
+class ForkServer:
+    """The launcher's handle on its fork server: start it, spawn through it, close it."""
+
+    def __init__(self, env: dict[str, str], log_file: Path) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        log_file.parent.mkdir(parents=True, exist_ok=True)
+        with open(log_file, "ab") as log:
+            self._proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "launcher.forkserver",
+                    str(theirs.fileno()),
+                    str(os.getpid()),
+                ],
+                env=env,
+                cwd=str(Path(__file__).resolve().parent.parent),  # where `launcher` imports
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=log,
+                pass_fds=[theirs.fileno()],
+                start_new_session=True,
+            )
+        theirs.close()
+        self._sock = ours
+        self._lock = threading.Lock()  # one spawn at a time
+        self._changed = threading.Condition()
+        self._exits: dict[int, int] = {}
+        self._spawned: dict[int, int] = {}  # request id -> pid
+        self._next_id = 0
+        self._ready = False
+        self._dead = False
+        self._reader = threading.Thread(target=self._read, name="forkserver", daemon=True)
+        self._reader.start()
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    @property
+    def ready(self) -> bool:
+        return self._ready and not self._dead
+
+    def wait_ready(self, timeout: float) -> bool:
+        with self._changed:
+            self._changed.wait_for(lambda: self._ready or self._dead, timeout)
+        return self.ready
+
+    def _read(self) -> None:
+        while True:
+            try:
+                data = self._sock.recv(MAX_MESSAGE)
+            except OSError:
+                data = b""
+            with self._changed:
+                if not data:
+                    self._dead = True
+                    self._changed.notify_all()
+                    return
+                message = json.loads(data)
+                op = message.get("op")
+                if op == "ready":
+                    self._ready = True
+                elif op == "spawned":
+                    self._spawned[message["id"]] = message["pid"]
+                elif op == "exited":
+                    self._exits[message["pid"]] = message["code"]
+                self._changed.notify_all()
+
+    def spawn(
+        self, argv: list[str], env: dict[str, str], cwd: str | None = None, timeout: float = 10.0
+    ) -> tuple[ForkedProcess, int, int] | None:
+        """A child running ``argv``: (process, its stdout's read end, its stderr's read
+        end), or None when the server cannot (not ready, gone): start it fresh instead."""
+        if not self.ready or not eligible(argv):
+            return None
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        with self._lock:
+            self._next_id += 1
+            # a fresh process would inherit the launcher's folder; the server's is not it
+            where = cwd or os.getcwd()
+            request = {"op": "spawn", "id": self._next_id, "argv": argv, "env": env, "cwd": where}
+            try:
+                send(self._sock, request, [out_w, err_w])
+            except OSError:
+                pid = None
+            else:
+                with self._changed:
+                    self._changed.wait_for(
+                        lambda: self._next_id in self._spawned or self._dead, timeout
+                    )
+                    pid = self._spawned.pop(self._next_id, None)
+        os.close(out_w)
+        os.close(err_w)
+        if pid is None:
+            os.close(out_r)
+            os.close(err_r)
+            return None
+        return ForkedProcess(pid, self), out_r, err_r
+
+    def exit_code(self, pid: int) -> int | None:
+        with self._changed:
+            if pid in self._exits:
+                return self._exits[pid]
+            if self._dead:
+                return -signal.SIGKILL  # the server went, and its children with it
+            return None
+
+    def wait_exit(self, pid: int, timeout: float | None) -> int | None:
+        with self._changed:
+            self._changed.wait_for(lambda: pid in self._exits or self._dead, timeout)
+        return self.exit_code(pid)
+
+    def forget(self, pid: int) -> None:
+        """The launcher is done with ``pid``: drop its exit code (bounded state)."""
+        with self._changed:
+            self._exits.pop(pid, None)
+
+    def close(self) -> None:
+        """The launcher is done: the server exits when its socket closes."""
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+        self._sock.close()
+        try:
+            self._proc.wait(timeout=5)
+        except Exception:  # noqa: BLE001 - a server that does not leave is killed
+            self._proc.kill()
+            self._proc.wait(timeout=5)
+        self._reader.join(timeout=2)

@@ -1,0 +1,97 @@
+"""The warm fork server (launcher/forkserver.py) as the launcher drives it: real forks of
+a real server with torch imported, real pipes, real signals."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+import pytest
+
+from launcher.forkserver import eligible
+from launcher.warm import ForkServer
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    log = tmp_path_factory.mktemp("forkserver") / "server.log"
+    fs = ForkServer(dict(os.environ, OMP_NUM_THREADS="1"), log)
+    assert fs.wait_ready(120), log.read_text() if log.exists() else "no log"
+    yield fs
+    fs.close()
+
+
+def _spawn(server, tmp_path, source: str, *args: str, env: dict | None = None):
+    script = tmp_path / "child.py"
+    script.write_text(source)
+    spawned = server.spawn(
+        [sys.executable, "-u", str(script), *args], {**os.environ, **(env or {})}, str(tmp_path)
+    )
+    assert spawned is not None
+    proc, out_fd, err_fd = spawned
+    return proc, os.fdopen(out_fd, "rb"), os.fdopen(err_fd, "rb")
+
+
+def test_a_child_runs_the_script_with_its_argv_env_and_folder(server, tmp_path):
+    proc, out, err = _spawn(
+        server,
+        tmp_path,
+        "import os, sys, torch\n"
+        "print(sys.argv[1:], os.environ['WHO'], os.getcwd(), __name__, sys.path[0],\n"
+        "      torch.get_num_threads(), 'launcher' in sys.modules, os.getsid(0) == os.getpid())\n"
+        "sys.exit(7)\n",
+        "a",
+        "b",
+        env={"WHO": "rank-3", "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.wait(timeout=30) == 7
+    line = out.read().decode().strip()
+    # its own session (the launcher signals the session), our modules not in its way
+    assert line == f"['a', 'b'] rank-3 {tmp_path} __main__ {tmp_path} 1 False True"
+
+
+def test_an_exception_prints_its_traceback_and_exits_1(server, tmp_path):
+    proc, out, err = _spawn(server, tmp_path, "def f():\n    raise KeyError('x')\nf()\n")
+    assert proc.wait(timeout=30) == 1
+    text = err.read().decode()
+    assert "Traceback" in text and "KeyError: 'x'" in text and 'child.py", line 2, in f' in text
+
+
+def test_a_signal_is_reported_as_popen_does(server, tmp_path):
+    proc, out, err = _spawn(
+        server, tmp_path, "import time\nprint('up', flush=True)\ntime.sleep(60)\n"
+    )
+    assert out.readline() == b"up\n"
+    assert proc.poll() is None
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait(timeout=30) == -signal.SIGKILL
+
+
+def test_only_plain_python_commands_are_forked():
+    assert eligible([sys.executable, "-u", "train.py", "--lr", "1"])
+    assert eligible([sys.executable, "-u", "-m", "pkg.train"])
+    assert not eligible(["/usr/bin/env", "python", "train.py"])  # --no-python
+    assert not eligible([sys.executable, "-X", "dev", "train.py"])  # a flag it cannot honour
+    assert not eligible([])
+
+
+def test_children_die_with_the_server(tmp_path):
+    fs = ForkServer(dict(os.environ), tmp_path / "server.log")
+    assert fs.wait_ready(120)
+    proc, out, _err = _spawn(fs, tmp_path, "import time\nprint('up', flush=True)\ntime.sleep(60)\n")
+    assert out.readline() == b"up\n"
+    os.kill(fs.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.kill(proc.pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail("the child outlived its server")
+    assert proc.wait(timeout=10) == -signal.SIGKILL
+    assert fs.spawn([sys.executable, "-u", "x.py"], {}, None) is None  # gone: start fresh
+    fs.close()

@@ -1,0 +1,185 @@
+"""Plain torchrun scripts under ``chameleon run``: warm restarts that run the script as a
+fresh interpreter would, root causes from torchrun's error file, hang detection by
+heartbeats. Real workers, real gloo, real kills."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+
+from tests.launcher.helpers import events, run, start, write
+
+PROBE = """
+    import json, os, sys, time
+    import torch
+    attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
+    rank = os.environ["RANK"]
+    facts = {"argv": sys.argv, "cwd": os.getcwd(), "path0": sys.path[0], "name": __name__,
+             "file": __file__, "threads": torch.get_num_threads(),
+             "main": sys.modules["__main__"].__file__, "world": os.environ["WORLD_SIZE"]}
+    with open(f"facts_{attempt}_{rank}.json", "w") as f:
+        json.dump(facts, f)
+    if attempt == "0" and rank == "1":
+        print("up", flush=True)  # the agent starts its fork server once its workers are up
+        while sys.argv[2] == "wait" and "warm_start_ready" not in open(sys.argv[1]).read():
+            time.sleep(0.1)
+        sys.exit(5)
+"""
+
+
+def test_a_restart_forks_warm_workers_that_see_what_fresh_ones_saw(tmp_path):
+    script = write(tmp_path / "probe.py", PROBE)
+    log = tmp_path / "events.jsonl"
+    result = run(
+        "run", "--nproc-per-node", "2", "--max-restarts", "1", "--events", str(log),
+        "probe.py", str(log), "wait", cwd=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    started = [e for e in events(log) if e["event"] == "workers_started"]
+    assert [e["warm"] for e in started] == [False, True]
+    for rank in (0, 1):
+        fresh = json.loads((tmp_path / f"facts_0_{rank}.json").read_text())
+        warm = json.loads((tmp_path / f"facts_1_{rank}.json").read_text())
+        assert warm == fresh
+        assert fresh["argv"] == ["probe.py", str(log), "wait"] and fresh["file"] == str(script)
+
+
+def test_no_warm_start_restarts_fresh_interpreters(tmp_path):
+    write(tmp_path / "probe.py", PROBE)
+    log = tmp_path / "events.jsonl"
+    result = run(
+        "run", "--nproc-per-node", "2", "--max-restarts", "1", "--no-warm-start",
+        "--events", str(log), "probe.py", str(log), "go", cwd=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert [e["warm"] for e in events(log) if e["event"] == "workers_started"] == [False, False]
+
+
+def test_the_root_cause_comes_from_torchruns_error_file(tmp_path):
+    write(
+        tmp_path / "fail.py",
+        """
+        import os, time
+        from torch.distributed.elastic.multiprocessing.errors import record
+
+        @record
+        def main():
+            if os.environ["RANK"] == "1":
+                raise ValueError("bad batch size 7")
+            time.sleep(60)
+
+        main()
+        """,
+    )
+    log = tmp_path / "events.jsonl"
+    result = run(
+        "run", "--nproc-per-node", "2", "--plain", "--events", str(log), "fail.py", cwd=tmp_path
+    )
+    assert result.returncode == 1
+    (failure,) = [e for e in events(log) if e["event"] == "failure"]
+    assert failure["rank"] == 1 and failure["message"] == "ValueError: bad batch size 7"
+    assert failure["where"] == f"{tmp_path / 'fail.py'}:8 in main"
+    assert failure["failed_at"] <= failure["detected_at"]
+    assert "ValueError: bad batch size 7" in result.stderr and "user code" in result.stderr
+    assert "fail.py:8 in main" in result.stderr
+
+
+def test_without_an_error_file_the_traceback_on_stderr_is_read(tmp_path):
+    write(
+        tmp_path / "fail.py",
+        """
+        import os, time
+        def load(config):
+            return config["lr"]
+        if os.environ["RANK"] == "0":
+            load({})
+        time.sleep(60)
+        """,
+    )
+    log = tmp_path / "events.jsonl"
+    result = run("run", "--nproc-per-node", "2", "--events", str(log), "fail.py", cwd=tmp_path)
+    assert result.returncode == 1
+    (failure,) = [e for e in events(log) if e["event"] == "failure"]
+    assert failure["message"] == "KeyError: 'lr'"
+    assert failure["where"] == f"{tmp_path / 'fail.py'}:4 in load"
+
+
+STUCK = """
+    import os, sys, time
+    import torch
+    import torch.distributed as dist
+    import chameleon_runtime as cr
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    start = int(open("ckpt.txt").read()) + 1 if os.path.exists("ckpt.txt") else 0
+    for step in range(start, 30):
+        if attempt == 0 and rank == 1 and step == 12:
+            print(f"STUCK {time.time():.3f}", flush=True)
+            time.sleep(3600)  # blocks forever before its all-reduce
+        t = torch.ones(4)
+        dist.all_reduce(t)
+        if rank == 0 and step % 5 == 0:
+            with cr.section("checkpoint", timeout=60):
+                with open("ckpt.tmp", "w") as f:
+                    f.write(str(step))
+                os.replace("ckpt.tmp", "ckpt.txt")
+        if rank == 0:
+            print(f"STEP {step} {attempt} {time.time():.3f}", flush=True)
+        cr.heartbeat()
+        time.sleep(0.02)
+    dist.destroy_process_group()
+"""
+
+
+def test_a_rank_stuck_before_its_all_reduce_is_caught_by_its_heartbeats(tmp_path):
+    write(tmp_path / "stuck.py", STUCK)
+    log = tmp_path / "events.jsonl"
+    timeout = 3.0
+    result = run(
+        "run", "--nproc-per-node", "2", "--max-restarts", "1", "--heartbeat-timeout",
+        str(timeout), "--events", str(log), "stuck.py", cwd=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    lines = [line.split(": ", 1)[-1].split() for line in result.stdout.splitlines()]
+    stuck_at = next(float(w[1]) for w in lines if w and w[0] == "STUCK")
+    resumed = [(int(w[1]), float(w[3])) for w in lines if w and w[0] == "STEP" and w[2] == "1"]
+    assert resumed[0][0] == 11  # from the checkpoint of step 10, not from the start
+    record = events(log)
+    hangs = [e for e in record if e["event"] == "failure" and e["kind"] == "hang"]
+    assert hangs and all("no heartbeat for" in e["message"] for e in hangs)
+    restarted = next(
+        e["t"] for e in record if e["event"] == "workers_started" and e["attempt"] == 1
+    )
+    # caught after the timeout (not NCCL's or gloo's minutes), restarted within a second more
+    # (the last beat written can precede the STUCK line by a write interval and a sleep)
+    assert timeout - 0.5 <= restarted - stuck_at < timeout + 1.0
+
+
+def test_ctrl_c_shows_one_line_per_rank_not_every_traceback(tmp_path):
+    write(
+        tmp_path / "loop.py",
+        """
+        import time
+        print("up", flush=True)
+        while True:
+            time.sleep(0.1)
+        """,
+    )
+    log = tmp_path / "out.txt"
+    proc = start("run", "--nproc-per-node", "3", "--plain", "loop.py", cwd=tmp_path, log=log)
+    deadline = time.monotonic() + 60
+    while log.read_text().count("up") < 3 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=60) == 130
+    text = log.read_text()
+    assert "Traceback" not in text
+    worker_lines = [x.split(": ", 1)[1] for x in text.splitlines() if x.startswith("[rank ")]
+    assert all(x == "up" or x.startswith("stopped by signal") for x in worker_lines)
+    for rank in range(3):
+        (line,) = [x for x in text.splitlines() if x.startswith(f"[rank {rank}]: stopped")]
+        assert "stopped by signal 2" in line and "KeyboardInterrupt" in line and "loop.py" in line
