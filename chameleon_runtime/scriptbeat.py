@@ -30,7 +30,7 @@ import os
 import time
 from collections.abc import Iterator
 
-from planner.protocol import BEAT_RECORD_BYTES, ScriptBeat
+from planner.protocol import ScriptBeat
 
 ENV = "CHAMELEON_BEAT_FILE"
 _MIN_GAP_S = 0.05  # beats closer than this are not written (a fast loop pays nothing)

@@ -48,7 +48,8 @@ FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUI
 # grace to flush, not the full shutdown timeout.
 RESTART_GRACE_S = 2.0
 SYNC_PERIOD_S = 0.25
-WARM_START_AFTER_S = 30.0  # start the fork server by then even if the workers say nothing
+# The first round waits this long for the fork server's imports, then starts fresh workers.
+WARM_START_WAIT_S = 120.0
 
 
 @dataclass
@@ -97,7 +98,7 @@ class Agent:
         self.control: ControlPlane | None = None
         self.reaper: Reaper | None = None
         self.forkserver: ForkServer | None = None
-        self._warm_announced = False  # the "warm_start_ready" event was emitted
+        self._server_awaited = False  # the first round waited for the fork server
         # Leader: the last round's world, and when each node's heartbeat last moved.
         self._last_world: World | None = None
         self.beat_seen: dict[str, float] = {}
@@ -153,6 +154,8 @@ class Agent:
         self.reaper = Reaper()
         beating: threading.Thread | None = None
         try:
+            if a.warm_start:
+                self._start_forkserver()  # its imports overlap ours and the rendezvous
             if a.max_nodes == 1:
                 control, first = self._start_single_node()
             else:
@@ -219,9 +222,9 @@ class Agent:
         return control
 
     def _start_single_node(self) -> tuple[ControlPlane, tuple[World, LocalGroup]]:
-        """One node needs no rendezvous: bind both stores' sockets in plain Python, start
-        the workers, and only then import torch and serve the stores. The workers' own
-        imports (seconds) overlap ours; their store clients wait in the listen backlog."""
+        """One node needs no rendezvous: bind both stores' sockets in plain Python, then
+        import torch and serve the stores while the workers' imports (fresh workers) or
+        the fork server's (warm ones) take seconds; store clients wait in the backlog."""
         addr, port, _ = self._control_endpoint()
         try:
             control_socket = bind_listener(addr, port)
@@ -233,14 +236,19 @@ class Agent:
         key = node_key()
         host = self.args.local_addr or socket.gethostname()
         world = World(0, (NodeInfo(key, 0, self.args.nproc_per_node, host, 0),), bound, worker_port)
-        group = self._start_group(world, world.nodes[0])
+        # Fresh workers start now and import torch while we do; forks of the warm server
+        # start once it is ready, and the server's imports overlap ours instead.
+        group = None if self.forkserver is not None else self._start_group(world, world.nodes[0])
         timeout = float(self.args.rdzv_conf.get("join_timeout", 600))
         try:
             store = serve_store(control_socket, timeout_s=timeout)
             self.worker_store = serve_store(worker_socket, timeout_s=timeout)
         except StoreError as exc:
-            group.stop(grace_s=RESTART_GRACE_S)
+            if group is not None:
+                group.stop(grace_s=RESTART_GRACE_S)
             raise JobError(str(exc)) from None
+        if group is None:
+            group = self._start_group(world, world.nodes[0])
         put_json(store, RUN_ID_KEY, self.run_id)
         control = ControlPlane(
             store,
@@ -310,24 +318,24 @@ class Agent:
             reaper=self.reaper,
             forkserver=self.forkserver,
         )
+        self._await_forkserver()
         group.start()
         self.started_at = time.monotonic()
-        if world.attempt > 0:
-            self._warm_up(group, force=True)  # not up before a failure: up for the next one
         return group
 
-    def _warm_up(self, group: LocalGroup, *, force: bool = False) -> None:
-        """Start the fork server for the next restart (launcher/forkserver.py) once this
-        round's workers are up (each has written a line or a status, or 30 s passed):
-        its imports would otherwise take the cores the workers' own start-up needs."""
+    def _await_forkserver(self) -> None:
+        """Workers are forks of the warm server (launcher/forkserver.py) once it is ready:
+        the first round waits for it (one import of torch instead of one per worker),
+        later rounds find it ready. Not ready in time, or gone: fresh processes."""
         server = self.forkserver
-        if server is not None:
-            if not self._warm_announced and server.ready:
-                self._warm_announced = True
-                self.events.emit("warm_start_ready", pid=server.pid)
+        if server is None or self._server_awaited:
             return
-        if self.args.warm_start and (force or group.started_up(WARM_START_AFTER_S)):
-            self._start_forkserver()
+        self._server_awaited = True  # once: a server not ready by then is not waited for again
+        waited = time.monotonic()
+        if server.wait_ready(WARM_START_WAIT_S):
+            self.events.emit(
+                "warm_start_ready", pid=server.pid, waited_s=round(time.monotonic() - waited, 3)
+            )
 
     def _start_forkserver(self) -> None:
         env = dict(os.environ)
@@ -387,7 +395,6 @@ class Agent:
                 # machine whose cores the workers saturate, the launcher's own polling
                 # comes out of their step time.
                 news = False
-                self._warm_up(group)
                 for failure in group.poll():
                     self.events.emit("failure", **failure.to_json())
                     control.report_failure(failure)

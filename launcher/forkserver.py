@@ -1,9 +1,9 @@
 """Warm interpreters for restarts: a fork server that has imported torch.
 
 Most of a plain script's restart is fresh interpreters importing torch again (1-2 s each
-here, every worker at once on the same cores). Each agent keeps one server process that
-imported torch (and what scripts import lazily, ``PRELOAD``) once and waits. A restart
-(or a replacement rank) asks it for a child per worker: the server forks, and the child takes the worker's argv,
+here, every worker at once on the same cores). Each agent starts one server process
+first, which imports torch (and what scripts import lazily, ``PRELOAD``) once and waits.
+Every worker (the first round's, a restart's, a replacement rank) is a child of it: the server forks, and the child takes the worker's argv,
 environment, working folder and output pipes and runs the script as ``python -u SCRIPT``
 would (``__main__``, ``sys.argv``, ``sys.path[0]``, exit code, traceback on stderr).
 
@@ -17,9 +17,11 @@ Differences from a fresh interpreter, and what is done about them:
 - CUDA must not be initialised before a fork: the server never touches a device.
 - Our own modules are dropped from ``sys.modules`` in the child, so a script's own
   ``launcher`` package is imported as it would be in a fresh interpreter.
-- ``ps`` shows a child with the server's command line (a fork does not exec).
-Anything the server cannot do (not started yet, died, a ``--no-python`` command) falls
-back to a fresh process (launcher/workers.py); ``--no-warm-start`` turns the server off.
+- ``ps`` would show a child with the server's command line (a fork does not exec): the
+  child sets its title to the worker's command (setproctitle). Its /proc environ still
+  shows the server's environment; ``os.environ`` is the worker's.
+Anything the server cannot do (not ready within 120 s, died, a ``--no-python`` command)
+falls back to a fresh process (launcher/workers.py); ``--no-warm-start`` turns the server off.
 
 Launcher and server talk over a SOCK_SEQPACKET socket pair (message boundaries kept, file
 descriptors passed with SCM_RIGHTS): one JSON object per message, never pickle.
@@ -102,6 +104,12 @@ def serve(sock: socket.socket) -> ChildSpec | None:
             importlib.import_module(name)
         except Exception:  # noqa: BLE001 - a module this torch lacks: the child imports its own
             continue
+    with contextlib.suppress(ImportError):
+        # set up here, while argv and environ are the process's own: it finds their memory
+        # by them (its set-up is lazy, hence the call), and children inherit the set-up
+        import setproctitle
+
+        setproctitle.getproctitle()
 
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
@@ -167,6 +175,12 @@ def _become(spec: ChildSpec) -> None:
         sys.modules["numpy"].random.seed()
     for name in [n for n in sys.modules if n == "launcher" or n.startswith("launcher.")]:
         del sys.modules[name]
+    try:  # ps shows the worker's command, not the server's (a fork does not exec)
+        import setproctitle
+
+        setproctitle.setproctitle(" ".join(spec.argv))
+    except ImportError:
+        pass
     rest = spec.argv[1:]
     while rest and rest[0] == "-u":
         rest = rest[1:]

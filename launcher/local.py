@@ -173,13 +173,6 @@ class LocalGroup:
                 warm=worker.warm,
             )
 
-    def started_up(self, after_s: float) -> bool:
-        """Every worker has shown it is past its start-up (a line of output, a status or a
-        heartbeat), or ``after_s`` passed since they were spawned."""
-        if time.time() - self._started_at >= after_s:
-            return True
-        return all(w.first_output_at is not None for w in self.workers.values()) or (self._runtime)
-
     @property
     def all_finished(self) -> bool:
         """Every worker exited 0 or failed (a failure handled in place leaves the rest to

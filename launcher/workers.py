@@ -119,7 +119,6 @@ class Worker:
     stderr_tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=40))
     pumps: list[threading.Thread] = field(default_factory=list)
     warm: bool = False  # forked from the warm server, not a fresh interpreter
-    first_output_at: float | None = None  # its first line on either stream (it is up)
 
     @property
     def pid(self) -> int:
@@ -211,8 +210,6 @@ def _pump(
     sink = open(plan.to_file, "ab") if plan.to_file else None  # noqa: SIM115 - closed below
     try:
         for raw in iter(pipe.readline, b""):
-            if worker.first_output_at is None:
-                worker.first_output_at = time.monotonic()
             if sink is not None:
                 sink.write(raw)
                 sink.flush()

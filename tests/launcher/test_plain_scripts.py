@@ -11,49 +11,39 @@ import time
 from tests.launcher.helpers import events, run, start, write
 
 PROBE = """
-    import json, os, sys, time
+    import json, os, sys
     import torch
     attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
     rank = os.environ["RANK"]
     facts = {"argv": sys.argv, "cwd": os.getcwd(), "path0": sys.path[0], "name": __name__,
              "file": __file__, "threads": torch.get_num_threads(),
              "main": sys.modules["__main__"].__file__, "world": os.environ["WORLD_SIZE"]}
-    with open(f"facts_{attempt}_{rank}.json", "w") as f:
+    with open(f"facts_{sys.argv[1]}_{attempt}_{rank}.json", "w") as f:
         json.dump(facts, f)
     if attempt == "0" and rank == "1":
-        print("up", flush=True)  # the agent starts its fork server once its workers are up
-        while sys.argv[2] == "wait" and "warm_start_ready" not in open(sys.argv[1]).read():
-            time.sleep(0.1)
         sys.exit(5)
 """
 
 
-def test_a_restart_forks_warm_workers_that_see_what_fresh_ones_saw(tmp_path):
+def test_workers_are_forks_of_the_warm_server_and_see_what_fresh_ones_see(tmp_path):
     script = write(tmp_path / "probe.py", PROBE)
-    log = tmp_path / "events.jsonl"
-    result = run(
-        "run", "--nproc-per-node", "2", "--max-restarts", "1", "--events", str(log),
-        "probe.py", str(log), "wait", cwd=tmp_path,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr
-    started = [e for e in events(log) if e["event"] == "workers_started"]
-    assert [e["warm"] for e in started] == [False, True]
-    for rank in (0, 1):
-        fresh = json.loads((tmp_path / f"facts_0_{rank}.json").read_text())
-        warm = json.loads((tmp_path / f"facts_1_{rank}.json").read_text())
-        assert warm == fresh
-        assert fresh["argv"] == ["probe.py", str(log), "wait"] and fresh["file"] == str(script)
-
-
-def test_no_warm_start_restarts_fresh_interpreters(tmp_path):
-    write(tmp_path / "probe.py", PROBE)
-    log = tmp_path / "events.jsonl"
-    result = run(
-        "run", "--nproc-per-node", "2", "--max-restarts", "1", "--no-warm-start",
-        "--events", str(log), "probe.py", str(log), "go", cwd=tmp_path,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr
-    assert [e["warm"] for e in events(log) if e["event"] == "workers_started"] == [False, False]
+    for how, flags in (("warm", []), ("fresh", ["--no-warm-start"])):
+        log = tmp_path / f"{how}.jsonl"
+        result = run(
+            "run", "--nproc-per-node", "2", "--max-restarts", "1", *flags, "--events", str(log),
+            "probe.py", how, "--flag", cwd=tmp_path,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        started = [e["warm"] for e in events(log) if e["event"] == "workers_started"]
+        assert started == [how == "warm"] * 2  # the first round and the restart
+        assert any(e["event"] == "warm_start_ready" for e in events(log)) is (how == "warm")
+    for attempt in (0, 1):
+        for rank in (0, 1):
+            fresh = json.loads((tmp_path / f"facts_fresh_{attempt}_{rank}.json").read_text())
+            warm = json.loads((tmp_path / f"facts_warm_{attempt}_{rank}.json").read_text())
+            assert {**warm, "argv": None} == {**fresh, "argv": None}
+            assert warm["argv"] == ["probe.py", "warm", "--flag"]
+            assert fresh["file"] == str(script)
 
 
 def test_the_root_cause_comes_from_torchruns_error_file(tmp_path):

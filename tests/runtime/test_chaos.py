@@ -16,6 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
 
+@pytest.mark.timeout(420)  # two whole runs (reference and chaos): 95-175 s on 2 shared cores
 def test_a_short_chaos_run_recovers_every_fault_in_place(tmp_path):
     result = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "chaos.py"), "--seed", "1", "--faults", "6",
