@@ -7,12 +7,12 @@ that says so, never silently ignored. Errors raise ``ArgsError`` with one line.
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 from dataclasses import dataclass, field
 
 from launcher.faults import ANY, FaultSpec, parse_fault
+from launcher.flags import UNSUPPORTED, ArgsError, parser, run_help  # noqa: F401 - re-exported
 
 _DURATION = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(ms|s|m|min|h|d)?\s*$")
 _SCALE = {"ms": 1e-3, "s": 1.0, None: 1.0, "m": 60.0, "min": 60.0, "h": 3600.0, "d": 86400.0}
@@ -24,196 +24,6 @@ def parse_duration_s(text: str) -> float:
     if not match:
         raise ValueError(f"not a duration: {text!r} (try 90s, 15m or 3h)")
     return float(match.group(1)) * _SCALE[match.group(2)]
-
-
-class ArgsError(ValueError):
-    """Bad command line; ``str()`` is one line."""
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # argparse would print usage and exit 2
-        if "SCRIPT" in message and "required" in message:
-            message = "no training script given (chameleon run [OPTIONS] SCRIPT [SCRIPT_ARGS...])"
-        raise ArgsError(message)
-
-
-# torchrun flags we refuse, with why, instead of accepting and ignoring them.
-UNSUPPORTED = {
-    "--event-log-handler": "chameleon writes its own JSON-lines event log (--events)",
-    "--duplicate-stdout-filters": "not supported yet",
-    "--duplicate-stderr-filters": "not supported yet",
-    "--logs-specs": "not supported yet (logs go under --log-dir, per attempt and rank)",
-    "--numa-binding": "not supported yet",
-    "--virtual-local-rank": "not supported yet",
-    "--signals-to-handle": "not supported yet (SIGINT, SIGTERM, SIGHUP and SIGQUIT are forwarded)",
-}
-
-
-def _both(name: str) -> list[str]:
-    """torchrun accepts --foo-bar and --foo_bar."""
-    return [name, "--" + name[2:].replace("-", "_")] if "-" in name[2:] else [name]
-
-
-def _parser() -> _Parser:
-    p = _Parser(
-        prog="chameleon run",
-        add_help=False,
-        allow_abbrev=False,
-        usage="chameleon run [OPTIONS] SCRIPT [SCRIPT_ARGS...]",
-        description="Launch and supervise a training job. Accepts torchrun's flags (both "
-        "--foo-bar and --foo_bar) and gives workers torchrun's environment.",
-    )
-    t = p.add_argument_group("torchrun flags")
-    add = t.add_argument
-    add(
-        *_both("--nnodes"),
-        default="1:1",
-        help="N or MIN:MAX nodes (elastic needs --rdzv-backend c10d)",
-    )
-    add(*_both("--nproc-per-node"), default="1", help="workers per node: N, auto, cpu or gpu")
-    add(
-        *_both("--rdzv-backend"), default="static", help="static (--node-rank) or c10d (join order)"
-    )
-    add(*_both("--rdzv-endpoint"), default="", help="HOST:PORT of the control store")
-    add(*_both("--rdzv-id"), default="none", help="run id; agents of other run ids are refused")
-    add(*_both("--rdzv-conf"), default="", help="key=value,... (join_timeout, last_call_timeout)")
-    add("--standalone", action="store_true", help="one node, control store on a free local port")
-    add(
-        *_both("--max-restarts"),
-        type=int,
-        default=0,
-        help="restarts of the workers before giving up",
-    )
-    add(
-        *_both("--monitor-interval"),
-        type=float,
-        default=0.1,
-        help="seconds between checks of the workers",
-    )
-    add(*_both("--start-method"), default="spawn", help="only spawn: workers are fresh processes")
-    add("--role", default="default", help="ROLE_NAME for the workers")
-    add("-m", "--module", action="store_true", help="SCRIPT is a module, as with python -m")
-    add(*_both("--no-python"), action="store_true", help="run SCRIPT directly, not with python")
-    add(
-        *_both("--run-path"),
-        action="store_true",
-        help="run SCRIPT (an absolute path) with runpy.run_path",
-    )
-    add(
-        *_both("--log-dir"),
-        default=None,
-        help="base folder for per-attempt, per-rank logs and events",
-    )
-    add(
-        "-r",
-        "--redirects",
-        default="0",
-        help="streams to files only: 0-3 or LOCAL_RANK:0-3,... (1 out, 2 err)",
-    )
-    add("-t", "--tee", default="0", help="streams to files and console, same format")
-    add(
-        *_both("--local-ranks-filter"),
-        default="",
-        help="local ranks whose output reaches the console",
-    )
-    add(*_both("--node-rank"), type=int, default=0, help="this node's rank (static rendezvous)")
-    add(*_both("--master-addr"), default="127.0.0.1", help="address of node 0 (static rendezvous)")
-    add(*_both("--master-port"), type=int, default=29500, help="control store port on node 0")
-    add(*_both("--local-addr"), default=None, help="this node's address as others should see it")
-    add(
-        *_both("--shutdown-timeout"),
-        type=float,
-        default=None,
-        help="seconds from SIGTERM to SIGKILL (30)",
-    )
-    for flag in UNSUPPORTED:
-        add(
-            *_both(flag),
-            dest=f"unsupported_{flag[2:].replace('-', '_')}",
-            default=None,
-            nargs="?",
-            const="",
-            help=argparse.SUPPRESS,
-        )
-    c = p.add_argument_group("chameleon flags")
-    add = c.add_argument
-    add(*_both("--heartbeat-timeout"), type=float, default=30.0,
-        help="liveness: seconds without a heartbeat before a worker or node counts as hung or "
-        "lost (chameleon_runtime workers beat through steps of any length)")  # fmt: skip
-    add(*_both("--step-timeout"), default="auto",
-        help="progress: seconds a chameleon_runtime worker may go without completing a step; "
-        "auto = 10x the slowest completed step, never under 60")  # fmt: skip
-    add(*_both("--startup-timeout"), type=float, default=600.0,
-        help="progress before the first step (imports, model build, checkpoint load) and "
-        "while checkpointing")  # fmt: skip
-    add(
-        "--events",
-        default=None,
-        help="JSON-lines event log (default: events.jsonl in the run folder)",
-    )
-    add(
-        *_both("--inject-fault"),
-        action="append",
-        default=[],
-        help="kill|hang|exit:rank=R,at=SECONDS|step=N|phase=collect|plan|groups|migrate|confirm"
-        "[,recovery=N][,after_ms=MS][,code=C][,attempt=A] (repeatable)",
-    )
-    add(
-        *_both("--max-rejoins"),
-        type=int,
-        default=3,
-        help="times each failed rank of a chameleon_runtime job is started again to rejoin it "
-        "in place while it trains (0: go on without it)",
-    )
-    add(
-        "--config",
-        default=None,
-        help="job config (TOML) whose [cluster] figures (device memory, links, restart and "
-        "group-creation costs) and mtbf_hours the planner uses (chameleon_runtime jobs)",
-    )
-    add(
-        "--policy",
-        choices=["auto", "reroute", "reparallelize", "restart"],
-        default="auto",
-        help="force a recovery policy (chameleon_runtime jobs)",
-    )
-    add(
-        "--migration-schedule",
-        choices=["matched", "naive"],
-        default="matched",
-        help="how a re-partition moves layer state: matched (sources balanced, transfers in "
-        "parallel rounds) or naive (Oobleck's restorer: each piece from its first holder, one "
-        "transfer at a time; for comparison)",
-    )
-    add(
-        "--mtbf",
-        default=None,
-        help="expected time to the next failure, D in the policy score (90s, 30m, 3h); "
-        "default: learned from the failures seen, on a prior of the config's "
-        "device_mtbf_hours (else Llama 3's rate) over the devices in use",
-    )
-    add(
-        "--no-warm-start",
-        dest="warm_start",
-        action="store_false",
-        help="restart workers as fresh interpreters, not from the warm fork server that has "
-        "torch imported (one per node)",
-    )
-    add("--plain", action="store_true", help="plain output even on a terminal")
-    p.add_argument(
-        "training_script", metavar="SCRIPT", help="the training script (or module with -m)"
-    )
-    p.add_argument(
-        "training_script_args",
-        nargs=argparse.REMAINDER,
-        metavar="SCRIPT_ARGS",
-        help="passed through untouched",
-    )
-    return p
-
-
-def run_help() -> str:
-    return _parser().format_help()
 
 
 @dataclass(frozen=True)
@@ -319,7 +129,7 @@ def _rdzv_conf(text: str) -> dict[str, str]:
 
 
 def parse_run_args(argv: list[str]) -> RunArgs:
-    ns = _parser().parse_args(argv)
+    ns = parser().parse_args(argv)
     for flag in UNSUPPORTED:
         if getattr(ns, f"unsupported_{flag[2:].replace('-', '_')}") is not None:
             raise ArgsError(
