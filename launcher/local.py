@@ -26,7 +26,16 @@ from launcher.supervisor import Failure, FailureKind
 from launcher.warm import ForkServer
 from launcher.watch import Liveness, ScriptBeats
 from launcher.worker_store import WorkerStoreView
-from launcher.workers import Console, Reaper, Worker, signal_worker, start_worker, stop_workers
+from launcher.workers import (
+    BEAT_FILE,
+    ERROR_FILE,
+    Console,
+    Reaper,
+    Worker,
+    signal_worker,
+    start_worker,
+    stop_workers,
+)
 from planner.protocol import BEAT_RECORD_BYTES, RecoveryPhase, ScriptBeat
 
 HANG_CHECK_PERIOD_S = 0.25  # psutil and heartbeat reads; crashes are polled every interval
@@ -124,12 +133,12 @@ class LocalGroup:
             restart_count=self.s.attempt,
             max_restarts=self.s.max_restarts,
             run_id=self.s.run_id,
-            error_file=str(log_dir / "error.json"),
+            error_file=str(log_dir / ERROR_FILE),
             chameleon={
                 **self.s.extra_env,
                 **self._failpoint_env(),
                 # a plain script's heartbeats (chameleon_runtime.heartbeat), read here
-                "CHAMELEON_BEAT_FILE": str(log_dir / "heartbeat"),
+                "CHAMELEON_BEAT_FILE": str(log_dir / BEAT_FILE),
                 **env_extra,
             },
         )

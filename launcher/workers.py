@@ -37,6 +37,11 @@ def _die_with_parent(parent_pid: int) -> Callable[[], None]:
     return lambda: die_with_parent(parent_pid)
 
 
+# A worker's files in its log folder: named here once, for its environment and our reads.
+ERROR_FILE = "error.json"  # TORCHELASTIC_ERROR_FILE (launcher/rootcause.py)
+BEAT_FILE = "heartbeat"  # CHAMELEON_BEAT_FILE (chameleon_runtime/scriptbeat.py)
+
+
 class Reaper:
     """The launcher's end of ``launcher.reaper``: sessions to kill if the launcher dies."""
 
@@ -129,11 +134,11 @@ class Worker:
 
     @property
     def error_file(self) -> Path:
-        return self.log_dir / "error.json"
+        return self.log_dir / ERROR_FILE
 
     @property
     def beat_file(self) -> Path:
-        return self.log_dir / "heartbeat"
+        return self.log_dir / BEAT_FILE
 
     def log_files(self) -> list[Path]:
         return [p for p in (self.stdout.to_file, self.stderr.to_file) if p is not None]
