@@ -41,7 +41,8 @@ def test_simulated_throughput_agrees_with_a_real_run_of_the_same_kills(tmp_path)
     faults = [arg for kill in KILLS for arg in ("--inject-fault", kill)]
     result = run(
         "run", "--nproc-per-node", "8", "--plain", "--master-port", str(free_port()),
-        "--config", str(config), "--max-rejoins", "0", "--events", str(events_file), *faults,
+        "--config", str(config), "--max-rejoins", "0", "--max-restarts", "1",
+        "--events", str(events_file), *faults,
         EXAMPLE, "--steps", str(STEPS), "--checkpoint-dir", str(tmp_path / "ckpt"),
         cwd=tmp_path, timeout=300,
     )  # fmt: skip
