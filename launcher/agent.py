@@ -3,9 +3,10 @@ carries out the leader's decisions (``launcher.supervisor.decide``).
 
 Every agent runs the same loop; the one hosting the control store is the leader and also
 takes the job-wide view (launcher/leader.py): failures from every node, finished, lost and
-waiting nodes, in-place recovery; it decides and publishes the decision. If the leader's
-node is lost, the store goes with it: the other agents stop their workers and exit (as
-with torchrun's c10d store). Joining (the rendezvous, or one node's shortcut) is
+waiting nodes, in-place recovery; it decides and publishes the decision. On the TCPStore
+(static, c10d), if the leader's node is lost the store goes with it: the other agents stop
+their workers and exit (as with torchrun's c10d store). On etcd the leader is elected and
+another agent takes over (``_take_over``). Joining (the rendezvous, or one node's shortcut) is
 launcher/joining.py; the warm fork server every worker is forked from, launcher/warm.py.
 """
 
@@ -174,6 +175,8 @@ class Agent(JoiningMixin):
             # exit aborts the process (SIGABRT) and the job's exit code would be lost.
             if beating is not None:
                 beating.join(timeout=5.0)
+            if self.control is not None:
+                self.control.close(last=self.control.is_leader)
             if self.forkserver is not None:
                 self.forkserver.close()
             self.reaper.close()
@@ -294,6 +297,8 @@ class Agent(JoiningMixin):
                 ):
                     continue
                 next_sync = time.monotonic() + SYNC_PERIOD_S
+                if leader is None and control.elected and control.leader() is None:
+                    leader = self._take_over(control, world, group)
                 if leader is not None:
                     leader.lead()
                 else:
@@ -301,9 +306,12 @@ class Agent(JoiningMixin):
                         group.kill_hung(rank, reason, silent_s)
                 decision = control.decision(world.attempt)
             except (StoreError, RuntimeError) as exc:
-                if control.is_leader:
+                if control.is_leader and not control.elected:
                     raise
                 group.stop(grace_s=RESTART_GRACE_S)
+                if control.elected:  # etcd itself is out of reach
+                    self.events.emit("control_lost", detail=str(exc).splitlines()[0])
+                    return self._finish(3, f"lost the control plane: {exc}")
                 self.events.emit("leader_lost", detail=str(exc).splitlines()[0])
                 return self._finish(3, "lost the control store (the leader's node is gone)")
             if self._signal is not None and not control.is_leader:
@@ -312,6 +320,8 @@ class Agent(JoiningMixin):
                 continue
             if not control.is_leader:
                 control.acknowledge(world.attempt)
+                # Kept by the followers too: one of them may lead the next round.
+                self.restarts_used = decision.get("restarts_used", self.restarts_used)
             if decision["action"] == Action.RESTART:
                 group.stop(grace_s=RESTART_GRACE_S)
                 self.events.emit("restart", attempt=world.attempt + 1, reason=decision["reason"])
@@ -331,6 +341,17 @@ class Agent(JoiningMixin):
                     world.attempt, [k for k in keys if k not in lost], timeout_s=5.0
                 )
             return outcome
+
+    def _take_over(self, control: ControlPlane, world: World, group: LocalGroup) -> Leader | None:
+        """The leader's lease expired (its node is lost): campaign. The winner leads the
+        rest of the round: it counts the old leader's ranks as failed when their lease
+        keys are gone, and decides. The round's worker store went with the old leader,
+        so its workers cannot be recovered in place: the decision is a restart of the
+        survivors from their checkpoint (within --max-restarts) or the end of the job."""
+        if not control.campaign():
+            return None
+        self.events.emit("leader_elected", attempt=world.attempt, key=control.key)
+        return Leader(self, control, world, group)
 
     def _interrupted(self, group: LocalGroup) -> Outcome:
         """Forward the signal; one line per rank on the console instead of every worker's

@@ -139,8 +139,12 @@ def parse_run_args(argv: list[str]) -> RunArgs:
         raise ArgsError(
             f"--start-method {ns.start_method} is not supported: workers always start as fresh processes (spawn)"
         )
-    if ns.rdzv_backend not in ("static", "c10d"):
-        raise ArgsError(f"--rdzv-backend {ns.rdzv_backend} is not supported (use static or c10d)")
+    if ns.rdzv_backend not in ("static", "c10d", "etcd"):
+        raise ArgsError(
+            f"--rdzv-backend {ns.rdzv_backend} is not supported (use static, c10d or etcd)"
+        )
+    if ns.rdzv_backend == "etcd" and not ns.rdzv_endpoint:
+        raise ArgsError("--rdzv-backend etcd needs --rdzv-endpoint HOST:PORT[,HOST:PORT...]")
     if ns.max_restarts < 0:
         raise ArgsError("--max-restarts must be >= 0")
     if ns.max_rejoins < 0:
@@ -157,7 +161,7 @@ def parse_run_args(argv: list[str]) -> RunArgs:
     if ns.standalone and max_nodes != 1:
         raise ArgsError("--standalone runs one node: drop --nnodes or set it to 1")
     if ns.rdzv_backend == "static" and min_nodes != max_nodes:
-        raise ArgsError("--nnodes MIN:MAX needs --rdzv-backend c10d with --rdzv-endpoint")
+        raise ArgsError("--nnodes MIN:MAX needs --rdzv-backend c10d or etcd with --rdzv-endpoint")
     if not 0 <= ns.node_rank < max_nodes:
         raise ArgsError(f"--node-rank {ns.node_rank} is outside 0..{max_nodes - 1}")
     try:
@@ -172,12 +176,14 @@ def parse_run_args(argv: list[str]) -> RunArgs:
             )
     if not 0 <= ns.master_port <= 65535:
         raise ArgsError(f"--master-port {ns.master_port} is not a port (0..65535)")
-    if ns.rdzv_endpoint:
-        _host, colon, port = ns.rdzv_endpoint.rpartition(":")
+    for endpoint in filter(None, ns.rdzv_endpoint.split(",")):
+        _host, colon, port = endpoint.split("://")[-1].rstrip("/").rpartition(":")
         if colon and not (port.isdigit() and int(port) <= 65535):
             raise ArgsError(
-                f"--rdzv-endpoint must be HOST:PORT with a port 0..65535, got {ns.rdzv_endpoint!r}"
+                f"--rdzv-endpoint must be HOST:PORT with a port 0..65535, got {endpoint!r}"
             )
+        if "," in ns.rdzv_endpoint and ns.rdzv_backend != "etcd":
+            raise ArgsError("several --rdzv-endpoint addresses need --rdzv-backend etcd")
     filter_ranks = None
     if ns.local_ranks_filter:
         try:

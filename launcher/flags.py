@@ -48,13 +48,19 @@ def parser() -> _Parser:
     add(
         *_both("--nnodes"),
         default="1:1",
-        help="N or MIN:MAX nodes (elastic needs --rdzv-backend c10d)",
+        help="N or MIN:MAX nodes (elastic needs --rdzv-backend c10d or etcd)",
     )
     add(*_both("--nproc-per-node"), default="1", help="workers per node: N, auto, cpu or gpu")
     add(
-        *_both("--rdzv-backend"), default="static", help="static (--node-rank) or c10d (join order)"
+        *_both("--rdzv-backend"),
+        default="static",
+        help="static (--node-rank), c10d (join order) or etcd (join order; survives any node)",
     )
-    add(*_both("--rdzv-endpoint"), default="", help="HOST:PORT of the control store")
+    add(
+        *_both("--rdzv-endpoint"),
+        default="",
+        help="HOST:PORT of the control store (etcd: its members, comma-separated)",
+    )
     add(*_both("--rdzv-id"), default="none", help="run id; agents of other run ids are refused")
     add(*_both("--rdzv-conf"), default="", help="key=value,... (join_timeout, last_call_timeout)")
     add("--standalone", action="store_true", help="one node, control store on a free local port")

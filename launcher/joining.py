@@ -5,6 +5,7 @@ of one node, which needs none (``_start_single_node``)."""
 from __future__ import annotations
 
 import socket
+import time
 
 from launcher.leader import record_missing_nodes
 from launcher.local import LocalGroup
@@ -43,7 +44,7 @@ class JoiningMixin:
             "start",
             run_id=self.run_id,
             leader=control.is_leader,
-            control=f"{control.addr}:{control.port}",
+            control=control.endpoint,
             nnodes=f"{a.min_nodes}:{a.max_nodes}",
             nproc_per_node=a.nproc_per_node,
             command=self.command,
@@ -51,6 +52,8 @@ class JoiningMixin:
         )
 
     def _join_job(self) -> ControlPlane:
+        if self.args.rdzv_backend == "etcd":
+            return self._join_etcd()
         addr, port, want_leader = self._control_endpoint()
         try:
             control = ControlPlane.open(
@@ -59,6 +62,24 @@ class JoiningMixin:
                 port=port,
                 want_leader=want_leader,
                 timeout_s=float(self.args.rdzv_conf.get("join_timeout", 600)),
+            )
+        except (StoreError, RendezvousError) as exc:
+            raise JobError(str(exc)) from None
+        self._emit_start(control)
+        return control
+
+    def _join_etcd(self) -> ControlPlane:
+        from launcher.etcd_control import EtcdControlPlane
+
+        a = self.args
+        try:
+            control = EtcdControlPlane.open(
+                run_id=self.run_id,
+                endpoints=a.rdzv_endpoint,
+                ttl_s=a.heartbeat_timeout_s,
+                timeout_s=float(a.rdzv_conf.get("join_timeout", 600)),
+                # Each round's worker store: on loopback unless told this node's address.
+                worker_host=a.local_addr or "127.0.0.1",
             )
         except (StoreError, RendezvousError) as exc:
             raise JobError(str(exc)) from None
@@ -113,16 +134,21 @@ class JoiningMixin:
     def _world(self, control: ControlPlane, attempt: int) -> World | None:
         a = self.args
         timeout = float(a.rdzv_conf.get("join_timeout", 600))
+        if not control.is_leader and control.elected:
+            world = self._follow(control, attempt, timeout)
+            if world is not None or not control.is_leader:
+                self._last_world = world or self._last_world
+                return world
         if control.is_leader:
             # A fresh store for this attempt's workers (see launcher/store.py for why).
-            self.worker_store = host_store(control.addr, 0, timeout_s=timeout)
+            self.worker_store = host_store(control.worker_host, 0, timeout_s=timeout)
             try:
                 world = control.form_world(
                     attempt,
                     min_nodes=a.min_nodes,
                     max_nodes=a.max_nodes,
                     static_ranks=a.rdzv_backend == "static" and not a.standalone,
-                    worker_addr=control.addr,
+                    worker_addr=control.worker_host,
                     worker_port=self.worker_store.port,
                     last_call_s=float(a.rdzv_conf.get("last_call_timeout", 1.0)),
                     timeout_s=timeout,
@@ -136,3 +162,26 @@ class JoiningMixin:
             return control.wait_world(attempt, timeout, stop=lambda: self._signal is not None)
         except RendezvousError as exc:
             raise JobError(str(exc)) from None
+
+    def _follow(self, control: ControlPlane, attempt: int, timeout: float) -> World | None:
+        """An elected control plane's follower: wait for the round's world; when the
+        leader goes first (its lease expired), campaign, and form the world if we won."""
+        deadline = time.monotonic() + timeout
+
+        def stop() -> bool:
+            return self._signal is not None or control.leader() is None
+
+        while True:
+            try:
+                world = control.wait_world(
+                    attempt,
+                    max(0.0, deadline - time.monotonic()),
+                    stop=stop,
+                )
+            except (RendezvousError, StoreError) as exc:
+                raise JobError(str(exc)) from None
+            if world is not None or self._signal is not None:
+                return world
+            if control.campaign():
+                self.events.emit("leader_elected", attempt=attempt, key=control.key)
+                return None

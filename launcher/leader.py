@@ -85,6 +85,7 @@ class Leader:
                 "action": decision.action.value,
                 "reason": decision.reason,
                 "exit_code": decision.exit_code,
+                "restarts_used": self.agent.restarts_used,
             },
         )
         if self.coordinator is not None:
@@ -97,6 +98,14 @@ class Leader:
         for node in self.world.nodes:
             if node.key == self.control.key or node.key in self.lost:
                 continue
+            alive = self.control.node_alive(node.key)
+            if alive is not None:  # a lease: gone after --heartbeat-timeout of silence
+                if alive:
+                    self.agent.beat_seen[node.key] = time.time()
+                    continue
+                # Its key went when the lease ran out: one TTL after its last refresh.
+                self._lose(node, self.agent.args.heartbeat_timeout_s)
+                continue
             count = self.control.beats(node.key)
             if count != self.beats[node.key][0]:
                 self.beats[node.key] = (count, now)
@@ -105,15 +114,16 @@ class Leader:
             silent = now - self.beats[node.key][1]
             if silent < self.agent.args.heartbeat_timeout_s:
                 continue
-            self.lost.add(node.key)
-            self.agent.events.emit(
-                "node_lost", node=node.node_rank, host=node.host, silent_s=silent
-            )
-            for failure in lost_with(
-                node, self.world.attempt, time.time() - silent, "stopped heartbeating"
-            ):
-                self.agent.events.emit("failure", **failure.to_json())
-                self.control.report_failure(failure)
+            self._lose(node, silent)
+
+    def _lose(self, node: NodeInfo, silent: float) -> None:
+        self.lost.add(node.key)
+        self.agent.events.emit("node_lost", node=node.node_rank, host=node.host, silent_s=silent)
+        for failure in lost_with(
+            node, self.world.attempt, time.time() - silent, "stopped heartbeating"
+        ):
+            self.agent.events.emit("failure", **failure.to_json())
+            self.control.report_failure(failure)
 
     def _coordinator(self) -> Coordinator | None:
         if self.coordinator is None:

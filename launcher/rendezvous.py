@@ -111,6 +111,9 @@ def node_key() -> str:
 
 
 class ControlPlane:
+    # The leader hosts the store: it cannot be replaced (launcher/etcd_control.py can).
+    elected = False
+
     def __init__(
         self, store: TCPStore, run_id: str, key: str, *, is_leader: bool, addr: str, port: int
     ) -> None:
@@ -120,6 +123,35 @@ class ControlPlane:
         self.is_leader = is_leader
         self.addr = addr
         self.port = port
+
+    @property
+    def worker_host(self) -> str:
+        """Where the leader serves each round's worker store."""
+        return self.addr
+
+    @property
+    def endpoint(self) -> str:
+        return f"{self.addr}:{self.port}"
+
+    def node_alive(self, key: str) -> bool | None:
+        """None: no leases here; the leader judges agents by their beat counts."""
+        return None
+
+    def leader(self) -> str | None:
+        return None
+
+    def campaign(self) -> bool:
+        return self.is_leader
+
+    def clone(self) -> ControlPlane:
+        """A connection of its own, for another thread."""
+        store = connect_store(self.addr, self.port, timeout_s=10)
+        return ControlPlane(
+            store, self.run_id, self.key, is_leader=False, addr=self.addr, port=self.port
+        )
+
+    def close(self, *, last: bool) -> None:
+        """Nothing to release: the store ends with its host."""
 
     # -- setup -------------------------------------------------------------------------
 
@@ -330,12 +362,9 @@ def beat_until(control: ControlPlane, stop: threading.Event, period_s: float) ->
     """An agent's heartbeat thread: count up ``hb/<key>`` every ``period_s`` until
     ``stop``, on a connection of its own (the main thread's is not shared across threads)."""
     try:
-        store = connect_store(control.addr, control.port, timeout_s=10)
+        beat = control.clone()
     except StoreError:
         return
-    beat = ControlPlane(
-        store, control.run_id, control.key, is_leader=False, addr=control.addr, port=control.port
-    )
     while not stop.wait(period_s):
         try:
             beat.beat()

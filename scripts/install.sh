@@ -13,3 +13,11 @@ if ! "$PYTHON" -c "import numpy" >/dev/null 2>&1; then
     "$PYTHON" -m pip install --quiet numpy
 fi
 "$PYTHON" -m pip install --quiet -e '.[dev]'
+# --rdzv-backend etcd is tested against a real 3-member etcd cluster (tests/etcd): the
+# server comes from Debian's etcd-server package (etcd 3.4), put on PATH as /usr/bin/etcd.
+if ! command -v etcd >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
+    SUDO=""
+    if [ "$(id -u)" != 0 ]; then SUDO="sudo"; fi
+    $SUDO apt-get install -y -q etcd-server >/dev/null 2>&1 ||
+        { $SUDO apt-get update -q >/dev/null 2>&1 && $SUDO apt-get install -y -q etcd-server >/dev/null; }
+fi

@@ -55,7 +55,9 @@ def test_redirects_and_tee_formats():
         (["--event-log-handler", "x", "t.py"], "--event-log-handler is not supported"),
         (["--numa-binding", "node", "t.py"], "--numa-binding is not supported"),
         (["--start-method", "fork", "t.py"], "--start-method fork is not supported"),
-        (["--rdzv-backend", "etcd", "t.py"], "--rdzv-backend etcd is not supported"),
+        (["--rdzv-backend", "etcd-v2", "t.py"], "--rdzv-backend etcd-v2 is not supported"),
+        (["--rdzv-backend", "etcd", "t.py"], "--rdzv-backend etcd needs --rdzv-endpoint"),
+        (["--rdzv-endpoint", "a:1,b:2", "t.py"], "several --rdzv-endpoint addresses need"),
         (["--run-path", "relative.py"], "absolute path"),
         (["-r", "9", "t.py"], "--redirects must be"),
         (

@@ -1,0 +1,218 @@
+"""The control plane on an etcd v3 cluster (``--rdzv-backend etcd``): the subset of
+TCPStore's interface that ``launcher.rendezvous.ControlPlane`` speaks (set, get, check,
+add, queues), plus leases, over several endpoints.
+
+Why etcd3gw (docs/launcher.md has the comparison): it speaks etcd's JSON gateway over
+HTTP, so there is no gRPC or protobuf pin to clash with torch's; it is maintained (by
+OpenStack) where python-etcd3 last released in 2020. Every call goes to one endpoint and
+moves on to the next when that one does not answer: a member killed mid-run costs one
+refused connection, and a cluster that lost its leader answers again after its election.
+
+Keys are JSON text, as on the TCPStore. Counters are compare-and-swap loops on the key's
+revision (etcd has no atomic add); queues are a head and a tail counter with one key per
+item, popped by their single reader.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import TypeVar
+
+from launcher.store import StoreError
+
+T = TypeVar("T")
+
+# One request to one member: a live member answers in milliseconds; waiting longer only
+# delays the move to the next one.
+REQUEST_TIMEOUT_S = 2.0
+# How long a call keeps trying every member before the cluster counts as unreachable: an
+# etcd leader election takes about a second (election timeout 1 s by default).
+UNREACHABLE_AFTER_S = 15.0
+
+
+def parse_endpoints(text: str) -> list[tuple[str, int]]:
+    """``HOST:PORT[,HOST:PORT...]`` (a scheme is allowed and dropped; port 2379 if none)."""
+    out = []
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        part = part.split("://", 1)[-1].rstrip("/")
+        host, _, port = part.rpartition(":")
+        if not host:
+            host, port = part, "2379"
+        if not port.isdigit() or not 0 < int(port) < 65536:
+            raise StoreError(f"--rdzv-endpoint {part!r} is not HOST:PORT")
+        out.append((host, int(port)))
+    if not out:
+        raise StoreError("--rdzv-backend etcd needs --rdzv-endpoint HOST:PORT[,HOST:PORT...]")
+    return out
+
+
+class EtcdStore:
+    """One connection (an HTTP session per member) to an etcd cluster."""
+
+    def __init__(
+        self, endpoints: list[tuple[str, int]], *, unreachable_after_s: float = UNREACHABLE_AFTER_S
+    ):
+        try:
+            from etcd3gw.client import Etcd3Client
+        except ImportError:  # a dependency of the package: only a broken install lacks it
+            raise StoreError("--rdzv-backend etcd needs the etcd3gw package") from None
+        self.endpoints = list(endpoints)
+        self._clients = [
+            Etcd3Client(host=h, port=p, timeout=REQUEST_TIMEOUT_S, api_path="/v3/")
+            for h, p in endpoints
+        ]
+        self._current = 0
+        self.unreachable_after_s = unreachable_after_s
+
+    def clone(self) -> EtcdStore:
+        """A connection of its own, for another thread (sessions are not shared)."""
+        return EtcdStore(self.endpoints, unreachable_after_s=self.unreachable_after_s)
+
+    @property
+    def where(self) -> str:
+        return ",".join(f"{h}:{p}" for h, p in self.endpoints)
+
+    def _call(self, op: Callable[[object], T]) -> T:
+        from etcd3gw import exceptions
+
+        deadline = time.monotonic() + self.unreachable_after_s
+        last = ""
+        while True:
+            for _ in range(len(self._clients)):
+                client = self._clients[self._current]
+                try:
+                    return op(client)
+                except (
+                    exceptions.ConnectionFailedError,
+                    exceptions.ConnectionTimeoutError,
+                    exceptions.InternalServerError,  # "etcdserver: no leader" during an election
+                ) as exc:
+                    last = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+                    self._current = (self._current + 1) % len(self._clients)
+            if time.monotonic() > deadline:
+                raise StoreError(f"no etcd member answers at {self.where} ({last})")
+            time.sleep(0.2)
+
+    # -- keys --------------------------------------------------------------------------
+
+    def _get(self, key: str) -> tuple[bytes, int] | None:
+        """(value, mod_revision), or None if the key is not set."""
+        found = self._call(lambda c: c.get(key, metadata=True))
+        if not found:
+            return None
+        value, meta = found[0]
+        return value, int(meta["mod_revision"])
+
+    def set(self, key: str, value: str | bytes, lease: int | None = None) -> None:
+        payload = {"key": _b64(key), "value": _b64(value)}
+        if lease is not None:
+            payload["lease"] = lease
+        self._call(lambda c: c.post(c.get_url("/kv/put"), json=payload))
+
+    def get(self, key: str) -> bytes:
+        found = self._get(key)
+        if found is None:
+            raise StoreError(f"key {key!r} is not set")
+        return found[0]
+
+    def check(self, keys: list[str]) -> bool:
+        return all(self._get(k) is not None for k in keys)
+
+    def delete_key(self, key: str) -> bool:
+        return bool(self._call(lambda c: c.delete(key)))
+
+    def delete_prefix(self, prefix: str) -> None:
+        self._call(lambda c: c.delete_prefix(prefix))
+
+    def keys(self, prefix: str) -> list[str]:
+        from etcd3gw.utils import _increment_last_byte
+
+        end = _increment_last_byte(prefix)
+        found = self._call(lambda c: c.get(prefix, metadata=True, range_end=end, keys_only=True))
+        return [meta["key"].decode() for _, meta in found]
+
+    def create(self, key: str, value: str | bytes, lease: int | None = None) -> bool:
+        """Set ``key`` only if it is not set; whether this call set it."""
+        put = {"key": _b64(key), "value": _b64(value)}
+        if lease is not None:
+            put["lease"] = lease
+        return self._txn([_absent(key)], [{"request_put": put}])
+
+    def add(self, key: str, amount: int) -> int:
+        """Atomically add ``amount`` to the integer under ``key`` (0 if not set)."""
+        while True:
+            found = self._get(key)
+            if found is None and amount == 0:
+                return 0
+            if found is not None and amount == 0:
+                return int(found[0])
+            value = (int(found[0]) if found else 0) + amount
+            put = {"request_put": {"key": _b64(key), "value": _b64(str(value))}}
+            guard = _absent(key) if found is None else _unchanged(key, found[1])
+            if self._txn([guard], [put]):
+                return value
+
+    def wait(self, keys: list[str], timeout: timedelta) -> None:
+        deadline = time.monotonic() + timeout.total_seconds()
+        while not self.check(keys):
+            if time.monotonic() > deadline:
+                raise StoreError(f"timed out waiting for {keys}")
+            time.sleep(0.05)
+
+    def _txn(self, compare: list[dict], success: list[dict]) -> bool:
+        txn = {"compare": compare, "success": success, "failure": []}
+        return bool(self._call(lambda c: c.transaction(txn)).get("succeeded", False))
+
+    # -- queues (one reader each) -----------------------------------------------------
+
+    def queue_push(self, key: str, value: str) -> None:
+        slot = self.add(f"{key}/tail", 1) - 1
+        self.set(f"{key}/{slot}", value)
+
+    def queue_len(self, key: str) -> int:
+        return self.add(f"{key}/tail", 0) - self.add(f"{key}/head", 0)
+
+    def queue_pop(self, key: str, block: bool = False) -> bytes:
+        head = self.add(f"{key}/head", 0)
+        deadline = time.monotonic() + 5.0  # the pusher took the slot and writes it next
+        while (item := self._get(f"{key}/{head}")) is None:
+            if not block and time.monotonic() > deadline:
+                raise StoreError(f"queue {key!r} slot {head} was never written")
+            time.sleep(0.02)
+        self.delete_key(f"{key}/{head}")
+        self.add(f"{key}/head", 1)
+        return item[0]
+
+    # -- leases --------------------------------------------------------------------------
+
+    def grant(self, ttl_s: int) -> int:
+        result = self._call(
+            lambda c: c.post(c.get_url("/lease/grant"), json={"TTL": ttl_s, "ID": 0})
+        )
+        return int(result["ID"])
+
+    def keepalive(self, lease: int) -> bool:
+        """Refresh ``lease``; False once it has expired (its keys are gone)."""
+        result = self._call(lambda c: c.post(c.get_url("/lease/keepalive"), json={"ID": lease}))
+        return int(result.get("result", {}).get("TTL", -1)) > 0
+
+    def revoke(self, lease: int) -> None:
+        self._call(lambda c: c.post(c.get_url("/kv/lease/revoke"), json={"ID": lease}))
+
+
+def _b64(value: str | bytes) -> str:
+    from etcd3gw.utils import _encode
+
+    return _encode(value)
+
+
+def _absent(key: str) -> dict:
+    return {"key": _b64(key), "result": "EQUAL", "target": "CREATE", "create_revision": 0}
+
+
+def _unchanged(key: str, mod_revision: int) -> dict:
+    return {"key": _b64(key), "result": "EQUAL", "target": "MOD", "mod_revision": mod_revision}

@@ -1,0 +1,151 @@
+"""The job's control plane on etcd: the same rounds, reports and decisions as on the
+first node's TCPStore (launcher/rendezvous.py), but held by a cluster that outlives any
+one node, and a leader that is elected instead of being whoever hosts the store.
+
+Layout, under ``chameleon/<run_id>/``:
+- ``incarnation``: the number of the job's current incarnation ``n``; a job is one
+  incarnation, so a run id can be used again once its job has ended (or died: an
+  incarnation with no leader and no live agent is stale and is replaced);
+- ``<n>/alive/<agent>``: bound to the agent's lease (TTL --heartbeat-timeout, refreshed
+  every beat): the key vanishes when the agent stops refreshing, which is how the leader
+  sees a node lost (etcd's clock, no skew between hosts);
+- ``<n>/leader``: the elected leader's agent key, bound to its lease: created by one
+  transaction (the election) and gone when that agent dies, when the others campaign;
+- ``<n>/r<a>/...``: the rounds, as on the TCPStore.
+The leader still hosts each round's worker store; its node lost, the new leader takes the
+round's decision (launcher/agent.py).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+from launcher.etcd import EtcdStore, _absent, _b64, _unchanged, parse_endpoints
+from launcher.rendezvous import ControlPlane, RendezvousError, node_key
+from launcher.store import StoreError
+
+# etcd refuses leases shorter than about 1.5 election timeouts; 2 s is safe at defaults.
+MIN_TTL_S = 2
+
+
+class EtcdControlPlane(ControlPlane):
+    elected = True  # the leader is chosen by an election, and another can take over
+
+    def __init__(
+        self,
+        store: EtcdStore,
+        run_id: str,
+        key: str,
+        *,
+        is_leader: bool,
+        namespace: str,
+        lease: int,
+        worker_host: str,
+    ) -> None:
+        super().__init__(store, run_id, key, is_leader=is_leader, addr=store.where, port=0)
+        self.namespace = namespace
+        self.lease = lease
+        self._worker_host = worker_host
+
+    @property
+    def worker_host(self) -> str:
+        return self._worker_host
+
+    @property
+    def endpoint(self) -> str:
+        return f"etcd {self.store.where} ({self.namespace})"
+
+    def _k(self, key: str) -> str:
+        return f"{self.namespace}/{key}"
+
+    # -- setup -------------------------------------------------------------------------
+
+    @classmethod
+    def open(  # type: ignore[override]
+        cls,
+        *,
+        run_id: str,
+        endpoints: str,
+        ttl_s: float,
+        timeout_s: float,
+        worker_host: str,
+    ) -> EtcdControlPlane:
+        """Join the run's live incarnation, or start the next one as its leader."""
+        store = EtcdStore(parse_endpoints(endpoints))
+        key = node_key()
+        base = f"chameleon/{run_id}"
+        lease = store.grant(max(MIN_TTL_S, math.ceil(ttl_s)))
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            found = store._get(f"{base}/incarnation")
+            n = int(found[0]) if found else 0
+            namespace = f"{base}/{n}"
+            if found is not None and (
+                store.check([f"{namespace}/leader"]) or store.keys(f"{namespace}/alive/")
+            ):
+                store.set(f"{namespace}/alive/{key}", "1", lease=lease)
+                return cls(
+                    store, run_id, key, is_leader=False, namespace=namespace, lease=lease,
+                    worker_host=worker_host,
+                )  # fmt: skip
+            # Nobody lives in incarnation n: start n + 1 and lead it, in one transaction
+            # (two agents starting together: one wins, the other joins it).
+            fresh = f"{base}/{n + 1}"
+            guard = (
+                _absent(f"{base}/incarnation")
+                if found is None
+                else _unchanged(f"{base}/incarnation", found[1])
+            )
+            puts = [
+                {"request_put": {"key": _b64(f"{base}/incarnation"), "value": _b64(str(n + 1))}},
+                {"request_put": {"key": _b64(f"{fresh}/leader"), "value": _b64(key), "lease": lease}},
+                {"request_put": {"key": _b64(f"{fresh}/alive/{key}"), "value": _b64("1"), "lease": lease}},
+            ]  # fmt: skip
+            if store._txn([guard], puts):
+                if found is not None:
+                    store.delete_prefix(f"{namespace}/")  # the stale incarnation's keys
+                return cls(
+                    store, run_id, key, is_leader=True, namespace=fresh, lease=lease,
+                    worker_host=worker_host,
+                )  # fmt: skip
+        raise RendezvousError(f"could not join run {run_id!r} on etcd {store.where}")
+
+    def clone(self) -> EtcdControlPlane:
+        return EtcdControlPlane(
+            self.store.clone(), self.run_id, self.key, is_leader=self.is_leader,
+            namespace=self.namespace, lease=self.lease, worker_host=self._worker_host,
+        )  # fmt: skip
+
+    # -- liveness and the leader --------------------------------------------------------
+
+    def beat(self) -> None:
+        """Refresh this agent's lease; an expired one is a lost node (the leader has
+        counted this node's ranks as failed): say so instead of beating on."""
+        if not self.store.keepalive(self.lease):
+            raise StoreError("this agent's etcd lease expired: the job counted this node lost")
+
+    def beats(self, key: str) -> int:
+        return 0
+
+    def node_alive(self, key: str) -> bool | None:
+        return self.store.check([self._k(f"alive/{key}")])
+
+    def leader(self) -> str | None:
+        found = self.store._get(self._k("leader"))
+        return None if found is None else found[0].decode()
+
+    def campaign(self) -> bool:
+        """The leader's key is gone (its lease expired): try to become the leader."""
+        if self.store.create(self._k("leader"), self.key, lease=self.lease):
+            self.is_leader = True
+        return self.is_leader
+
+    def close(self, *, last: bool) -> None:
+        """Leave: the lease goes (our keys with it); the last leader removes the job."""
+        try:
+            self.store.revoke(self.lease)
+            if last:
+                self.store.delete_prefix(f"{self.namespace}/")
+        except StoreError:
+            pass

@@ -1,0 +1,115 @@
+"""A real etcd cluster for the tests: three ``etcd`` members on 127.0.0.1, each its own
+process with its own data folder, started from the ``etcd`` on PATH (installed by
+scripts/install.sh from Debian's etcd-server package)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tests.launcher.helpers import free_port
+
+
+def etcd_binary() -> str | None:
+    return shutil.which("etcd")
+
+
+@dataclass
+class Member:
+    name: str
+    client_port: int
+    peer_port: int
+    data_dir: Path
+    proc: subprocess.Popen | None = None
+
+    @property
+    def client_url(self) -> str:
+        return f"http://127.0.0.1:{self.client_port}"
+
+    @property
+    def peer_url(self) -> str:
+        return f"http://127.0.0.1:{self.peer_port}"
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.client_url}/health", timeout=1) as r:
+                return b'"true"' in r.read()
+        except OSError:
+            return False
+
+
+@dataclass
+class EtcdCluster:
+    members: list[Member] = field(default_factory=list)
+
+    @property
+    def endpoints(self) -> str:
+        return ",".join(f"127.0.0.1:{m.client_port}" for m in self.members)
+
+    def start(self, member: Member, initial: str, log: Path) -> None:
+        member.proc = subprocess.Popen(
+            [
+                etcd_binary() or "etcd",
+                "--name",
+                member.name,
+                "--data-dir",
+                str(member.data_dir),
+                "--listen-client-urls",
+                member.client_url,
+                "--advertise-client-urls",
+                member.client_url,
+                "--listen-peer-urls",
+                member.peer_url,
+                "--initial-advertise-peer-urls",
+                member.peer_url,
+                "--initial-cluster",
+                initial,
+                "--initial-cluster-state",
+                "new",
+                "--initial-cluster-token",
+                member.data_dir.parent.name,
+                # Bounded history: the control plane's writes do not pile up revisions.
+                "--auto-compaction-mode",
+                "revision",
+                "--auto-compaction-retention",
+                "1000",
+            ],  # fmt: skip
+            stdout=log.open("ab"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    def kill(self, index: int) -> None:
+        proc = self.members[index].proc
+        if proc is not None and proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+    def stop(self) -> None:
+        for i in range(len(self.members)):
+            self.kill(i)
+
+
+def start_cluster(work: Path, size: int = 3, timeout_s: float = 30.0) -> EtcdCluster:
+    cluster = EtcdCluster()
+    work.mkdir(parents=True, exist_ok=True)
+    for i in range(size):
+        data = work / f"member{i}"
+        cluster.members.append(Member(f"m{i}", free_port(), free_port(), data))
+    initial = ",".join(f"{m.name}={m.peer_url}" for m in cluster.members)
+    for m in cluster.members:
+        cluster.start(m, initial, work / f"{m.name}.log")
+    deadline = time.monotonic() + timeout_s
+    while not all(m.healthy() for m in cluster.members):
+        if time.monotonic() > deadline or any(m.proc.poll() is not None for m in cluster.members):
+            cluster.stop()
+            logs = "".join((work / f"{m.name}.log").read_text()[-600:] for m in cluster.members)
+            raise RuntimeError(f"etcd cluster did not become healthy:\n{logs}")
+        time.sleep(0.2)
+    return cluster

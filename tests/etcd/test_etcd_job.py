@@ -1,0 +1,120 @@
+"""Jobs whose control plane is a real etcd cluster: three agents on 127.0.0.1, the first
+node's agent killed with SIGKILL mid-run, an etcd member killed mid-run, a late node."""
+
+from __future__ import annotations
+
+import time
+
+import psutil
+import pytest
+
+from tests.launcher.helpers import events, start
+from tests.runtime.test_liveness import MLP, run_mlp
+
+pytestmark = pytest.mark.slow
+
+STEPS = 60
+
+
+def agents(tmp_path, etcd, n, *extra, nnodes="2:3", env=None):
+    return agents_from(tmp_path, etcd, 0, n, *extra, nnodes=nnodes, env=env)
+
+
+def agents_from(tmp_path, etcd, first, n=1, *extra, nnodes="2:3", env=None):
+    common = [
+        "run", "--nnodes", nnodes, "--nproc-per-node", "2", "--rdzv-backend", "etcd",
+        "--rdzv-endpoint", etcd.endpoints, "--rdzv-id", "job", "--heartbeat-timeout", "3",
+        "--max-restarts", "1", *extra,
+    ]  # fmt: skip
+    args = [MLP, "--steps", str(STEPS), "--stages", "1", "--dump", str(tmp_path / "dump")]
+    procs = []
+    for i in range(first, first + n):
+        procs.append(
+            start(
+                *common, "--events", str(tmp_path / f"n{i}.jsonl"), *args, cwd=tmp_path,
+                log=tmp_path / f"n{i}.log", env={"MLP_STEP_SLEEP_S": "0.1", **(env or {})},
+            )  # fmt: skip
+        )
+        time.sleep(0.3)  # join order: agent 0 leads
+    return procs
+
+
+def steps_seen(tmp_path, n) -> int:
+    return max(
+        (e["step"] for i in range(n) for e in events(tmp_path / f"n{i}.jsonl") if e["event"] == "step"),
+        default=-1,
+    )
+
+
+def wait_step(tmp_path, procs, step, timeout=120):
+    deadline = time.monotonic() + timeout
+    while steps_seen(tmp_path, len(procs)) < step:
+        assert time.monotonic() < deadline, "the job did not reach step {step}"
+        assert all(p.poll() is None for p in procs), [p.poll() for p in procs]
+        time.sleep(0.05)
+
+
+def finish(procs, tmp_path, timeout=120):
+    try:
+        return [p.wait(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        leftovers = [
+            p for p in psutil.process_iter(["cmdline"])
+            if str(tmp_path) in " ".join(p.info["cmdline"] or []) and "etcd" not in (p.info["cmdline"] or [""])[0]
+        ]  # fmt: skip
+        assert leftovers == [], "workers outlived the launchers"
+
+
+def test_losing_the_first_nodes_agent_on_etcd_the_others_finish_with_the_same_weights(tmp_path, etcd):
+    from tests.runtime.test_recovery import dumps
+
+    _, _, reference = run_mlp(tmp_path, "ref", workers=4, steps=STEPS, args=("--stages", "1"))
+    procs = agents(tmp_path, etcd, 3)
+    wait_step(tmp_path, procs, 20)
+    killed_at = time.time()
+    procs[0].kill()
+    codes = finish(procs[1:], tmp_path)
+    assert codes == [0, 0], [(tmp_path / f"n{i}.log").read_text()[-2500:] for i in (1, 2)]
+    checks, _ = dumps(tmp_path)
+    for layer, values in reference.items():
+        assert checks[layer] and all(abs(v - values[0]) < 1e-6 for v in checks[layer]), layer
+    evs = [e for i in (1, 2) for e in events(tmp_path / f"n{i}.jsonl")]
+    assert [e for e in evs if e["event"] == "leader_elected"]
+    after = [e["t"] for e in evs if e["event"] == "step" and e["t"] > killed_at]
+    print(f"node 0 lost -> first good step on the survivors: {min(after) - killed_at:.2f} s")
+
+
+def test_an_etcd_member_killed_mid_run_and_then_the_first_node(tmp_path, etcd):
+    from tests.runtime.test_recovery import dumps
+
+    _, _, reference = run_mlp(tmp_path, "ref", workers=4, steps=STEPS, args=("--stages", "1"))
+    procs = agents(tmp_path, etcd, 3)
+    wait_step(tmp_path, procs, 10)
+    etcd.kill(0)  # the member every agent talks to first
+    wait_step(tmp_path, procs, 20)
+    procs[0].kill()
+    codes = finish(procs[1:], tmp_path)
+    assert codes == [0, 0], [(tmp_path / f"n{i}.log").read_text()[-2500:] for i in (1, 2)]
+    checks, _ = dumps(tmp_path)
+    for layer, values in reference.items():
+        assert checks[layer] and all(abs(v - values[0]) < 1e-6 for v in checks[layer]), layer
+
+
+def test_a_node_joining_late_grows_the_job(tmp_path, etcd):
+    from tests.runtime.test_recovery import dumps
+
+    _, _, reference = run_mlp(tmp_path, "ref", workers=4, steps=STEPS, args=("--stages", "1"))
+    procs = agents(tmp_path, etcd, 2)
+    wait_step(tmp_path, procs, 10)
+    procs += agents_from(tmp_path, etcd, 2)
+    codes = finish(procs, tmp_path)
+    assert codes == [0, 0, 0], [(tmp_path / f"n{i}.log").read_text()[-2500:] for i in range(3)]
+    started = [e for e in events(tmp_path / "n2.jsonl") if e["event"] == "workers_started"]
+    assert started and started[0]["attempt"] >= 1  # it joined a later round of the job
+    checks, _ = dumps(tmp_path)
+    for layer, values in reference.items():
+        assert checks[layer] and all(abs(v - values[0]) < 1e-6 for v in checks[layer]), layer

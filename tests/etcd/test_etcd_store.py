@@ -1,0 +1,75 @@
+"""launcher.etcd's store against a real 3-member cluster: what ControlPlane relies on."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from launcher.etcd import EtcdStore, parse_endpoints
+from launcher.etcd_control import EtcdControlPlane
+
+
+def test_counters_are_atomic_across_connections(etcd):
+    stores = [EtcdStore(parse_endpoints(etcd.endpoints)) for _ in range(4)]
+    seen: list[int] = []
+    threads = [
+        threading.Thread(target=lambda s=s: seen.extend(s.add("n", 1) for _ in range(20)))
+        for s in stores
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(seen) == list(range(1, 81))  # every add saw a value of its own
+
+
+def test_queue_keeps_order_and_leaves_no_items(etcd):
+    store = EtcdStore(parse_endpoints(etcd.endpoints))
+    for item in ("a", "b", "c"):
+        store.queue_push("q", item)
+    assert store.queue_len("q") == 3
+    assert [store.queue_pop("q") for _ in range(3)] == [b"a", b"b", b"c"]
+    assert store.queue_len("q") == 0
+    assert sorted(store.keys("q/")) == ["q/head", "q/tail"]
+
+
+def test_a_leased_key_goes_when_its_lease_is_not_refreshed(etcd):
+    store = EtcdStore(parse_endpoints(etcd.endpoints))
+    lease = store.grant(2)
+    assert store.create("leader", "me", lease=lease)
+    assert not store.create("leader", "you")
+    for _ in range(4):  # refreshed: outlives its TTL
+        time.sleep(0.8)
+        assert store.keepalive(lease)
+    assert store.check(["leader"])
+    deadline = time.monotonic() + 6
+    while store.check(["leader"]):
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    assert not store.keepalive(lease)
+
+
+def test_calls_move_to_the_next_member_when_one_is_killed(etcd):
+    store = EtcdStore(parse_endpoints(etcd.endpoints))
+    store.set("k", "1")
+    etcd.kill(0)
+    store.set("k", "2")
+    assert store.get("k") == b"2"
+
+
+def test_one_agent_leads_a_fresh_incarnation_and_the_next_joins_it(etcd):
+    def open_one():
+        return EtcdControlPlane.open(
+            run_id="r", endpoints=etcd.endpoints, ttl_s=3, timeout_s=10, worker_host="127.0.0.1"
+        )
+
+    first, second = open_one(), open_one()
+    assert (first.is_leader, second.is_leader) == (True, False)
+    assert first.namespace == second.namespace == "chameleon/r/1"
+    assert second.node_alive(first.key) and first.leader() == first.key
+    first.close(last=True)  # the job ended: its incarnation's keys are gone
+    second.close(last=False)
+    third = open_one()
+    assert third.is_leader and third.namespace == "chameleon/r/2"
+    assert third.store.keys("chameleon/r/1/") == []
+    third.close(last=True)
