@@ -26,7 +26,8 @@ from typing import Any, NamedTuple
 import torch.distributed as dist
 from pydantic import BaseModel
 
-from chameleon_runtime.liveness import FOREVER, Heartbeat, Interrupts, Status, Watcher
+from chameleon_runtime import storeaddr
+from chameleon_runtime.liveness import FOREVER, Heartbeat, Interrupts, Status, Watcher, moved
 from planner.protocol import Aware, Keys, encode
 from planner.wire import PlanMessage
 
@@ -34,6 +35,8 @@ from planner.wire import PlanMessage
 # how long at most: a bound, so a fault that never fires costs a test seconds, not a hang.
 FAILPOINTS = frozenset(p for p in os.environ.get("CHAMELEON_FAILPOINTS", "").split(",") if p)
 FAILPOINT_WAIT = timedelta(seconds=2)
+# What a store that stopped answering raises (a reset connection, a timed-out wait).
+STORE_LOST = (dist.DistNetworkError, dist.DistStoreError)
 # Far beyond any number of members: a poisoned counter never reaches it again.
 POISON = 1 << 40
 
@@ -65,15 +68,30 @@ class Control:
     ) -> None:
         self.rank = rank
         self.keys = Keys(attempt)
-        self.store = dist.TCPStore(
-            addr, port, is_master=False, timeout=timedelta(seconds=timeout_s)
-        )
+        self._timeout = timedelta(seconds=timeout_s)
+        self.store = dist.TCPStore(addr, port, is_master=False, timeout=self._timeout)
+        # A replacement started after the store moved begins at the file's epoch.
+        now = storeaddr.read()
+        self.epoch = now.epoch if now is not None and (now.addr, now.port) == (addr, port) else 0
         self.status = Status(rank)
         self.interrupts = Interrupts()
         self._lock = threading.Lock()
         self._pending: _Pending | None = None
-        self.heartbeat = Heartbeat(addr, port, self.keys, self.status)
-        self.watcher = Watcher(addr, port, self.keys, rank, self.interrupts, self._on_abort)
+        self.heartbeat = Heartbeat(addr, port, self.keys, self.status, self.epoch)
+        self.watcher = Watcher(
+            addr, port, self.keys, rank, self.interrupts, self._on_abort, self.epoch
+        )
+
+    def reconnect(self) -> bool:
+        """The store stopped answering: move to the one that replaced it (a new leader's,
+        chameleon_runtime.storeaddr). False when none is coming; the caller re-raises.
+        What the old store held for this worker is gone with it: the caller reports Ready
+        again, and the new leader plans from the reports."""
+        found = moved(self.epoch, self._timeout)
+        if found is None:
+            return False
+        self.store, self.epoch = found
+        return True
 
     # -- plain values --------------------------------------------------------------------
 

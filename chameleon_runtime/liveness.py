@@ -28,6 +28,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from chameleon_runtime import storeaddr
 from planner.protocol import MAILBOX, Abort, Exit, Finish, Keys, Stop, WaitingOn, WorkerStatus
 
 # The launcher sets the period from its --heartbeat-timeout (launcher/watch.py).
@@ -104,11 +105,25 @@ class Status:
             self._changed.notify()
 
 
+def moved(epoch: int, timeout: timedelta) -> tuple[dist.TCPStore, int] | None:
+    """A connection to the store that replaced epoch ``epoch``'s (chameleon_runtime.
+    storeaddr), with its epoch; None when none is coming."""
+    found = storeaddr.newer_than(epoch)
+    if found is None:
+        return None
+    try:
+        store = dist.TCPStore(found.addr, found.port, is_master=False, timeout=timeout)
+    except Exception:
+        return None
+    return store, found.epoch
+
+
 class Heartbeat:
     """Publishes ``Status`` to ``status/<rank>`` every period and on every change."""
 
-    def __init__(self, addr: str, port: int, keys: Keys, status: Status) -> None:
+    def __init__(self, addr: str, port: int, keys: Keys, status: Status, epoch: int = 0) -> None:
         self._store = dist.TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=60))
+        self._epoch = epoch
         self._key = keys.status(status.rank)
         self._status = status
         self._stop = threading.Event()
@@ -124,7 +139,13 @@ class Heartbeat:
             try:
                 self._store.set(self._key, snapshot.model_dump_json(exclude_none=True))
             except Exception:
-                return  # the store is gone: the launcher is ending this worker
+                # The store is gone: a new one is coming (a new leader), or the launcher
+                # is ending this worker.
+                found = moved(self._epoch, timedelta(seconds=60))
+                if found is None:
+                    return
+                (self._store, self._epoch), self._status._dirty = found, True
+                continue
             if self._stop.is_set():
                 return
 
@@ -186,8 +207,10 @@ class Watcher:
         rank: int,
         interrupts: Interrupts,
         on_abort: Callable[[dist.Store, int], None],
+        epoch: int = 0,
     ) -> None:
         self._store = dist.TCPStore(addr, port, is_master=False, timeout=FOREVER)
+        self._epoch = epoch
         self._key = keys.mailbox(rank)
         self._interrupts = interrupts
         self._on_abort = on_abort
@@ -200,7 +223,11 @@ class Watcher:
             try:
                 raw = self._store.queue_pop(self._key, block=True)
             except Exception:
-                return  # the store is gone: the launcher is ending this worker
+                found = moved(self._epoch, FOREVER)  # as the heartbeat's
+                if found is None:
+                    return
+                self._store, self._epoch = found
+                continue
             message = MAILBOX.validate_json(raw)
             if isinstance(message, Abort):
                 self._interrupts._abort(message.generation)

@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from chameleon_runtime.comm import Aborted, CommError, Generation, Kept
+from chameleon_runtime.control import STORE_LOST
 from chameleon_runtime.memory import Meter
 from chameleon_runtime.shard import Shard, pack_layers, unpack_layers
 from chameleon_runtime.transport import Transport
@@ -169,20 +170,25 @@ class RecoveryMixin:
         self.shard.zero_grad()
         while True:
             self.control.status.update(phase="ready", generation=left)
-            self.control.tell_leader(
-                Ready(
-                    rank=self.rank,
-                    pid=os.getpid(),
-                    after=left,
-                    applied=self.applied,
-                    # A worker holding nothing (a spare, a replacement) ran no step: its
-                    # step is stale. Whoever holds layers holds them as of its step.
-                    step=self.step if self.shard.held() else None,
-                    held=self.shard.held(),
-                    reason=reason[:200],
+            try:
+                self.control.tell_leader(
+                    Ready(
+                        rank=self.rank,
+                        pid=os.getpid(),
+                        after=left,
+                        applied=self.applied,
+                        # A worker holding nothing (a spare, a replacement) ran no step:
+                        # its step is stale. Whoever holds layers holds them as of its step.
+                        step=self.step if self.shard.held() else None,
+                        held=self.shard.held(),
+                        reason=reason[:200],
+                    )
                 )
-            )
-            message = self.control.next_plan(left)
+                message = self.control.next_plan(left)
+            except STORE_LOST:  # the leader's node is lost: report again to the next one
+                if not self.control.reconnect():
+                    raise
+                continue
             try:
                 self._apply(message)
                 self.recoveries += 1
@@ -191,6 +197,11 @@ class RecoveryMixin:
             except (Aborted, CommError) as exc:  # a failure during the recovery itself
                 self._leave()
                 left, reason = message.generation, str(exc)
+            except STORE_LOST as exc:
+                if not self.control.reconnect():
+                    raise
+                self._leave()
+                left, reason = message.generation, f"the worker store moved ({exc})"[:200]
 
     def _apply(self, message: PlanMessage) -> None:
         plan = message.plan.to_plan()

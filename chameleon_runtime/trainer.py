@@ -34,7 +34,7 @@ from torch import nn
 
 from chameleon_runtime import checkpoint
 from chameleon_runtime.comm import Aborted, CommError, Generation, Kept, settle
-from chameleon_runtime.control import Control
+from chameleon_runtime.control import STORE_LOST, Control
 from chameleon_runtime.data import Batches
 from chameleon_runtime.device import bind, resolve_device
 from chameleon_runtime.layercost import measure, probe
@@ -300,6 +300,12 @@ class Trainer(RecoveryMixin):
                 )  # fmt: skip
             except (Aborted, CommError) as exc:
                 self._recover(str(exc))
+                forget = []
+                continue
+            except STORE_LOST as exc:  # the leader's node is lost: its store went with it
+                if not self.control.reconnect():
+                    raise
+                self._recover(f"the worker store moved ({str(exc).splitlines()[0][:80]})")
                 forget = []
                 continue
             done = self.step

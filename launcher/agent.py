@@ -34,6 +34,7 @@ from launcher.rendezvous import (
 )
 from launcher.settings import RoundSettings, worker_command
 from launcher.store import StoreError
+from launcher.succession import SuccessionMixin
 from launcher.supervisor import Action, Failure
 from launcher.warm import ForkServer
 from launcher.watch import Timeouts as WatchTimeouts
@@ -56,7 +57,7 @@ class Outcome:
     run_dir: Path
 
 
-class Agent(JoiningMixin):
+class Agent(JoiningMixin, SuccessionMixin):
     def __init__(self, args: RunArgs, *, console: Console, events_listener=None) -> None:
         self.args = args
         self.console = console
@@ -214,6 +215,7 @@ class Agent(JoiningMixin):
 
     def _start_group(self, world: World, me: NodeInfo) -> LocalGroup:
         a = self.args
+        self._new_round_store()
         settings = RoundSettings.of(a, world, me, run_id=self.run_id, run_dir=self.run_dir)
         group = LocalGroup(
             settings,
@@ -297,8 +299,10 @@ class Agent(JoiningMixin):
                 ):
                     continue
                 next_sync = time.monotonic() + SYNC_PERIOD_S
-                if leader is None and control.elected and control.leader() is None:
-                    leader = self._take_over(control, world, group)
+                if control.elected:
+                    if leader is None and control.leader() is None:
+                        leader = self._take_over(control, world, group)
+                    self._follow_store(control, world, group)
                 if leader is not None:
                     leader.lead()
                 else:
@@ -341,17 +345,6 @@ class Agent(JoiningMixin):
                     world.attempt, [k for k in keys if k not in lost], timeout_s=5.0
                 )
             return outcome
-
-    def _take_over(self, control: ControlPlane, world: World, group: LocalGroup) -> Leader | None:
-        """The leader's lease expired (its node is lost): campaign. The winner leads the
-        rest of the round: it counts the old leader's ranks as failed when their lease
-        keys are gone, and decides. The round's worker store went with the old leader,
-        so its workers cannot be recovered in place: the decision is a restart of the
-        survivors from their checkpoint (within --max-restarts) or the end of the job."""
-        if not control.campaign():
-            return None
-        self.events.emit("leader_elected", attempt=world.attempt, key=control.key)
-        return Leader(self, control, world, group)
 
     def _interrupted(self, group: LocalGroup) -> Outcome:
         """Forward the signal; one line per rank on the console instead of every worker's

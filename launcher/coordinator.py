@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from launcher import recovery as rc
+from launcher import takeover
 from launcher.calibration import JobModel
 from launcher.planning import Planner
 from launcher.rejoin import Rejoins
@@ -68,6 +69,8 @@ class Coordinator(RunningMixin):
         started_at: float | None = None,
         on_phase: Callable[[RecoveryPhase], None] | None = None,
         on_planned: Callable[[], None] | None = None,
+        on_settled: Callable[[dict], None] | None = None,
+        on_publish: Callable[[int], None] | None = None,
     ) -> None:
         self.store = store
         self.keys = Keys(attempt)
@@ -85,6 +88,10 @@ class Coordinator(RunningMixin):
         self.rejoins = Rejoins(max_rejoins)
         self.started_at = started_at
         self.on_phase = on_phase
+        # For a successor (launcher/takeover.py): the state of each settled generation,
+        # and each generation's number before it is published.
+        self.on_settled, self.on_publish = on_settled, on_publish
+        self._mirror_due, self._mirrored = on_settled is not None, None
         self.state: rc.State | None = None
         self.plans: dict[int, Any] = {}  # generation -> PlanMessage (published or planned)
         self.gone: set[int] = set()  # ranks whose node is lost: never replaced
@@ -184,12 +191,22 @@ class Coordinator(RunningMixin):
             self._next_snapshot = now + SNAPSHOT_PERIOD_S
             self._while_running(self._snapshot(now), now)
         self._apply(rc.Tick())
+        if self._mirror_due:
+            self._mirror()
         if self.state.phase is rc.Phase.ENDED:
             return InPlaceOutcome(restart=True, reason=self._fatal or "restart")
         return InPlaceOutcome()
 
     def close(self) -> None:
         self.planner.close()
+
+    def _mirror(self) -> None:
+        snap = takeover.snapshot(self)
+        if snap is None or snap == self._mirrored:
+            return
+        self.on_settled(snap)
+        self._mirrored = snap
+        self._mirror_due = snap["description"] is None  # the workers write it soon
 
     # -- the state machine ---------------------------------------------------------------
 
@@ -209,6 +226,7 @@ class Coordinator(RunningMixin):
             timeouts=self._timeouts,
         )
         self._gen_start = first.resume_step
+        self._mirror_due = self.on_settled is not None
         # The devices have run since the workers were spawned (the coordinator itself may
         # start only at the first failure).
         self.model.expose(self.started_at or time.monotonic(), len(plan.workers))
@@ -276,6 +294,8 @@ class Coordinator(RunningMixin):
 
     def _publish(self, action: rc.Publish) -> None:
         message = self.plans[action.generation]
+        if self.on_publish is not None:
+            self.on_publish(action.generation)
         self.store.set(self.keys.plan(action.generation), message.model_dump_json())
         self.store.set(self.keys.latest, str(action.generation))
         self.store.set(self.keys.next(action.after), str(action.generation))
@@ -301,6 +321,7 @@ class Coordinator(RunningMixin):
             else self.model.transition_factor,
         }
         self._settled_generation = action.generation
+        self._mirror_due = self.on_settled is not None
         if action.joined:
             self.emit("rejoined", ranks=list(action.joined), taken_in=True, **fields)
         else:

@@ -149,3 +149,11 @@ class EtcdControlPlane(ControlPlane):
                 self.store.delete_prefix(f"{self.namespace}/")
         except StoreError:
             pass
+
+    # -- what a successor needs (launcher/takeover.py) -----------------------------------
+
+    def mark_lost(self, attempt: int, key: str) -> None:
+        self.put(f"r{attempt}/lost/{key}", True)
+
+    def lost_nodes(self, attempt: int, keys: list[str]) -> set[str]:
+        return {k for k in keys if self.get(f"r{attempt}/lost/{k}") is not None}

@@ -15,6 +15,7 @@ from launcher.calibration import JobModel
 from launcher.coordinator import Coordinator
 from launcher.rendezvous import ControlPlane, NodeInfo, World
 from launcher.supervisor import Action, Failure, FailureKind, RoundView, decide, root_cause
+from launcher.takeover import resume
 from launcher.watch import Timeouts as WatchTimeouts
 
 if TYPE_CHECKING:
@@ -24,8 +25,15 @@ if TYPE_CHECKING:
 
 class Leader:
     def __init__(
-        self, agent: Agent, control: ControlPlane, world: World, group: LocalGroup
+        self,
+        agent: Agent,
+        control: ControlPlane,
+        world: World,
+        group: LocalGroup,
+        takeover: dict | None = None,
     ) -> None:
+        """``takeover``: this agent was elected mid-round, with the old leader's snapshot
+        and newest generation number (launcher/takeover.py)."""
         self.agent = agent
         self.control = control
         self.world = world
@@ -33,9 +41,14 @@ class Leader:
         now = time.monotonic()
         self.keys = [n.key for n in world.nodes]
         self.beats = {k: (control.beats(k), now) for k in self.keys}
-        self.lost: set[str] = set()
+        # Nodes an earlier leader of this round lost are not lost again.
+        self.lost: set[str] = (
+            control.lost_nodes(world.attempt, self.keys) if control.elected else set()
+        )
         self.coordinator: Coordinator | None = None
-        self.aware = False  # every worker runs chameleon_runtime: recover in place
+        # Every worker runs chameleon_runtime: recover in place (a successor knows so).
+        self.aware = takeover is not None
+        self.takeover = takeover
 
     @property
     def recovering(self) -> bool:
@@ -116,8 +129,16 @@ class Leader:
                 continue
             self._lose(node, silent)
 
+    def _mirror(self, snapshot: dict) -> None:
+        self.control.put(f"r{self.world.attempt}/inplace", snapshot)
+
+    def _note_generation(self, generation: int) -> None:
+        self.control.put(f"r{self.world.attempt}/next_gen", generation)
+
     def _lose(self, node: NodeInfo, silent: float) -> None:
         self.lost.add(node.key)
+        if self.control.elected:
+            self.control.mark_lost(self.world.attempt, node.key)
         self.agent.events.emit("node_lost", node=node.node_rank, host=node.host, silent_s=silent)
         for failure in lost_with(
             node, self.world.attempt, time.time() - silent, "stopped heartbeating"
@@ -157,7 +178,13 @@ class Leader:
                 started_at=agent.started_at,
                 on_phase=self.group.on_recovery_phase,
                 on_planned=agent.nudge.set,
+                on_settled=self._mirror if self.control.elected else None,
+                on_publish=self._note_generation if self.control.elected else None,
             )
+            if self.takeover is not None:
+                snap = self.takeover["snapshot"]
+                known = self.control.failures(world.attempt)[: snap["failures"]]
+                resume(self.coordinator, snap, known, self.takeover["next_gen"])
         return self.coordinator
 
     def _recover_in_place(self, failures: list[Failure]) -> tuple[list[Failure], str | None]:

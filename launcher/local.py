@@ -301,6 +301,8 @@ class LocalGroup:
             why, since = hung
             self._bad_since[rank] = since
             return why
+        if self.view is not None and not self.view.reachable:
+            return None  # the store is moving (a new leader): no news is not silence
         # durations on the monotonic clock (workers.Worker.started_at); ``now`` is the wall
         # clock of the failure's timestamps
         return self._liveness.judge(rank, worker.pid, worker.started_at, status, time.monotonic())
@@ -377,6 +379,13 @@ class LocalGroup:
             where = f" ({said.message}{' at ' + said.where if said.where else ''})" if said else ""
             lines.append(f"[rank {rank}]: stopped by signal {signum}: {how}{where}")
         return lines
+
+    def move_store(self, addr: str, port: int) -> None:
+        """The round's worker store moved to a new leader: read it, and send replacements
+        there."""
+        self.s = self.s.moved_to(addr, port)
+        if self.view is not None:
+            self.view.move(addr, port)
 
     def stop(self, *, signum: int = signal.SIGTERM, grace_s: float) -> None:
         stop_workers(

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from launcher.args import RunArgs
 from launcher.rendezvous import NodeInfo, World
 from launcher.watch import Timeouts as WatchTimeouts
+from planner.protocol import STORE_FILE_ENV, STORE_WAIT_ENV
 
 RUN_PATH_SNIPPET = (
     "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
@@ -29,6 +30,10 @@ def worker_command(
     if module:
         return [sys.executable, "-u", "-m", script, *args]
     return [sys.executable, "-u", script, *args]
+
+
+# Per node: where its agent writes the address of a moved worker store (launcher/succession.py).
+STORE_FILE = "worker_store.json"
 
 
 @dataclass
@@ -69,5 +74,21 @@ class RoundSettings:
                 # checkpoints there, so a restart resumes and a new launch starts fresh.
                 "CHAMELEON_RUN_DIR": str(run_dir),
                 "CHAMELEON_HEARTBEAT_S": f"{watch.beat_period_s:g}",
+                **(store_move_env(a, run_dir) if a.rdzv_backend == "etcd" else {}),
             },
         )  # fmt: skip
+
+    def moved_to(self, addr: str, port: int) -> RoundSettings:
+        """The same round with its worker store moved (a new leader's): replacements
+        spawned from now on go there."""
+        return replace(self, master_addr=addr, master_port=port)
+
+
+def store_move_env(a: RunArgs, run_dir: Path) -> dict[str, str]:
+    """Where a worker finds its store once a new leader serves it (chameleon_runtime.
+    storeaddr), and how long it waits for one: the old leader's lease must run out
+    (--heartbeat-timeout), then an election, then the store."""
+    return {
+        STORE_FILE_ENV: str(run_dir / STORE_FILE),
+        STORE_WAIT_ENV: f"{3 * a.heartbeat_timeout_s + 30:g}",
+    }

@@ -75,6 +75,12 @@ class Liveness:
             if silent >= self.timeouts.heartbeat_s:
                 return f"no heartbeat for {silent:.1f} s (step {status.step}, {status.phase})"
             return None
+        seen = self._seen.get(rank)
+        if seen is not None and seen[0] == pid:  # it beat before; its status is missing now
+            silent = now - seen[2]  # (a new store not written yet: launcher/agent.py)
+            if silent >= self.timeouts.heartbeat_s:
+                return f"no heartbeat for {silent:.1f} s"
+            return None
         # Not one beat of its own yet (a predecessor's status does not count).
         if now - started_at >= self.timeouts.startup_s:
             return f"no heartbeat within the startup timeout ({self.timeouts.startup_s:g} s)"

@@ -23,11 +23,23 @@ class WorkerStoreView:
         self._hosted = hosted  # the leader's own store, None on other agents
         self._client: Any = None
         self._known: set[int] = set()  # ranks that have posted a status
+        # False while the store does not answer (its host's node lost, a new one not yet
+        # served): silence then says nothing about the workers' heartbeats.
+        self.reachable = True
+
+    def move(self, addr: str, port: int) -> None:
+        """The store moved (a new leader serves it): connect there from now on."""
+        self._addr, self._port, self._client = addr, port, None
+        self.reachable = True
 
     def _store(self) -> Any:
         hosted = self._hosted()
         if hosted is not None:
             return hosted
+        if not self.reachable:
+            # Gone (its host's node lost): connecting again would block this agent's loop
+            # for the connect timeout; wait for ``move`` instead.
+            raise ConnectionError("the worker store is gone")
         if self._client is None:
             self._client = connect_store(self._addr, self._port, timeout_s=10)
         return self._client
@@ -42,7 +54,9 @@ class WorkerStoreView:
             known = [r for r in ranks if r in self._known]
             values = store.multi_get([self.keys.status(r) for r in known]) if known else []
         except Exception:
+            self.reachable, self._client = False, None
             return {}
+        self.reachable = True
         return {r: WorkerStatus.model_validate_json(v) for r, v in zip(known, values, strict=True)}
 
     def ask_exit(self, rank: int, code: int, pid: int) -> None:

@@ -319,3 +319,21 @@ class ScriptBeat(BaseModel):
             return cls.model_validate_json(data.strip() or b"{}")
         except ValueError:
             return None
+
+
+# -- where the worker store is (chameleon_runtime.storeaddr, launcher/succession.py) ----
+
+# The file an agent writes when its round's worker store moves to a new leader, and how
+# long a worker's connection waits for one after losing its store.
+STORE_FILE_ENV = "CHAMELEON_STORE_FILE"
+STORE_WAIT_ENV = "CHAMELEON_STORE_WAIT_S"
+
+
+class StoreAddress(BaseModel):
+    """A worker store, with the epoch of the move that made it (0: the round's first)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    addr: str
+    port: int
+    epoch: int = 0

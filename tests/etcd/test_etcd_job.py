@@ -31,8 +31,13 @@ def agents_from(tmp_path, etcd, first, n=1, *extra, nnodes="2:3", env=None):
     for i in range(first, first + n):
         procs.append(
             start(
-                *common, "--events", str(tmp_path / f"n{i}.jsonl"), *args, cwd=tmp_path,
-                log=tmp_path / f"n{i}.log", env={"MLP_STEP_SLEEP_S": "0.1", **(env or {})},
+                *common,
+                "--events",
+                str(tmp_path / f"n{i}.jsonl"),
+                *args,
+                cwd=tmp_path,
+                log=tmp_path / f"n{i}.log",
+                env={"MLP_STEP_SLEEP_S": "0.1", **(env or {})},
             )  # fmt: skip
         )
         time.sleep(0.3)  # join order: agent 0 leads
@@ -41,9 +46,24 @@ def agents_from(tmp_path, etcd, first, n=1, *extra, nnodes="2:3", env=None):
 
 def steps_seen(tmp_path, n) -> int:
     return max(
-        (e["step"] for i in range(n) for e in events(tmp_path / f"n{i}.jsonl") if e["event"] == "step"),
+        (
+            e["step"]
+            for i in range(n)
+            for e in events(tmp_path / f"n{i}.jsonl")
+            if e["event"] == "step"
+        ),
         default=-1,
     )
+
+
+def leader_of(tmp_path, procs) -> int:
+    """Which agent leads: node 0 of the job (the first to start its incarnation)."""
+    starts = [
+        [e for e in events(tmp_path / f"n{i}.jsonl") if e["event"] == "start"]
+        for i in range(len(procs))
+    ]
+    (leader,) = [i for i, s in enumerate(starts) if s and s[0]["leader"]]
+    return leader
 
 
 def wait_step(tmp_path, procs, step, timeout=120):
@@ -69,21 +89,28 @@ def finish(procs, tmp_path, timeout=120):
         assert leftovers == [], "workers outlived the launchers"
 
 
-def test_losing_the_first_nodes_agent_on_etcd_the_others_finish_with_the_same_weights(tmp_path, etcd):
+def test_losing_the_first_nodes_agent_on_etcd_the_others_finish_with_the_same_weights(
+    tmp_path, etcd
+):
     from tests.runtime.test_recovery import dumps
 
     _, _, reference = run_mlp(tmp_path, "ref", workers=4, steps=STEPS, args=("--stages", "1"))
     procs = agents(tmp_path, etcd, 3)
     wait_step(tmp_path, procs, 20)
+    leader = leader_of(tmp_path, procs)
+    others = [i for i in range(3) if i != leader]
     killed_at = time.time()
-    procs[0].kill()
-    codes = finish(procs[1:], tmp_path)
-    assert codes == [0, 0], [(tmp_path / f"n{i}.log").read_text()[-2500:] for i in (1, 2)]
+    procs[leader].kill()
+    codes = finish([procs[i] for i in others], tmp_path)
+    assert codes == [0, 0], [(tmp_path / f"n{i}.log").read_text()[-2500:] for i in others]
     checks, _ = dumps(tmp_path)
     for layer, values in reference.items():
         assert checks[layer] and all(abs(v - values[0]) < 1e-6 for v in checks[layer]), layer
-    evs = [e for i in (1, 2) for e in events(tmp_path / f"n{i}.jsonl")]
+    evs = [e for i in others for e in events(tmp_path / f"n{i}.jsonl")]
     assert [e for e in evs if e["event"] == "leader_elected"]
+    # In place: the survivors' workers of the first round trained to the end.
+    assert [e["attempt"] for e in evs if e["event"] == "workers_started"] == [0, 0]
+    assert [e for e in evs if e["event"] == "recovered"]
     after = [e["t"] for e in evs if e["event"] == "step" and e["t"] > killed_at]
     print(f"node 0 lost -> first good step on the survivors: {min(after) - killed_at:.2f} s")
 
@@ -96,9 +123,11 @@ def test_an_etcd_member_killed_mid_run_and_then_the_first_node(tmp_path, etcd):
     wait_step(tmp_path, procs, 10)
     etcd.kill(0)  # the member every agent talks to first
     wait_step(tmp_path, procs, 20)
-    procs[0].kill()
-    codes = finish(procs[1:], tmp_path)
-    assert codes == [0, 0], [(tmp_path / f"n{i}.log").read_text()[-2500:] for i in (1, 2)]
+    leader = leader_of(tmp_path, procs)
+    others = [i for i in range(3) if i != leader]
+    procs[leader].kill()
+    codes = finish([procs[i] for i in others], tmp_path)
+    assert codes == [0, 0], [(tmp_path / f"n{i}.log").read_text()[-2500:] for i in others]
     checks, _ = dumps(tmp_path)
     for layer, values in reference.items():
         assert checks[layer] and all(abs(v - values[0]) < 1e-6 for v in checks[layer]), layer
