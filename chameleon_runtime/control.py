@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import threading
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, NamedTuple
@@ -28,7 +30,7 @@ from pydantic import BaseModel
 
 from chameleon_runtime import storeaddr
 from chameleon_runtime.liveness import FOREVER, Heartbeat, Interrupts, Status, Watcher, moved
-from planner.protocol import Aware, Keys, encode
+from planner.protocol import TOKEN_ENV, Aware, Keys, Seal, encode
 from planner.wire import PlanMessage
 
 # The phases where an injected fault waits for the worker (Control.failpoint), and for
@@ -73,13 +75,25 @@ class Control:
         # A replacement started after the store moved begins at the file's epoch.
         now = storeaddr.read()
         self.epoch = now.epoch if now is not None and (now.addr, now.port) == (addr, port) else 0
+        # Control messages are signed with the job token (planner.protocol.Seal); what is
+        # unsigned or signed with another is ignored, and said once on stderr.
+        self.seal = Seal(
+            os.environ.get(TOKEN_ENV),
+            os.environ.get("TORCHELASTIC_RUN_ID", ""),
+            on_refused=lambda where: print(
+                f"[rank {rank}] chameleon: ignored a control message not signed with this "
+                f"job's token ({where}); later ones are ignored silently",
+                file=sys.stderr,
+                flush=True,
+            ),
+        )
         self.status = Status(rank)
         self.interrupts = Interrupts()
         self._lock = threading.Lock()
         self._pending: _Pending | None = None
-        self.heartbeat = Heartbeat(addr, port, self.keys, self.status, self.epoch)
+        self.heartbeat = Heartbeat(addr, port, self.keys, self.status, self.epoch, self.seal)
         self.watcher = Watcher(
-            addr, port, self.keys, rank, self.interrupts, self._on_abort, self.epoch
+            addr, port, self.keys, rank, self.interrupts, self._on_abort, self.epoch, self.seal
         )
 
     def reconnect(self) -> bool:
@@ -106,8 +120,30 @@ class Control:
         self.store.wait([key], FOREVER)
         return self.store.get(key)
 
+    def put_signed(self, key: str, value: Any) -> None:
+        """A control message (a plan, the job's description, the end): signed."""
+        body = value.model_dump_json() if isinstance(value, BaseModel) else value
+        self.store.set(key, self.seal.seal(body))
+
+    def get_signed(self, key: str) -> str | None:
+        """A control message, or None if it is not set or not signed with our token."""
+        raw = self.get(key)
+        return None if raw is None else self.seal.open(raw, key)
+
+    def wait_signed(self, key: str) -> str:
+        """Block until ``key`` holds a message signed with our token: a forged one is
+        overwritten by the real one, which is waited for."""
+        while True:
+            body = self.seal.open(self.wait(key), key)
+            if body is not None:
+                return body
+            time.sleep(0.05)
+
+    def push_signed(self, queue: str, message: BaseModel) -> None:
+        self.store.queue_push(queue, self.seal.seal(encode(message)))
+
     def tell_leader(self, message: BaseModel) -> None:
-        self.store.queue_push(self.keys.inbox, encode(message))
+        self.push_signed(self.keys.inbox, message)
 
     def failpoint(self, phase: str) -> None:
         """Fault injection only: where the launcher will kill a rank in ``phase`` (a
@@ -161,16 +197,21 @@ class Control:
     def next_plan(self, after: int) -> PlanMessage:
         """The newest plan published after generation ``after``, once there is one. (A
         newer one may be out already, and ``after``'s keys retired with it: look first.)"""
-        latest_now = self.get(self.keys.latest)
+        latest_now = self.get_signed(self.keys.latest)
         if latest_now is None or int(latest_now) <= after:
             with self.status.waiting("plan"):
-                self.wait(self.keys.next(after))
-        latest = int(self.store.get(self.keys.latest))
-        return PlanMessage.model_validate_json(self.store.get(self.keys.plan(latest)))
+                self.wait_signed(self.keys.next(after))
+        latest = int(self.wait_signed(self.keys.latest))
+        return self._plan(latest)
 
     def latest_plan(self) -> PlanMessage:
-        latest = int(self.wait(self.keys.latest))
-        return PlanMessage.model_validate_json(self.wait(self.keys.plan(latest)))
+        return self._plan(int(self.wait_signed(self.keys.latest)))
+
+    def _plan(self, generation: int) -> PlanMessage:
+        message = PlanMessage.model_validate_json(self.wait_signed(self.keys.plan(generation)))
+        if message.generation != generation:  # a signed plan moved to another key
+            raise ValueError(f"plan under generation {generation} is {message.generation}'s")
+        return message
 
     def forget(self, keys: list[str]) -> None:
         for key in keys:
@@ -179,5 +220,5 @@ class Control:
     def close(self) -> None:
         """Stop both threads and wait for them (a thread inside a store call when the
         interpreter finalizes aborts the process)."""
-        self.watcher.close(self.store)
+        self.watcher.close(self.store, self.seal)
         self.heartbeat.close()

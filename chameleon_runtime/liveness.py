@@ -29,7 +29,17 @@ from typing import Any
 import torch.distributed as dist
 
 from chameleon_runtime import storeaddr
-from planner.protocol import MAILBOX, Abort, Exit, Finish, Keys, Stop, WaitingOn, WorkerStatus
+from planner.protocol import (
+    MAILBOX,
+    Abort,
+    Exit,
+    Finish,
+    Keys,
+    Seal,
+    Stop,
+    WaitingOn,
+    WorkerStatus,
+)
 
 # The launcher sets the period from its --heartbeat-timeout (launcher/watch.py).
 HEARTBEAT_PERIOD_S = float(os.environ.get("CHAMELEON_HEARTBEAT_S", "1.0"))
@@ -121,9 +131,12 @@ def moved(epoch: int, timeout: timedelta) -> tuple[dist.TCPStore, int] | None:
 class Heartbeat:
     """Publishes ``Status`` to ``status/<rank>`` every period and on every change."""
 
-    def __init__(self, addr: str, port: int, keys: Keys, status: Status, epoch: int = 0) -> None:
+    def __init__(
+        self, addr: str, port: int, keys: Keys, status: Status, epoch: int, seal: Seal
+    ) -> None:
         self._store = dist.TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=60))
         self._epoch = epoch
+        self._seal = seal
         self._key = keys.status(status.rank)
         self._status = status
         self._stop = threading.Event()
@@ -137,7 +150,9 @@ class Heartbeat:
         while True:
             snapshot = self._status._next(HEARTBEAT_PERIOD_S)
             try:
-                self._store.set(self._key, snapshot.model_dump_json(exclude_none=True))
+                self._store.set(
+                    self._key, self._seal.seal(snapshot.model_dump_json(exclude_none=True))
+                )
             except Exception:
                 # The store is gone: a new one is coming (a new leader), or the launcher
                 # is ending this worker.
@@ -207,10 +222,12 @@ class Watcher:
         rank: int,
         interrupts: Interrupts,
         on_abort: Callable[[dist.Store, int], None],
-        epoch: int = 0,
+        epoch: int,
+        seal: Seal,
     ) -> None:
         self._store = dist.TCPStore(addr, port, is_master=False, timeout=FOREVER)
         self._epoch = epoch
+        self._seal = seal
         self._key = keys.mailbox(rank)
         self._interrupts = interrupts
         self._on_abort = on_abort
@@ -228,7 +245,10 @@ class Watcher:
                     return
                 self._store, self._epoch = found
                 continue
-            message = MAILBOX.validate_json(raw)
+            body = self._seal.open(raw, self._key)
+            if body is None:  # unsigned, or another token's: not the launcher's
+                continue
+            message = MAILBOX.validate_json(body)
             if isinstance(message, Abort):
                 self._interrupts._abort(message.generation)
                 self._on_abort(self._store, message.generation)
@@ -241,9 +261,9 @@ class Watcher:
             elif isinstance(message, Stop) and message.pid == me:
                 return
 
-    def close(self, store: dist.Store) -> None:
+    def close(self, store: dist.Store, seal: Seal) -> None:
         """Stop the thread through the mailbox and join it: a thread still inside a store
         call when the interpreter finalizes aborts the process."""
         with contextlib.suppress(Exception):
-            store.queue_push(self._key, Stop(pid=os.getpid()).model_dump_json())
+            store.queue_push(self._key, seal.seal(Stop(pid=os.getpid()).model_dump_json()))
         self._thread.join(timeout=5.0)

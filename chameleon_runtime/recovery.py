@@ -280,9 +280,9 @@ class RecoveryMixin:
         self.step = message.resume_step  # stale until a plan takes us in
         keys = self.control.keys
         # An abort or the end that came before this process listened: act on it now.
-        if self.control.get(keys.abort(message.generation)) is not None:
+        if self.control.get_signed(keys.abort(message.generation)) is not None:
             self.control.interrupts._abort(message.generation)
-        finished = self.control.get(keys.finished)
+        finished = self.control.get_signed(keys.finished)
         if finished is not None:
             self.control.interrupts._finish(int(finished))
         self.control.status.update(phase="spare", generation=message.generation)

@@ -236,8 +236,8 @@ class Trainer(RecoveryMixin):
             message = PlanMessage.build(
                 generation=0, policy="initial", resume_step=self.step, plan=plan
             )
-            self.control.put(keys.plan(0), message)
-            self.control.put(keys.latest, "0")
+            self.control.put_signed(keys.plan(0), message)
+            self.control.put_signed(keys.latest, "0")
         self._publish_costs(plan, stage.first_layer, stage.end_layer)
         self._enter(0, plan, plan.workers)
         self._keep(self.gen.kept if self.gen is not None else None)
@@ -262,7 +262,7 @@ class Trainer(RecoveryMixin):
             for i in range(self.num_layers)
         ]
         description = describe_job(self, plan, costs)
-        self.control.put(keys.job, description)
+        self.control.put_signed(keys.job, description)
 
     # -- the loop ----------------------------------------------------------------------
 
@@ -348,13 +348,11 @@ class Trainer(RecoveryMixin):
         if self.part is not None and self.rank == min(self.plan.workers):
             # Spares (and replacements yet to come) wait for a plan: tell them it is over.
             keys = self.control.keys
-            self.control.put(keys.finished, str(self.step - 1))
+            self.control.put_signed(keys.finished, str(self.step - 1))
             members = set(self.plan.workers)
             for rank in range(self.world_size):
                 if rank not in members:
-                    self.control.store.queue_push(
-                        keys.mailbox(rank), Finish(step=self.step - 1).model_dump_json()
-                    )
+                    self.control.push_signed(keys.mailbox(rank), Finish(step=self.step - 1))
         self._leave()
         self._keep(None)
         stuck = settle(timeout_s=5.0)

@@ -13,6 +13,7 @@ launcher/joining.py; the warm fork server every worker is forked from, launcher/
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import socket
 import threading
@@ -41,7 +42,7 @@ from launcher.watch import Timeouts as WatchTimeouts
 from launcher.worker_store import WorkerStoreView
 from launcher.workers import Console, Reaper
 from planner.failures import DEFAULT_DEVICE_MTBF_H, FailureRate
-from planner.protocol import RECOVERY_POLL_S
+from planner.protocol import RECOVERY_POLL_S, TOKEN_ENV, Seal
 
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 SYNC_PERIOD_S = 0.25
@@ -64,6 +65,13 @@ class Agent(JoiningMixin, SuccessionMixin):
         self.run_id = (
             args.rdzv_id if args.rdzv_id != "none" or not args.standalone else uuid.uuid4().hex[:12]
         )
+        # The job token signs every control message (planner.protocol.Seal): given to every
+        # agent of a multi-node job, made here for one node.
+        token = args.rdzv_conf.get("token") or os.environ.get(TOKEN_ENV) or None
+        if token is None and args.max_nodes == 1:
+            token = secrets.token_hex(16)
+        self.token = token
+        self.seal = Seal(token, self.run_id, on_refused=self._refused)
         base = (
             Path(args.log_dir)
             if args.log_dir
@@ -123,6 +131,13 @@ class Agent(JoiningMixin, SuccessionMixin):
     def stop_signal(self) -> int | None:
         return self._signal
 
+    def _refused(self, where: str) -> None:
+        self.events.emit("unsigned_message", where=where)
+        self.console.say(
+            f"chameleon: ignored a control message not signed with this job's token ({where});"
+            " later ones are ignored silently"
+        )
+
     def record(self, failures: list[Failure]) -> None:
         """Keep every failure once: the run summary and the root cause read them."""
         self.failures = self.failures + [f for f in failures if f not in self.failures]
@@ -146,6 +161,11 @@ class Agent(JoiningMixin, SuccessionMixin):
             if a.max_nodes == 1:
                 control, first = self._start_single_node()
             else:
+                if self.token is None:
+                    self.console.say(
+                        "chameleon: the control plane is not authenticated: give every agent "
+                        "the same CHAMELEON_JOB_TOKEN (or --rdzv-conf token=...)"
+                    )
                 control, first = self._join_job(), None
             self.control = control
             control.beat()
@@ -204,6 +224,7 @@ class Agent(JoiningMixin, SuccessionMixin):
                 attempt=attempt,
                 world_size=world.world_size,
                 nodes=len(world.nodes),
+                worker_store=f"{world.worker_addr}:{world.worker_port}",
             )
         group = self._start_group(world, me)
         self.events.emit("workers_started", **group.started)
@@ -216,7 +237,9 @@ class Agent(JoiningMixin, SuccessionMixin):
     def _start_group(self, world: World, me: NodeInfo) -> LocalGroup:
         a = self.args
         self._new_round_store()
-        settings = RoundSettings.of(a, world, me, run_id=self.run_id, run_dir=self.run_dir)
+        settings = RoundSettings.of(
+            a, world, me, run_id=self.run_id, run_dir=self.run_dir, token=self.token
+        )
         group = LocalGroup(
             settings,
             self.command,
@@ -231,6 +254,7 @@ class Agent(JoiningMixin, SuccessionMixin):
                 hosted=lambda: (
                     self.worker_store if self.control and self.control.is_leader else None
                 ),
+                seal=self.seal,
             ),
             reaper=self.reaper,
             forkserver=self.forkserver,

@@ -36,6 +36,7 @@ from planner.protocol import (
     Keys,
     Ready,
     RecoveryPhase,
+    Seal,
     WorkerStatus,
     encode,
 )
@@ -71,8 +72,11 @@ class Coordinator(RunningMixin):
         on_planned: Callable[[], None] | None = None,
         on_settled: Callable[[dict], None] | None = None,
         on_publish: Callable[[int], None] | None = None,
+        seal: Seal | None = None,
     ) -> None:
         self.store = store
+        # The job token's signature on every control message (planner.protocol.Seal).
+        self.seal = seal or Seal(None, "")
         self.keys = Keys(attempt)
         self.attempt = attempt
         self.world_size = world_size
@@ -108,7 +112,7 @@ class Coordinator(RunningMixin):
             naive_migration=migration_schedule == "naive",
             on_done=on_planned,
         )
-        self.view = WorkerStoreView(attempt, "", 0, hosted=lambda: store)
+        self.view = WorkerStoreView(attempt, "", 0, hosted=lambda: store, seal=self.seal)
         self._statuses: dict[int, WorkerStatus] = {}
         self._next_snapshot = 0.0
         self._last_step_event = (-1, 0.0)
@@ -160,7 +164,10 @@ class Coordinator(RunningMixin):
         if self.state is None and not self._start():
             return InPlaceOutcome()
         for raw in self._inbox():
-            message = INBOX.validate_json(raw)
+            body = self.seal.open(raw, self.keys.inbox)
+            if body is None:  # not a worker of this job
+                continue
+            message = INBOX.validate_json(body)
             if isinstance(message, Ready):
                 report = rc.Report(
                     message.after,
@@ -216,7 +223,12 @@ class Coordinator(RunningMixin):
 
         if not self.store.check([self.keys.plan(0)]):
             return False
-        first = PlanMessage.model_validate_json(self.store.get(self.keys.plan(0)))
+        body = self.seal.open(self.store.get(self.keys.plan(0)), self.keys.plan(0))
+        if body is None:
+            return False
+        first = PlanMessage.model_validate_json(body)
+        if first.generation != 0:
+            return False
         self.plans[0] = first
         plan = first.plan.to_plan()
         self.state = rc.State.initial(
@@ -269,14 +281,14 @@ class Coordinator(RunningMixin):
             phase = RecoveryPhase(
                 recovery=action.recovery, phase=action.phase.value, generation=action.generation
             )
-            self.store.set(self.keys.phase, encode(phase))
+            self.store.set(self.keys.phase, self.seal.seal(encode(phase)))
             if self.on_phase is not None:
                 self.on_phase(phase)
         elif isinstance(action, rc.Note):
             self.emit(action.name, attempt=self.attempt, **action.fields)
 
     def _abort(self, action: rc.Abort) -> None:
-        message = encode(Abort(generation=action.generation, reason=action.reason))
+        message = self.seal.seal(encode(Abort(generation=action.generation, reason=action.reason)))
         self.store.set(self.keys.abort(action.generation), message)
         assert self.state is not None
         # Everyone who may be listening: live workers and replacements on their way.
@@ -296,9 +308,10 @@ class Coordinator(RunningMixin):
         message = self.plans[action.generation]
         if self.on_publish is not None:
             self.on_publish(action.generation)
-        self.store.set(self.keys.plan(action.generation), message.model_dump_json())
-        self.store.set(self.keys.latest, str(action.generation))
-        self.store.set(self.keys.next(action.after), str(action.generation))
+        sign = self.seal.seal
+        self.store.set(self.keys.plan(action.generation), sign(message.model_dump_json()))
+        self.store.set(self.keys.latest, sign(str(action.generation)))
+        self.store.set(self.keys.next(action.after), sign(str(action.generation)))
 
     def _recovered(self, action: rc.Recovered) -> None:
         message = self.plans[action.generation]
@@ -355,7 +368,7 @@ class Coordinator(RunningMixin):
             del self.plans[g]
 
     def _put_respawn(self, rank: int, count: int) -> None:
-        self.store.set(self.keys.respawn(rank), str(count))
+        self.store.set(self.keys.respawn(rank), self.seal.seal(str(count)))
 
     def _inbox(self) -> list[bytes]:
         n = self.store.queue_len(self.keys.inbox)
@@ -368,7 +381,9 @@ class Coordinator(RunningMixin):
         if self.model.description is None and self.store.check([self.keys.job]):
             from planner.wire import JobDescription
 
-            raw = self.store.get(self.keys.job)
+            raw = self.seal.open(self.store.get(self.keys.job), self.keys.job)
+            if raw is None:
+                return False
             self.model.description = JobDescription.model_validate_json(raw)
         return self.model.description is not None
 

@@ -24,6 +24,7 @@ import time
 from launcher.etcd import EtcdStore, _absent, _b64, _unchanged, parse_endpoints
 from launcher.rendezvous import ControlPlane, RendezvousError, node_key
 from launcher.store import StoreError
+from planner.protocol import Seal
 
 # etcd refuses leases shorter than about 1.5 election timeouts; 2 s is safe at defaults.
 MIN_TTL_S = 2
@@ -70,6 +71,7 @@ class EtcdControlPlane(ControlPlane):
         ttl_s: float,
         timeout_s: float,
         worker_host: str,
+        seal: Seal,
     ) -> EtcdControlPlane:
         """Join the run's live incarnation, or start the next one as its leader."""
         store = EtcdStore(parse_endpoints(endpoints))
@@ -84,11 +86,18 @@ class EtcdControlPlane(ControlPlane):
             if found is not None and (
                 store.check([f"{namespace}/leader"]) or store.keys(f"{namespace}/alive/")
             ):
+                proof = store._get(f"{namespace}/auth")
+                why = seal.refusal(proof[0] if proof else None)
+                if why is not None:
+                    store.revoke(lease)
+                    raise RendezvousError(f"run {run_id!r} on etcd {store.where} {why}: refused")
                 store.set(f"{namespace}/alive/{key}", "1", lease=lease)
-                return cls(
+                control = cls(
                     store, run_id, key, is_leader=False, namespace=namespace, lease=lease,
                     worker_host=worker_host,
                 )  # fmt: skip
+                control.seal = seal
+                return control
             # Nobody lives in incarnation n: start n + 1 and lead it, in one transaction
             # (two agents starting together: one wins, the other joins it).
             fresh = f"{base}/{n + 1}"
@@ -101,21 +110,26 @@ class EtcdControlPlane(ControlPlane):
                 {"request_put": {"key": _b64(f"{base}/incarnation"), "value": _b64(str(n + 1))}},
                 {"request_put": {"key": _b64(f"{fresh}/leader"), "value": _b64(key), "lease": lease}},
                 {"request_put": {"key": _b64(f"{fresh}/alive/{key}"), "value": _b64("1"), "lease": lease}},
+                {"request_put": {"key": _b64(f"{fresh}/auth"), "value": _b64(seal.proof())}},
             ]  # fmt: skip
             if store._txn([guard], puts):
                 if found is not None:
                     store.delete_prefix(f"{namespace}/")  # the stale incarnation's keys
-                return cls(
+                control = cls(
                     store, run_id, key, is_leader=True, namespace=fresh, lease=lease,
                     worker_host=worker_host,
                 )  # fmt: skip
+                control.seal = seal
+                return control
         raise RendezvousError(f"could not join run {run_id!r} on etcd {store.where}")
 
     def clone(self) -> EtcdControlPlane:
-        return EtcdControlPlane(
+        clone = EtcdControlPlane(
             self.store.clone(), self.run_id, self.key, is_leader=self.is_leader,
             namespace=self.namespace, lease=self.lease, worker_host=self._worker_host,
         )  # fmt: skip
+        clone.seal = self.seal
+        return clone
 
     # -- liveness and the leader --------------------------------------------------------
 

@@ -62,6 +62,7 @@ class JoiningMixin:
                 port=port,
                 want_leader=want_leader,
                 timeout_s=float(self.args.rdzv_conf.get("join_timeout", 600)),
+                seal=self.seal,
             )
         except (StoreError, RendezvousError) as exc:
             raise JobError(str(exc)) from None
@@ -80,6 +81,7 @@ class JoiningMixin:
                 timeout_s=float(a.rdzv_conf.get("join_timeout", 600)),
                 # Each round's worker store: on loopback unless told this node's address.
                 worker_host=a.local_addr or "127.0.0.1",
+                seal=self.seal,
             )
         except (StoreError, RendezvousError) as exc:
             raise JobError(str(exc)) from None
@@ -123,11 +125,18 @@ class JoiningMixin:
             addr=bound,
             port=control_port,
         )
+        control.seal = self.seal
         control.join(0, node_rank=0, nproc=self.args.nproc_per_node, host=host)
         control.put("r0/world", world.to_json())
         self._last_world = world
         self._emit_start(control)
-        self.events.emit("round_started", attempt=0, world_size=world.world_size, nodes=1)
+        self.events.emit(
+            "round_started",
+            attempt=0,
+            world_size=world.world_size,
+            nodes=1,
+            worker_store=f"{bound}:{worker_port}",
+        )
         self.events.emit("workers_started", **group.started)
         return control, (world, group)
 

@@ -180,6 +180,7 @@ class Leader:
                 on_planned=agent.nudge.set,
                 on_settled=self._mirror if self.control.elected else None,
                 on_publish=self._note_generation if self.control.elected else None,
+                seal=agent.seal,
             )
             if self.takeover is not None:
                 snap = self.takeover["snapshot"]

@@ -37,8 +37,10 @@ if TYPE_CHECKING:
 
 from launcher.store import StoreError, connect_store, get_json, host_store, put_json
 from launcher.supervisor import Failure
+from planner.protocol import Seal
 
 RUN_ID_KEY = "chameleon/run_id"
+AUTH_KEY = "chameleon/auth"  # the job token's proof (planner.protocol.Seal.proof)
 
 
 class RendezvousError(RuntimeError):
@@ -123,6 +125,8 @@ class ControlPlane:
         self.is_leader = is_leader
         self.addr = addr
         self.port = port
+        # Signs what this agent writes and opens what it reads; set by the agent.
+        self.seal = Seal(None, run_id)
 
     @property
     def worker_host(self) -> str:
@@ -146,9 +150,11 @@ class ControlPlane:
     def clone(self) -> ControlPlane:
         """A connection of its own, for another thread."""
         store = connect_store(self.addr, self.port, timeout_s=10)
-        return ControlPlane(
+        clone = ControlPlane(
             store, self.run_id, self.key, is_leader=False, addr=self.addr, port=self.port
         )
+        clone.seal = self.seal
+        return clone
 
     def close(self, *, last: bool) -> None:
         """Nothing to release: the store ends with its host."""
@@ -164,6 +170,7 @@ class ControlPlane:
         port: int,
         want_leader: bool | None,
         timeout_s: float,
+        seal: Seal,
     ) -> ControlPlane:
         """Host the store (``want_leader``), join it, or (None) host it if we can bind the
         endpoint and join otherwise (c10d: the first agent on the endpoint's host leads)."""
@@ -171,8 +178,11 @@ class ControlPlane:
         if want_leader is not False:
             try:
                 store = host_store(addr, port, timeout_s=timeout_s)
+                store.set(AUTH_KEY, seal.proof())
                 put_json(store, RUN_ID_KEY, run_id)
-                return cls(store, run_id, key, is_leader=True, addr=addr, port=store.port)
+                control = cls(store, run_id, key, is_leader=True, addr=addr, port=store.port)
+                control.seal = seal
+                return control
             except StoreError:
                 if want_leader:
                     raise
@@ -196,16 +206,26 @@ class ControlPlane:
             raise RendezvousError(
                 f"the job at {addr}:{port} has run id {found!r}, not {run_id!r}: refused"
             )
-        return cls(store, run_id, key, is_leader=False, addr=addr, port=port)
+        why = seal.refusal(store.get(AUTH_KEY) if store.check([AUTH_KEY]) else None)
+        if why is not None:
+            raise RendezvousError(f"the job at {addr}:{port} {why}: refused")
+        control = cls(store, run_id, key, is_leader=False, addr=addr, port=port)
+        control.seal = seal
+        return control
 
     def _k(self, key: str) -> str:
         return f"{self.run_id}/{key}"
 
     def put(self, key: str, value: Any) -> None:
-        put_json(self.store, self._k(key), value)
+        self.store.set(self._k(key), self.seal.seal(json.dumps(value, separators=(",", ":"))))
 
     def get(self, key: str) -> Any | None:
-        return get_json(self.store, self._k(key))
+        """The value under ``key``; None if unset, or not signed with the job token."""
+        name = self._k(key)
+        if not self.store.check([name]):
+            return None
+        body = self.seal.open(self.store.get(name), name)
+        return None if body is None else json.loads(body)
 
     def add(self, key: str, amount: int) -> int:
         return self.store.add(self._k(key), amount)
@@ -340,14 +360,17 @@ class ControlPlane:
     def request_kill(self, attempt: int, key: str, rank: int, reason: str, silent_s: float) -> None:
         """Leader: ask the agent ``key`` to kill ``rank`` as hung (a stall it was blamed
         for, launcher/watch.py), silent for ``silent_s``."""
-        message = json.dumps([rank, reason, silent_s])
+        message = self.seal.seal(json.dumps([rank, reason, silent_s]))
         self.store.queue_push(self._k(f"r{attempt}/kill/{key}"), message)
 
     def kill_requests(self, attempt: int) -> list[tuple[int, str, float]]:
         name = self._k(f"r{attempt}/kill/{self.key}")
         out = []
         for _ in range(self.store.queue_len(name)):
-            rank, reason, silent_s = json.loads(self.store.queue_pop(name, block=False))
+            body = self.seal.open(self.store.queue_pop(name, block=False), name)
+            if body is None:
+                continue
+            rank, reason, silent_s = json.loads(body)
             out.append((int(rank), str(reason), float(silent_s)))
         return out
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from launcher.args import RunArgs
 from launcher.rendezvous import NodeInfo, World
 from launcher.watch import Timeouts as WatchTimeouts
-from planner.protocol import STORE_FILE_ENV, STORE_WAIT_ENV
+from planner.protocol import STORE_FILE_ENV, STORE_WAIT_ENV, TOKEN_ENV
 
 RUN_PATH_SNIPPET = (
     "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
@@ -58,7 +58,14 @@ class RoundSettings:
 
     @classmethod
     def of(
-        cls, a: RunArgs, world: World, me: NodeInfo, *, run_id: str, run_dir: Path
+        cls,
+        a: RunArgs,
+        world: World,
+        me: NodeInfo,
+        *,
+        run_id: str,
+        run_dir: Path,
+        token: str | None = None,
     ) -> RoundSettings:
         """This node's settings for one round, from ``chameleon run``'s arguments."""
         watch = WatchTimeouts(a.heartbeat_timeout_s, a.step_timeout_s, a.startup_timeout_s)
@@ -75,6 +82,7 @@ class RoundSettings:
                 "CHAMELEON_RUN_DIR": str(run_dir),
                 "CHAMELEON_HEARTBEAT_S": f"{watch.beat_period_s:g}",
                 **(store_move_env(a, run_dir) if a.rdzv_backend == "etcd" else {}),
+                **({TOKEN_ENV: token} if token else {}),
             },
         )  # fmt: skip
 

@@ -10,15 +10,22 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from launcher.store import connect_store
-from planner.protocol import Exit, Keys, RecoveryPhase, WorkerStatus, encode
+from planner.protocol import Exit, Keys, RecoveryPhase, Seal, WorkerStatus, encode
 
 
 class WorkerStoreView:
     def __init__(
-        self, attempt: int, addr: str, port: int, hosted: Callable[[], Any | None]
+        self,
+        attempt: int,
+        addr: str,
+        port: int,
+        hosted: Callable[[], Any | None],
+        seal: Seal | None = None,
     ) -> None:
-        """``hosted``: the store itself where this process hosts it (the leader)."""
+        """``hosted``: the store itself where this process hosts it (the leader);
+        ``seal``: the job token's (statuses unsigned by it are not the workers')."""
         self.keys = Keys(attempt)
+        self.seal = seal or Seal(None, "")
         self._addr, self._port = addr, port
         self._hosted = hosted  # the leader's own store, None on other agents
         self._client: Any = None
@@ -57,10 +64,14 @@ class WorkerStoreView:
             self.reachable, self._client = False, None
             return {}
         self.reachable = True
-        return {r: WorkerStatus.model_validate_json(v) for r, v in zip(known, values, strict=True)}
+        opened = {
+            r: self.seal.open(v, self.keys.status(r)) for r, v in zip(known, values, strict=True)
+        }
+        return {r: WorkerStatus.model_validate_json(v) for r, v in opened.items() if v is not None}
 
     def ask_exit(self, rank: int, code: int, pid: int) -> None:
-        self._store().queue_push(self.keys.mailbox(rank), encode(Exit(code=code, pid=pid)))
+        message = self.seal.seal(encode(Exit(code=code, pid=pid)))
+        self._store().queue_push(self.keys.mailbox(rank), message)
 
     def release_failpoint(self, node: int, phase: str) -> None:
         with contextlib.suppress(Exception):  # the store gone: nobody waits any more
@@ -71,7 +82,10 @@ class WorkerStoreView:
         try:
             store = self._store()
             key = self.keys.respawn(rank)
-            return int(store.get(key)) if store.check([key]) else None
+            if not store.check([key]):
+                return None
+            count = self.seal.open(store.get(key), key)
+            return None if count is None else int(count)
         except Exception:
             return None
 
@@ -80,6 +94,7 @@ class WorkerStoreView:
             store = self._store()
             if not store.check([self.keys.phase]):
                 return None
-            return RecoveryPhase.model_validate_json(store.get(self.keys.phase))
+            body = self.seal.open(store.get(self.keys.phase), self.keys.phase)
+            return None if body is None else RecoveryPhase.model_validate_json(body)
         except Exception:
             return None

@@ -5,8 +5,12 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
+
 from launcher.etcd import EtcdStore, parse_endpoints
 from launcher.etcd_control import EtcdControlPlane
+from launcher.rendezvous import RendezvousError
+from planner.protocol import Seal
 
 
 def test_counters_are_atomic_across_connections(etcd):
@@ -60,8 +64,9 @@ def test_calls_move_to_the_next_member_when_one_is_killed(etcd):
 def test_one_agent_leads_a_fresh_incarnation_and_the_next_joins_it(etcd):
     def open_one():
         return EtcdControlPlane.open(
-            run_id="r", endpoints=etcd.endpoints, ttl_s=3, timeout_s=10, worker_host="127.0.0.1"
-        )
+            run_id="r", endpoints=etcd.endpoints, ttl_s=3, timeout_s=10,
+            worker_host="127.0.0.1", seal=Seal("secret", "r"),
+        )  # fmt: skip
 
     first, second = open_one(), open_one()
     assert (first.is_leader, second.is_leader) == (True, False)
@@ -73,3 +78,23 @@ def test_one_agent_leads_a_fresh_incarnation_and_the_next_joins_it(etcd):
     assert third.is_leader and third.namespace == "chameleon/r/2"
     assert third.store.keys("chameleon/r/1/") == []
     third.close(last=True)
+
+
+def test_an_agent_with_another_token_or_none_is_refused_by_name(etcd):
+    def open_one(token):
+        return EtcdControlPlane.open(
+            run_id="t", endpoints=etcd.endpoints, ttl_s=3, timeout_s=10,
+            worker_host="127.0.0.1", seal=Seal(token, "t"),
+        )  # fmt: skip
+
+    leader = open_one("right")
+    for token, why in (("wrong", "signed with another job token"), (None, "needs its job token .*")):
+        with pytest.raises(RendezvousError, match=f"run 't' on etcd .* {why}: refused"):
+            open_one(token)
+    leader.put("r0/decision", {"action": "finish"})
+    forged = EtcdStore(parse_endpoints(etcd.endpoints))  # a client without the token
+    forged.set(f"{leader.namespace}/r0/world", '{"attempt": 0}')
+    assert leader.get("r0/decision") == {"action": "finish"}
+    assert leader.get("r0/world") is None  # unsigned: as if it were not there
+    assert leader.seal.refused == 1
+    leader.close(last=True)

@@ -7,7 +7,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from chameleon_runtime.liveness import Heartbeat, Status
-from planner.protocol import Keys
+from planner.protocol import Keys, Seal
 
 
 def test_the_last_status_is_written_when_the_thread_stops_at_once():
@@ -15,7 +15,7 @@ def test_the_last_status_is_written_when_the_thread_stops_at_once():
     keys = Keys(0)
     for attempt in range(20):  # the race was lost about one time in ten
         status = Status(rank=attempt)
-        beat = Heartbeat("127.0.0.1", server.port, keys, status)
+        beat = Heartbeat("127.0.0.1", server.port, keys, status, 0, Seal(None, ""))
         status.update(phase="spare")
         status.update(phase="done", step=attempt)
         beat.close()  # before the thread had a chance to write "done"
