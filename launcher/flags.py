@@ -62,7 +62,11 @@ def parser() -> _Parser:
         help="HOST:PORT of the control store (etcd: its members, comma-separated)",
     )
     add(*_both("--rdzv-id"), default="none", help="run id; agents of other run ids are refused")
-    add(*_both("--rdzv-conf"), default="", help="key=value,... (join_timeout, last_call_timeout)")
+    add(
+        *_both("--rdzv-conf"),
+        default="",
+        help="key=value,... (join_timeout, last_call_timeout, token)",
+    )
     add("--standalone", action="store_true", help="one node, control store on a free local port")
     add(
         *_both("--max-restarts"),

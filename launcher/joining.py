@@ -18,7 +18,14 @@ from launcher.rendezvous import (
     control_endpoint,
     node_key,
 )
-from launcher.store import StoreError, bind_listener, host_store, put_json, serve_store
+from launcher.store import (
+    StoreError,
+    bind_listener,
+    host_store,
+    is_loopback,
+    put_json,
+    serve_store,
+)
 
 # Workers of a failed round are useless (their collectives are broken): give them a short
 # grace to flush, not the full shutdown timeout.
@@ -70,6 +77,7 @@ class JoiningMixin:
         return control
 
     def _join_etcd(self) -> ControlPlane:
+        from launcher.etcd import parse_endpoints
         from launcher.etcd_control import EtcdControlPlane
 
         a = self.args
@@ -85,6 +93,13 @@ class JoiningMixin:
             )
         except (StoreError, RendezvousError) as exc:
             raise JobError(str(exc)) from None
+        if a.local_addr is None and any(
+            not is_loopback(h) for h, _ in parse_endpoints(a.rdzv_endpoint)
+        ):
+            self.console.say(
+                "chameleon: this node serves worker stores on 127.0.0.1 when it leads; "
+                "pass --local-addr for a job across hosts"
+            )
         self._emit_start(control)
         return control
 

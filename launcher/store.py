@@ -27,7 +27,7 @@ class StoreError(RuntimeError):
     """The store could not be hosted or reached; ``str()`` is one line."""
 
 
-def _is_loopback(addr: str) -> bool:
+def is_loopback(addr: str) -> bool:
     try:
         return ipaddress.ip_address(addr).is_loopback
     except ValueError:
@@ -37,7 +37,7 @@ def _is_loopback(addr: str) -> bool:
 def bind_listener(addr: str, port: int) -> socket.socket:
     """A listening socket on ``addr:port`` only (port 0 picks a free one). Plain Python:
     the launcher can bind, hand the port to its workers and only then import torch."""
-    bind_to = "127.0.0.1" if _is_loopback(addr) else addr
+    bind_to = "127.0.0.1" if is_loopback(addr) else addr
     family = socket.AF_INET6 if ":" in bind_to else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

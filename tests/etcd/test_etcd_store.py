@@ -88,7 +88,10 @@ def test_an_agent_with_another_token_or_none_is_refused_by_name(etcd):
         )  # fmt: skip
 
     leader = open_one("right")
-    for token, why in (("wrong", "signed with another job token"), (None, "needs its job token .*")):
+    for token, why in (
+        ("wrong", "signed with another job token"),
+        (None, "needs its job token .*"),
+    ):
         with pytest.raises(RendezvousError, match=f"run 't' on etcd .* {why}: refused"):
             open_one(token)
     leader.put("r0/decision", {"action": "finish"})

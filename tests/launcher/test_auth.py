@@ -47,7 +47,9 @@ def test_forged_exit_abort_and_plan_change_nothing(tmp_path):
         foreign.set(keys.next(0), "1")
         foreign.set(keys.abort(0), Abort(generation=0, reason="forged").model_dump_json())
         for rank, pid in enumerate(pids):
-            foreign.queue_push(keys.mailbox(rank), Abort(generation=0, reason="forged").model_dump_json())
+            foreign.queue_push(
+                keys.mailbox(rank), Abort(generation=0, reason="forged").model_dump_json()
+            )
             foreign.queue_push(keys.mailbox(rank), Exit(code=7, pid=pid).model_dump_json())
         forged_at = time.time()
         assert job.wait(timeout=120) == 0, (tmp_path / "job.log").read_text()[-3000:]

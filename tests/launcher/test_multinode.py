@@ -191,6 +191,29 @@ def test_an_agent_of_another_run_id_is_refused(tmp_path):
         host.wait()
 
 
+def test_an_agent_with_another_token_or_none_is_refused(tmp_path):
+    script = write(tmp_path / "sleeper.py", "import time; time.sleep(20)\n")
+    endpoint = f"127.0.0.1:{free_port()}"
+    common = ["run", "--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+              "--rdzv-endpoint", endpoint, "--rdzv-id", "alpha"]  # fmt: skip
+    host = start(
+        *common, str(script), cwd=tmp_path, log=tmp_path / "a.log",
+        env={"CHAMELEON_JOB_TOKEN": "right"},
+    )  # fmt: skip
+    try:
+        time.sleep(3)
+        for conf, why in (
+            ("join_timeout=5,token=wrong", "is signed with another job token: refused"),
+            ("join_timeout=5", "needs its job token"),
+        ):
+            intruder = run(*common, "--rdzv-conf", conf, str(script), cwd=tmp_path, timeout=60)
+            assert intruder.returncode == 1
+            assert f"the job at {endpoint} {why}" in intruder.stderr, intruder.stderr
+    finally:
+        host.kill()
+        host.wait()
+
+
 @pytest.mark.slow
 def test_a_lost_node_recovered_in_place_lets_the_job_end(tmp_path):
     # Two agents of two runtime workers each; node 1's agent is SIGKILLed mid-run (its

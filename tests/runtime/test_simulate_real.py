@@ -16,6 +16,12 @@ EXAMPLE = str(ROOT / "examples" / "train_gpt.py")
 TEMPLATE = ROOT / "configs" / "cpu_testbed_profiled.toml"
 KILLS = ("kill:rank=5,step=15", "kill:rank=2,step=30", "kill:rank=7,step=45")
 STEPS = 60
+# One policy on both sides. With the adaptive choice the two chose apart when scores were
+# close: the run's planner is calibrated by the steps it measures, the simulation's is not,
+# and one of them once kept a single intact pipeline at the first kill (faster on 2 cores),
+# so that the next kill hit a stage with no replica and restarted, halving its throughput
+# (ratio 0.52-0.59, two CI runs of November 2026). The timing model is what this compares.
+POLICY = "reroute"
 
 pytestmark = pytest.mark.slow
 
@@ -42,7 +48,7 @@ def test_simulated_throughput_agrees_with_a_real_run_of_the_same_kills(tmp_path)
     result = run(
         "run", "--nproc-per-node", "8", "--plain", "--master-port", str(free_port()),
         "--config", str(config), "--max-rejoins", "0", "--max-restarts", "1",
-        "--events", str(events_file), *faults,
+        "--policy", POLICY, "--events", str(events_file), *faults,
         EXAMPLE, "--steps", str(STEPS), "--checkpoint-dir", str(tmp_path / "ckpt"),
         cwd=tmp_path, timeout=300,
     )  # fmt: skip
@@ -67,12 +73,13 @@ def test_simulated_throughput_agrees_with_a_real_run_of_the_same_kills(tmp_path)
     )
     sim = run(
         "simulate", "--config", str(config), "--trace", str(trace),
-        "--duration", f"{t_end - t0:.3f}s", "--policies", "adaptive", "--json", cwd=tmp_path,
+        "--duration", f"{t_end - t0:.3f}s", "--policies", POLICY, "--json", cwd=tmp_path,
     )  # fmt: skip
     assert sim.returncode == 0, sim.stdout + sim.stderr
     report = json.loads(sim.stdout)
-    (adaptive,) = report["outcomes"]
-    ratio = adaptive["throughput"] / measured
+    (outcome,) = report["outcomes"]
+    ratio = outcome["throughput"] / measured
+    print(f"simulated over measured: {ratio:.3f}")
     chosen = [e["policy"] for e in events if e["event"] == "plan_chosen"]
     # The profile and the run are minutes apart on a shared 2-core host whose speed
     # drifts: with one simulator (the same table gives the same simulation at 3772ba9 and
@@ -81,7 +88,7 @@ def test_simulated_throughput_agrees_with_a_real_run_of_the_same_kills(tmp_path)
     # 0.179-0.204 s) while real runs of the same kills agreed (244 vs 231 samples/s).
     # Not understood yet (issue 11's note); the band is wide enough not to flake on it.
     assert 0.75 <= ratio <= 1.45, (
-        f"simulated {adaptive['throughput']:.1f} samples/s, measured {measured:.1f} "
+        f"simulated {outcome['throughput']:.1f} samples/s, measured {measured:.1f} "
         f"over {t_end - t0:.2f} s (steps {first}..{last}); run chose {chosen}, "
-        f"simulation recovered {adaptive['in_place']} in place, {adaptive['restarts']} restarts"
+        f"simulation recovered {outcome['in_place']} in place, {outcome['restarts']} restarts"
     )
