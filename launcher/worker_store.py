@@ -38,6 +38,9 @@ class WorkerStoreView:
         """The store moved (a new leader serves it): connect there from now on."""
         self._addr, self._port, self._client = addr, port, None
         self.reachable = True
+        # Who has posted a status is known again from the new store: a multi_get of a key
+        # never written there (a rank that died before moving) would block the agent.
+        self._known = set()
 
     def _store(self) -> Any:
         hosted = self._hosted()

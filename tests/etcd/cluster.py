@@ -16,6 +16,12 @@ from pathlib import Path
 from tests.launcher.helpers import free_port
 
 
+def _die_with_parent() -> None:
+    import ctypes
+
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
 def etcd_binary() -> str | None:
     return shutil.which("etcd")
 
@@ -83,6 +89,7 @@ class EtcdCluster:
             stdout=log.open("ab"),
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            preexec_fn=_die_with_parent,  # a killed test run leaves no etcd behind
         )
 
     def kill(self, index: int) -> None:

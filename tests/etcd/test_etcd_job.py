@@ -147,3 +147,35 @@ def test_a_node_joining_late_grows_the_job(tmp_path, etcd):
     checks, _ = dumps(tmp_path)
     for layer, values in reference.items():
         assert checks[layer] and all(abs(v - values[0]) < 1e-6 for v in checks[layer]), layer
+
+
+def test_workers_killed_while_the_leader_is_being_replaced(tmp_path, etcd):
+    # A second failure inside the first recovery: one worker on each surviving node is
+    # killed a second after the leader's agent, before its lease has run out. (The new
+    # leader's agent then read a status its dead worker never wrote to the new store, and
+    # its loop blocked in the store's multi_get until the job timed out.)
+    import os
+    import signal
+
+    from tests.runtime.test_recovery import dumps
+
+    _, _, reference = run_mlp(tmp_path, "ref", workers=4, steps=STEPS, args=("--stages", "1"))
+    procs = agents(tmp_path, etcd, 3)
+    wait_step(tmp_path, procs, 20)
+    leader = leader_of(tmp_path, procs)
+    others = [i for i in range(3) if i != leader]
+    pids = [
+        next(e for e in events(tmp_path / f"n{i}.jsonl") if e["event"] == "workers_started")[
+            "pids"
+        ][1]
+        for i in others
+    ]
+    procs[leader].kill()
+    time.sleep(1.0)
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    codes = finish([procs[i] for i in others], tmp_path)
+    assert codes == [0, 0], [(tmp_path / f"n{i}.log").read_text()[-2500:] for i in others]
+    checks, _ = dumps(tmp_path)
+    for layer, values in reference.items():
+        assert checks[layer] and all(abs(v - values[0]) < 1e-6 for v in checks[layer]), layer
