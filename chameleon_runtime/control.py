@@ -30,7 +30,8 @@ from pydantic import BaseModel
 
 from chameleon_runtime import storeaddr
 from chameleon_runtime.liveness import FOREVER, Heartbeat, Interrupts, Status, Watcher, moved
-from planner.protocol import TOKEN_ENV, Aware, Keys, Seal, encode
+from planner.protocol import Aware, Keys, encode
+from planner.seal import TOKEN_ENV, Seal
 from planner.wire import PlanMessage
 
 # The phases where an injected fault waits for the worker (Control.failpoint), and for
@@ -75,7 +76,7 @@ class Control:
         # A replacement started after the store moved begins at the file's epoch.
         now = storeaddr.read()
         self.epoch = now.epoch if now is not None and (now.addr, now.port) == (addr, port) else 0
-        # Control messages are signed with the job token (planner.protocol.Seal); what is
+        # Control messages are signed with the job token (planner.seal.Seal); what is
         # unsigned or signed with another is ignored, and said once on stderr.
         self.seal = Seal(
             os.environ.get(TOKEN_ENV),

@@ -35,11 +35,11 @@ from planner.protocol import (
     Exit,
     Finish,
     Keys,
-    Seal,
     Stop,
     WaitingOn,
     WorkerStatus,
 )
+from planner.seal import Seal
 
 # The launcher sets the period from its --heartbeat-timeout (launcher/watch.py).
 HEARTBEAT_PERIOD_S = float(os.environ.get("CHAMELEON_HEARTBEAT_S", "1.0"))

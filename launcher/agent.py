@@ -42,7 +42,8 @@ from launcher.watch import Timeouts as WatchTimeouts
 from launcher.worker_store import WorkerStoreView
 from launcher.workers import Console, Reaper
 from planner.failures import DEFAULT_DEVICE_MTBF_H, FailureRate
-from planner.protocol import RECOVERY_POLL_S, TOKEN_ENV, Seal
+from planner.protocol import RECOVERY_POLL_S
+from planner.seal import TOKEN_ENV, Seal
 
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 SYNC_PERIOD_S = 0.25
@@ -65,7 +66,7 @@ class Agent(JoiningMixin, SuccessionMixin):
         self.run_id = (
             args.rdzv_id if args.rdzv_id != "none" or not args.standalone else uuid.uuid4().hex[:12]
         )
-        # The job token signs every control message (planner.protocol.Seal): given to every
+        # The job token signs every control message (planner.seal.Seal): given to every
         # agent of a multi-node job, made here for one node.
         token = args.rdzv_conf.get("token") or os.environ.get(TOKEN_ENV) or None
         if token is None and args.max_nodes == 1:

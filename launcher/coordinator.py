@@ -36,10 +36,10 @@ from planner.protocol import (
     Keys,
     Ready,
     RecoveryPhase,
-    Seal,
     WorkerStatus,
     encode,
 )
+from planner.seal import Seal
 
 SNAPSHOT_PERIOD_S = 1.0
 
@@ -75,7 +75,7 @@ class Coordinator(RunningMixin):
         seal: Seal | None = None,
     ) -> None:
         self.store = store
-        # The job token's signature on every control message (planner.protocol.Seal).
+        # The job token's signature on every control message (planner.seal.Seal).
         self.seal = seal or Seal(None, "")
         self.keys = Keys(attempt)
         self.attempt = attempt

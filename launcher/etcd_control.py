@@ -24,7 +24,7 @@ import time
 from launcher.etcd import EtcdStore, _absent, _b64, _unchanged, parse_endpoints
 from launcher.rendezvous import ControlPlane, RendezvousError, node_key
 from launcher.store import StoreError
-from planner.protocol import Seal
+from planner.seal import Seal
 
 # etcd refuses leases shorter than about 1.5 election timeouts; 2 s is safe at defaults.
 MIN_TTL_S = 2

@@ -37,10 +37,10 @@ if TYPE_CHECKING:
 
 from launcher.store import StoreError, connect_store, get_json, host_store, put_json
 from launcher.supervisor import Failure
-from planner.protocol import Seal
+from planner.seal import Seal
 
 RUN_ID_KEY = "chameleon/run_id"
-AUTH_KEY = "chameleon/auth"  # the job token's proof (planner.protocol.Seal.proof)
+AUTH_KEY = "chameleon/auth"  # the job token's proof (planner.seal.Seal.proof)
 
 
 class RendezvousError(RuntimeError):

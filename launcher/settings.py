@@ -11,7 +11,8 @@ from pathlib import Path
 from launcher.args import RunArgs
 from launcher.rendezvous import NodeInfo, World
 from launcher.watch import Timeouts as WatchTimeouts
-from planner.protocol import STORE_FILE_ENV, STORE_WAIT_ENV, TOKEN_ENV
+from planner.protocol import STORE_FILE_ENV, STORE_WAIT_ENV
+from planner.seal import TOKEN_ENV
 
 RUN_PATH_SNIPPET = (
     "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"

@@ -10,7 +10,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from launcher.store import connect_store
-from planner.protocol import Exit, Keys, RecoveryPhase, Seal, WorkerStatus, encode
+from planner.protocol import Exit, Keys, RecoveryPhase, WorkerStatus, encode
+from planner.seal import Seal
 
 
 class WorkerStoreView:

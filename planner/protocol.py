@@ -22,6 +22,8 @@ Channels, all under ``chameleon/<attempt>/``:
   not grow with steps or recoveries.
 - Not in the store: a plain script's ``ScriptBeat`` (chameleon_runtime.heartbeat), one
   fixed-size record in the file ``CHAMELEON_BEAT_FILE`` names, read by its own agent.
+- Control messages (plans, aborts, the mailbox, statuses, the inbox, the job, replacement
+  requests, the end) are signed with the job token: planner.seal.
 - ``aware/<rank>``, ``job``, ``layer/<i>``, ``latest``, ``phase``, ``finished``,
   ``respawn/<rank>``: registration, the job's description, the latest generation, the
   leader's recovery phase, the final step, and replacement requests.
@@ -337,78 +339,3 @@ class StoreAddress(BaseModel):
     addr: str
     port: int
     epoch: int = 0
-
-
-# -- the job token (docs/launcher.md, "What the token protects") ------------------------
-
-TOKEN_ENV = "CHAMELEON_JOB_TOKEN"
-_SEALED = "hmac:"  # never the start of an unsigned value (JSON, a number)
-
-
-class Seal:
-    """Signs control messages with the job token (HMAC-SHA256 over the run id and the
-    message) and opens them: a message unsigned, or signed with another token, opens to
-    None and its reader acts as if it were not there. Without a token it signs nothing
-    and opens everything (the job is unauthenticated, and its launcher says so).
-
-    The first message refused calls ``on_refused`` once: enough to tell the user that
-    someone writes to the job's store, without one line per forged message."""
-
-    def __init__(self, token: str | None, run_id: str, on_refused=None) -> None:
-        self._key = token.encode() if token else None
-        self._run = run_id.encode()
-        self._on_refused = on_refused
-        self.refused = 0
-
-    @property
-    def on(self) -> bool:
-        return self._key is not None
-
-    def _mac(self, body: bytes) -> str:
-        import hashlib
-        import hmac
-
-        assert self._key is not None
-        return hmac.new(self._key, self._run + b"\n" + body, hashlib.sha256).hexdigest()
-
-    def seal(self, body: str) -> str:
-        if self._key is None:
-            return body
-        return f"{_SEALED}{self._mac(body.encode())}:{body}"
-
-    def open(self, raw: str | bytes, where: str = "") -> str | None:
-        text = raw.decode() if isinstance(raw, bytes) else raw
-        if self._key is None:
-            return text
-        import hmac
-
-        if text.startswith(_SEALED):
-            mac, _, body = text[len(_SEALED) :].partition(":")
-            if hmac.compare_digest(mac, self._mac(body.encode())):
-                return body
-        self.refused += 1
-        if self.refused == 1 and self._on_refused is not None:
-            self._on_refused(where)
-        return None
-
-    def proof(self) -> str:
-        """What a job's first agent writes for joiners to check their token against."""
-        return self.seal("chameleon job")
-
-    def refusal(self, proof: str | bytes | None) -> str | None:
-        """Why an agent with this seal may not join a job whose proof is ``proof``."""
-        text = proof.decode() if isinstance(proof, bytes) else (proof or "")
-        signed = text.startswith(_SEALED)
-        if self._key is None:
-            return (
-                "needs its job token (--rdzv-conf token=... or CHAMELEON_JOB_TOKEN)"
-                if signed
-                else None
-            )
-        if not signed:
-            return "runs without a job token, and this agent has one"
-        import hmac
-
-        if not hmac.compare_digest(text, self.proof()):
-            return "is signed with another job token"
-        return None

@@ -1,5 +1,5 @@
 """The job token: a foreign client that reaches a running job's worker store and writes a
-forged exit, abort and plan changes nothing (planner.protocol.Seal)."""
+forged exit, abort and plan changes nothing (planner.seal.Seal)."""
 
 from __future__ import annotations
 
