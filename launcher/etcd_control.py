@@ -43,8 +43,10 @@ class EtcdControlPlane(ControlPlane):
         namespace: str,
         lease: int,
         worker_host: str,
+        seal: Seal,
     ) -> None:
         super().__init__(store, run_id, key, is_leader=is_leader, addr=store.where, port=0)
+        self.seal = seal
         self.namespace = namespace
         self.lease = lease
         self._worker_host = worker_host
@@ -79,6 +81,13 @@ class EtcdControlPlane(ControlPlane):
         base = f"chameleon/{run_id}"
         lease = store.grant(max(MIN_TTL_S, math.ceil(ttl_s)))
         deadline = time.monotonic() + timeout_s
+
+        def make(leader: bool, namespace: str) -> EtcdControlPlane:
+            return cls(
+                store, run_id, key, is_leader=leader, namespace=namespace, lease=lease,
+                worker_host=worker_host, seal=seal,
+            )  # fmt: skip
+
         while time.monotonic() < deadline:
             found = store._get(f"{base}/incarnation")
             n = int(found[0]) if found else 0
@@ -92,12 +101,7 @@ class EtcdControlPlane(ControlPlane):
                     store.revoke(lease)
                     raise RendezvousError(f"run {run_id!r} on etcd {store.where} {why}: refused")
                 store.set(f"{namespace}/alive/{key}", "1", lease=lease)
-                control = cls(
-                    store, run_id, key, is_leader=False, namespace=namespace, lease=lease,
-                    worker_host=worker_host,
-                )  # fmt: skip
-                control.seal = seal
-                return control
+                return make(False, namespace)
             # Nobody lives in incarnation n: start n + 1 and lead it, in one transaction
             # (two agents starting together: one wins, the other joins it).
             fresh = f"{base}/{n + 1}"
@@ -115,21 +119,15 @@ class EtcdControlPlane(ControlPlane):
             if store._txn([guard], puts):
                 if found is not None:
                     store.delete_prefix(f"{namespace}/")  # the stale incarnation's keys
-                control = cls(
-                    store, run_id, key, is_leader=True, namespace=fresh, lease=lease,
-                    worker_host=worker_host,
-                )  # fmt: skip
-                control.seal = seal
-                return control
+                return make(True, fresh)
         raise RendezvousError(f"could not join run {run_id!r} on etcd {store.where}")
 
     def clone(self) -> EtcdControlPlane:
-        clone = EtcdControlPlane(
+        return EtcdControlPlane(
             self.store.clone(), self.run_id, self.key, is_leader=self.is_leader,
             namespace=self.namespace, lease=self.lease, worker_host=self._worker_host,
+            seal=self.seal,
         )  # fmt: skip
-        clone.seal = self.seal
-        return clone
 
     # -- liveness and the leader --------------------------------------------------------
 

@@ -89,11 +89,18 @@ def finish(procs, tmp_path, timeout=120):
         assert leftovers == [], "workers outlived the launchers"
 
 
+def assert_failure_free(tmp_path, reference) -> None:
+    """Every layer's checksum, on every holder, equals the failure-free run's."""
+    from tests.runtime.test_recovery import dumps
+
+    checks, _ = dumps(tmp_path)
+    for layer, values in reference.items():
+        assert checks[layer] and all(abs(v - values[0]) < 1e-6 for v in checks[layer]), layer
+
+
 def test_losing_the_first_nodes_agent_on_etcd_the_others_finish_with_the_same_weights(
     tmp_path, etcd
 ):
-    from tests.runtime.test_recovery import dumps
-
     _, _, reference = run_mlp(tmp_path, "ref", workers=4, steps=STEPS, args=("--stages", "1"))
     procs = agents(tmp_path, etcd, 3)
     wait_step(tmp_path, procs, 20)
@@ -103,9 +110,7 @@ def test_losing_the_first_nodes_agent_on_etcd_the_others_finish_with_the_same_we
     procs[leader].kill()
     codes = finish([procs[i] for i in others], tmp_path)
     assert codes == [0, 0], [(tmp_path / f"n{i}.log").read_text()[-2500:] for i in others]
-    checks, _ = dumps(tmp_path)
-    for layer, values in reference.items():
-        assert checks[layer] and all(abs(v - values[0]) < 1e-6 for v in checks[layer]), layer
+    assert_failure_free(tmp_path, reference)
     evs = [e for i in others for e in events(tmp_path / f"n{i}.jsonl")]
     assert [e for e in evs if e["event"] == "leader_elected"]
     # In place: the survivors' workers of the first round trained to the end.
@@ -116,8 +121,6 @@ def test_losing_the_first_nodes_agent_on_etcd_the_others_finish_with_the_same_we
 
 
 def test_an_etcd_member_killed_mid_run_and_then_the_first_node(tmp_path, etcd):
-    from tests.runtime.test_recovery import dumps
-
     _, _, reference = run_mlp(tmp_path, "ref", workers=4, steps=STEPS, args=("--stages", "1"))
     procs = agents(tmp_path, etcd, 3)
     wait_step(tmp_path, procs, 10)
@@ -128,14 +131,10 @@ def test_an_etcd_member_killed_mid_run_and_then_the_first_node(tmp_path, etcd):
     procs[leader].kill()
     codes = finish([procs[i] for i in others], tmp_path)
     assert codes == [0, 0], [(tmp_path / f"n{i}.log").read_text()[-2500:] for i in others]
-    checks, _ = dumps(tmp_path)
-    for layer, values in reference.items():
-        assert checks[layer] and all(abs(v - values[0]) < 1e-6 for v in checks[layer]), layer
+    assert_failure_free(tmp_path, reference)
 
 
 def test_a_node_joining_late_grows_the_job(tmp_path, etcd):
-    from tests.runtime.test_recovery import dumps
-
     _, _, reference = run_mlp(tmp_path, "ref", workers=4, steps=STEPS, args=("--stages", "1"))
     procs = agents(tmp_path, etcd, 2)
     wait_step(tmp_path, procs, 10)
@@ -144,9 +143,7 @@ def test_a_node_joining_late_grows_the_job(tmp_path, etcd):
     assert codes == [0, 0, 0], [(tmp_path / f"n{i}.log").read_text()[-2500:] for i in range(3)]
     started = [e for e in events(tmp_path / "n2.jsonl") if e["event"] == "workers_started"]
     assert started and started[0]["attempt"] >= 1  # it joined a later round of the job
-    checks, _ = dumps(tmp_path)
-    for layer, values in reference.items():
-        assert checks[layer] and all(abs(v - values[0]) < 1e-6 for v in checks[layer]), layer
+    assert_failure_free(tmp_path, reference)
 
 
 def test_workers_killed_while_the_leader_is_being_replaced(tmp_path, etcd):
@@ -156,8 +153,6 @@ def test_workers_killed_while_the_leader_is_being_replaced(tmp_path, etcd):
     # its loop blocked in the store's multi_get until the job timed out.)
     import os
     import signal
-
-    from tests.runtime.test_recovery import dumps
 
     _, _, reference = run_mlp(tmp_path, "ref", workers=4, steps=STEPS, args=("--stages", "1"))
     procs = agents(tmp_path, etcd, 3)
@@ -176,6 +171,4 @@ def test_workers_killed_while_the_leader_is_being_replaced(tmp_path, etcd):
         os.kill(pid, signal.SIGKILL)
     codes = finish([procs[i] for i in others], tmp_path)
     assert codes == [0, 0], [(tmp_path / f"n{i}.log").read_text()[-2500:] for i in others]
-    checks, _ = dumps(tmp_path)
-    for layer, values in reference.items():
-        assert checks[layer] and all(abs(v - values[0]) < 1e-6 for v in checks[layer]), layer
+    assert_failure_free(tmp_path, reference)
