@@ -221,5 +221,5 @@ class Control:
     def close(self) -> None:
         """Stop both threads and wait for them (a thread inside a store call when the
         interpreter finalizes aborts the process)."""
-        self.watcher.close(self.store, self.seal)
+        self.watcher.close(self.store)
         self.heartbeat.close()

@@ -261,9 +261,9 @@ class Watcher:
             elif isinstance(message, Stop) and message.pid == me:
                 return
 
-    def close(self, store: dist.Store, seal: Seal) -> None:
+    def close(self, store: dist.Store) -> None:
         """Stop the thread through the mailbox and join it: a thread still inside a store
         call when the interpreter finalizes aborts the process."""
         with contextlib.suppress(Exception):
-            store.queue_push(self._key, seal.seal(Stop(pid=os.getpid()).model_dump_json()))
+            store.queue_push(self._key, self._seal.seal(Stop(pid=os.getpid()).model_dump_json()))
         self._thread.join(timeout=5.0)

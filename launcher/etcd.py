@@ -108,9 +108,7 @@ class EtcdStore:
         return value, int(meta["mod_revision"])
 
     def set(self, key: str, value: str | bytes, lease: int | None = None) -> None:
-        payload = {"key": _b64(key), "value": _b64(value)}
-        if lease is not None:
-            payload["lease"] = lease
+        payload = put_request(key, value, lease)["request_put"]
         self._call(lambda c: c.post(c.get_url("/kv/put"), json=payload))
 
     def get(self, key: str) -> bytes:
@@ -137,10 +135,7 @@ class EtcdStore:
 
     def create(self, key: str, value: str | bytes, lease: int | None = None) -> bool:
         """Set ``key`` only if it is not set; whether this call set it."""
-        put = {"key": _b64(key), "value": _b64(value)}
-        if lease is not None:
-            put["lease"] = lease
-        return self._txn([_absent(key)], [{"request_put": put}])
+        return self._txn([_absent(key)], [put_request(key, value, lease)])
 
     def add(self, key: str, amount: int) -> int:
         """Atomically add ``amount`` to the integer under ``key`` (0 if not set)."""
@@ -151,9 +146,8 @@ class EtcdStore:
             if found is not None and amount == 0:
                 return int(found[0])
             value = (int(found[0]) if found else 0) + amount
-            put = {"request_put": {"key": _b64(key), "value": _b64(str(value))}}
             guard = _absent(key) if found is None else _unchanged(key, found[1])
-            if self._txn([guard], [put]):
+            if self._txn([guard], [put_request(key, str(value))]):
                 return value
 
     def wait(self, keys: list[str], timeout: timedelta) -> None:
@@ -202,6 +196,14 @@ class EtcdStore:
 
     def revoke(self, lease: int) -> None:
         self._call(lambda c: c.post(c.get_url("/kv/lease/revoke"), json={"ID": lease}))
+
+
+def put_request(key: str, value: str | bytes, lease: int | None = None) -> dict:
+    """One put, as the gateway takes it in a transaction (``/kv/put`` takes its inside)."""
+    put: dict = {"key": _b64(key), "value": _b64(value)}
+    if lease is not None:
+        put["lease"] = lease
+    return {"request_put": put}
 
 
 def _b64(value: str | bytes) -> str:

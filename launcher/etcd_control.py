@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 import time
 
-from launcher.etcd import EtcdStore, _absent, _b64, _unchanged, parse_endpoints
+from launcher.etcd import EtcdStore, _absent, _unchanged, parse_endpoints, put_request
 from launcher.rendezvous import ControlPlane, RendezvousError, node_key
 from launcher.store import StoreError
 from planner.seal import Seal
@@ -45,8 +45,9 @@ class EtcdControlPlane(ControlPlane):
         worker_host: str,
         seal: Seal,
     ) -> None:
-        super().__init__(store, run_id, key, is_leader=is_leader, addr=store.where, port=0)
-        self.seal = seal
+        super().__init__(
+            store, run_id, key, is_leader=is_leader, addr=store.where, port=0, seal=seal
+        )
         self.namespace = namespace
         self.lease = lease
         self._worker_host = worker_host
@@ -111,11 +112,11 @@ class EtcdControlPlane(ControlPlane):
                 else _unchanged(f"{base}/incarnation", found[1])
             )
             puts = [
-                {"request_put": {"key": _b64(f"{base}/incarnation"), "value": _b64(str(n + 1))}},
-                {"request_put": {"key": _b64(f"{fresh}/leader"), "value": _b64(key), "lease": lease}},
-                {"request_put": {"key": _b64(f"{fresh}/alive/{key}"), "value": _b64("1"), "lease": lease}},
-                {"request_put": {"key": _b64(f"{fresh}/auth"), "value": _b64(seal.proof())}},
-            ]  # fmt: skip
+                put_request(f"{base}/incarnation", str(n + 1)),
+                put_request(f"{fresh}/leader", key, lease),
+                put_request(f"{fresh}/alive/{key}", "1", lease),
+                put_request(f"{fresh}/auth", seal.proof()),
+            ]
             if store._txn([guard], puts):
                 if found is not None:
                     store.delete_prefix(f"{namespace}/")  # the stale incarnation's keys

@@ -139,8 +139,8 @@ class JoiningMixin:
             is_leader=True,
             addr=bound,
             port=control_port,
+            seal=self.seal,
         )
-        control.seal = self.seal
         control.join(0, node_rank=0, nproc=self.args.nproc_per_node, host=host)
         control.put("r0/world", world.to_json())
         self._last_world = world

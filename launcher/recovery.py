@@ -54,6 +54,7 @@ from launcher.recovery_events import (
     Restart,
     StartPlanning,
     Tick,
+    Timeouts,
 )
 
 __all__ = [  # the machine with its vocabulary: ``from launcher import recovery as rc``
@@ -61,14 +62,6 @@ __all__ = [  # the machine with its vocabulary: ``from launcher import recovery 
     "Kill", "Layout", "Note", "Phase", "PhaseChanged", "Planned", "Publish", "ReadyReported",
     "Recovered", "Report", "Restart", "StartPlanning", "State", "Tick", "Timeouts", "decide",
 ]  # fmt: skip
-
-
-@dataclass(frozen=True)
-class Timeouts:
-    collect_s: float = 60.0  # every survivor answers an abort (a compute in flight ends)
-    plan_s: float = 120.0
-    confirm_s: float = 60.0  # groups built, layers moved, agreed (plus 3x the estimate)
-    max_futile: int = 3
 
 
 def _frozen(d: Mapping) -> Mapping:
@@ -116,16 +109,22 @@ class State:
 
     @classmethod
     def initial(
-        cls, *, world: frozenset[int], layout: Layout, resume_step: int, timeouts: Timeouts
+        cls,
+        *,
+        world: frozenset[int],
+        layout: Layout,
+        resume_step: int,
+        timeouts: Timeouts,
+        generation: int = 0,  # a successor leader starts from the last settled one
     ) -> State:
         return cls(
             phase=Phase.RUNNING,
-            generation=0,
-            confirmed=0,
+            generation=generation,
+            confirmed=generation,
             members=frozenset(layout),
             live=world,
-            layouts=_frozen({0: _frozen(layout)}),
-            next_id=1,
+            layouts=_frozen({generation: _frozen(layout)}),
+            next_id=generation + 1,
             timeouts=timeouts,
             resume_step=resume_step,
         )

@@ -12,6 +12,16 @@ from enum import StrEnum
 Layout = Mapping[int, tuple[int, int]]  # worker -> [first, end) layers of its stage
 
 
+@dataclass(frozen=True)
+class Timeouts:
+    """Each phase's deadline, and how many plans in a row may apply no step."""
+
+    collect_s: float = 60.0  # every survivor answers an abort (a compute in flight ends)
+    plan_s: float = 120.0
+    confirm_s: float = 60.0  # groups built, layers moved, agreed (plus 3x the estimate)
+    max_futile: int = 3
+
+
 class Phase(StrEnum):
     RUNNING = "running"
     COLLECT = "collect"

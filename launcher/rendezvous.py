@@ -117,7 +117,15 @@ class ControlPlane:
     elected = False
 
     def __init__(
-        self, store: TCPStore, run_id: str, key: str, *, is_leader: bool, addr: str, port: int
+        self,
+        store: TCPStore,
+        run_id: str,
+        key: str,
+        *,
+        is_leader: bool,
+        addr: str,
+        port: int,
+        seal: Seal | None = None,
     ) -> None:
         self.store = store
         self.run_id = run_id
@@ -125,8 +133,8 @@ class ControlPlane:
         self.is_leader = is_leader
         self.addr = addr
         self.port = port
-        # Signs what this agent writes and opens what it reads; set by the agent.
-        self.seal = Seal(None, run_id)
+        # Signs what this agent writes and opens what it reads (the agent's job token).
+        self.seal = seal or Seal(None, run_id)
 
     @property
     def worker_host(self) -> str:
@@ -150,11 +158,10 @@ class ControlPlane:
     def clone(self) -> ControlPlane:
         """A connection of its own, for another thread."""
         store = connect_store(self.addr, self.port, timeout_s=10)
-        clone = ControlPlane(
-            store, self.run_id, self.key, is_leader=False, addr=self.addr, port=self.port
-        )
-        clone.seal = self.seal
-        return clone
+        return ControlPlane(
+            store, self.run_id, self.key, is_leader=False, addr=self.addr, port=self.port,
+            seal=self.seal,
+        )  # fmt: skip
 
     def close(self, *, last: bool) -> None:
         """Nothing to release: the store ends with its host."""
@@ -180,9 +187,9 @@ class ControlPlane:
                 store = host_store(addr, port, timeout_s=timeout_s)
                 store.set(AUTH_KEY, seal.proof())
                 put_json(store, RUN_ID_KEY, run_id)
-                control = cls(store, run_id, key, is_leader=True, addr=addr, port=store.port)
-                control.seal = seal
-                return control
+                return cls(
+                    store, run_id, key, is_leader=True, addr=addr, port=store.port, seal=seal
+                )
             except StoreError:
                 if want_leader:
                     raise
@@ -209,9 +216,7 @@ class ControlPlane:
         why = seal.refusal(store.get(AUTH_KEY) if store.check([AUTH_KEY]) else None)
         if why is not None:
             raise RendezvousError(f"the job at {addr}:{port} {why}: refused")
-        control = cls(store, run_id, key, is_leader=False, addr=addr, port=port)
-        control.seal = seal
-        return control
+        return cls(store, run_id, key, is_leader=False, addr=addr, port=port, seal=seal)
 
     def _k(self, key: str) -> str:
         return f"{self.run_id}/{key}"

@@ -20,6 +20,7 @@ is restarted, as on the TCPStore backends.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from launcher import recovery as rc
@@ -61,16 +62,16 @@ def resume(c: Coordinator, snap: dict[str, Any], known: list[Failure], next_gen:
     plan = current.plan.to_plan()
     layout = {s.worker: (s.first_layer, s.end_layer) for s in plan.stages}
     generation = int(snap["generation"])
-    c.state = rc.State(
-        phase=rc.Phase.RUNNING,
-        generation=generation,
-        confirmed=generation,
-        members=frozenset(layout),
-        live=frozenset(snap["live"]),
-        layouts=rc._frozen({generation: rc._frozen(layout)}),
-        next_id=max(int(snap["next_id"]), next_gen + 1, generation + 1),
-        timeouts=c._timeouts,
+    state = rc.State.initial(
+        world=frozenset(snap["live"]),
+        layout=layout,
         resume_step=int(snap["resume_step"]),
+        timeouts=c._timeouts,
+        generation=generation,
+    )
+    c.state = replace(
+        state,
+        next_id=max(int(snap["next_id"]), next_gen + 1, state.next_id),
         recovery=int(snap["recovery"]),
     )
     c.gone |= set(snap["gone"])  # the planner holds this set: updated in place
