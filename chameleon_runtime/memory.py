@@ -16,6 +16,12 @@ backward is state, not activation).
 
 The step samples after every pass and inside the exchange; the peak is the largest
 sample. ``planner.cost.CostModel.memory_bytes`` predicts the same quantity.
+
+Only the first ``METERED_STEPS`` steps of a layout are measured: every step of a layout
+runs the same program on same-shaped tensors, so its peak is reached by then (the
+optimizer's state exists from the first step's update on), and sampling walks every
+tensor the worker holds, after every pass: a tenth of a tiny model's step, paid for
+nothing on every later step.
 """
 
 from __future__ import annotations
@@ -37,6 +43,10 @@ def _unique(tensors: Iterable[torch.Tensor]) -> dict[int, int]:
     return dict(_storage(t) for t in tensors)
 
 
+# The first step has no optimizer state until its update; the second holds it all step.
+METERED_STEPS = 3
+
+
 class Meter:
     """One worker's tensor bytes through a step, and the peak over the steps so far."""
 
@@ -44,6 +54,12 @@ class Meter:
         self.shard = shard
         self.peak_bytes = 0
         self._saved: dict[int, dict[int, int]] = {}  # micro-batch -> storages it keeps
+        self._steps = 0  # steps begun since the layout changed
+
+    def begin_step(self) -> bool:
+        """Whether this step is measured (module doc)."""
+        self._steps += 1
+        return self._steps <= METERED_STEPS
 
     def _state(self) -> dict[int, int]:
         shard = self.shard
@@ -54,7 +70,9 @@ class Meter:
                 if p.grad is not None:
                     tensors.append(p.grad)
             tensors.extend(shard.grad_sums.get(i, ()))
-            for per_param in shard.optimizers[i].state.values():
+        optimizer = shard.optimizer
+        if optimizer is not None:
+            for per_param in optimizer.state.values():
                 tensors.extend(v for v in per_param.values() if isinstance(v, torch.Tensor))
         return _unique(tensors)
 
@@ -95,3 +113,4 @@ class Meter:
         """A new layout: what was in flight is gone, and the peak starts again."""
         self._saved.clear()
         self.peak_bytes = 0
+        self._steps = 0

@@ -1,13 +1,19 @@
-"""The layers a worker holds, with one optimizer per layer.
+"""The layers a worker holds, with one optimizer over all of them.
 
-Why one optimizer per layer: a layer's parameters and optimizer state then move, save and
-load as one unit whatever the layout, and an element-wise optimizer (SGD, Adam, AdamW)
-steps exactly as one optimizer over all parameters would.
+Why one optimizer for the stage and not one per layer: a step then pays one optimizer
+call (and one foreach or fused kernel launch where the user's optimizer uses them), as a
+plain loop does. An element-wise optimizer (SGD, Adam, AdamW) steps each parameter
+exactly as it would in any grouping, so a layer's state still moves, saves and loads as
+one unit whatever the layout: it is read off and written into the stage optimizer's
+per-parameter state, and the optimizer is rebuilt over the held layers when they change.
 
 Why per-layer seeding: layer i is always built under seed (seed, i), so every holder of it,
 now or after a migration, starts from the same weights; and each layer's forward runs
 under a seed of (step, micro-batch, layer), so dropout draws the same mask whichever
-worker runs it.
+worker runs it. The generators are seeded directly (``_Seeder``), not through
+``torch.manual_seed``: on a machine whose CUDA is not initialised, that queues a lazy
+seeding with a captured Python stack for every device type, which cost a fifth of a
+tiny model's step. The caller's CPU generator is saved once per pass and given back.
 
 Why gradients are summed in float64: which micro-batches a worker runs, and which holders
 add up a layer's gradient, depend on the layout, and float32 sums depend on their order.
@@ -57,6 +63,20 @@ def op_seed(seed: int, step: int, micro_batch: int, layer: int) -> int:
     return (seed * 1_000_003 + step * 104_729 + micro_batch * 7919 + layer * 31) % (2**63)
 
 
+class _Seeder:
+    """Seeds the generators a layer's forward draws from on ``device``: the CPU's, and
+    the accelerator's own where the layer runs on one (module doc)."""
+
+    def __init__(self, device: str) -> None:
+        kind = torch.device(device).type
+        self._device = None if kind == "cpu" else torch.get_device_module(kind)
+
+    def seed(self, value: int) -> None:
+        torch.default_generator.manual_seed(value)
+        if self._device is not None:
+            self._device.manual_seed(value)  # the current device's generator only
+
+
 def build_layer(factory: LayerFactory, seed: int, index: int, device: str = "cpu") -> nn.Module:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(layer_seed(seed, index))
@@ -85,7 +105,9 @@ class Shard:
         self.wire_dtype = _WIRE[precision]
         self.scaler = LossScale(scale=init_loss_scale) if precision == "fp16" else None
         self.layers: dict[int, nn.Module] = {}
-        self.optimizers: dict[int, torch.optim.Optimizer] = {}
+        self._optimizer: torch.optim.Optimizer | None = None
+        self._optimizer_stale = False  # the held layers changed since it was built
+        self._seeder = _Seeder(device)
         self.grad_sums: dict[int, list[torch.Tensor]] = {}  # float64, per held layer
 
     # -- holding -----------------------------------------------------------------------
@@ -96,28 +118,53 @@ class Shard:
         for i in range(first, end):
             if i not in self.layers:
                 self.layers[i] = build_layer(self.factory, self.seed, i, self.device)
-                self.optimizers[i] = self.make_optimizer(list(self.layers[i].parameters()))
+                self._optimizer_stale = True
                 built.append(i)
         return built
 
     def keep_only(self, first: int, end: int) -> None:
         for i in [i for i in self.layers if not first <= i < end]:
             del self.layers[i]
-            del self.optimizers[i]
             self.grad_sums.pop(i, None)
+            self._optimizer_stale = True
 
     def held(self) -> list[int]:
         return sorted(self.layers)
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        """One optimizer over every held layer's parameters, in layer order (module doc);
+        None while nothing is held. Rebuilt when the held layers changed: the state of
+        the parameters it had carries over, a new layer's starts empty (or is imported)."""
+        if self._optimizer_stale:
+            old = self._optimizer
+            params = [p for i in sorted(self.layers) for p in self.layers[i].parameters()]
+            new = self.make_optimizer(params) if params else None
+            if old is not None and new is not None:
+                for p in params:
+                    if p in old.state:
+                        new.state[p] = old.state[p]
+            self._optimizer, self._optimizer_stale = new, False
+        return self._optimizer
+
+    def optimizer_state(self, i: int) -> list[dict[str, Any]]:
+        """Layer ``i``'s optimizer state, one dict per parameter in parameter order."""
+        opt = self.optimizer
+        assert opt is not None
+        return [opt.state.get(p, {}) for p in self.layers[i].parameters()]
 
     # -- compute -----------------------------------------------------------------------
 
     def forward(
         self, x: torch.Tensor, first: int, end: int, *, step: int, micro_batch: int
     ) -> torch.Tensor:
-        for i in range(first, end):
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(op_seed(self.seed, step, micro_batch, i))
+        caller = torch.get_rng_state()  # the caller's CPU generator, given back after
+        try:
+            for i in range(first, end):
+                self._seeder.seed(op_seed(self.seed, step, micro_batch, i))
                 x = self.run_layer(self.layers[i], x)
+        finally:
+            torch.set_rng_state(caller)
         return x
 
     def run_layer(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -185,19 +232,21 @@ class Shard:
                 p.grad.mul_(factor)
 
     def zero_grad(self) -> None:
-        for opt in self.optimizers.values():
-            opt.zero_grad(set_to_none=True)
+        for layer in self.layers.values():
+            for p in layer.parameters():
+                p.grad = None
         for sums in self.grad_sums.values():
             for total in sums:
                 total.zero_()
 
     def step(self, lr: float | None = None) -> None:
-        for i in sorted(self.optimizers):
-            opt = self.optimizers[i]
-            if lr is not None:
-                for group in opt.param_groups:
-                    group["lr"] = lr
-            opt.step()
+        opt = self.optimizer
+        if opt is None:
+            return
+        if lr is not None:
+            for group in opt.param_groups:
+                group["lr"] = lr
+        opt.step()
 
     # -- state as tensors + JSON header ------------------------------------------------
 
@@ -206,10 +255,9 @@ class Shard:
         params = list(self.layers[i].parameters())
         tensors = [p.detach().cpu().contiguous() for p in params]
         state_items: list[list[Any]] = []
-        state = self.optimizers[i].state_dict()["state"]
-        for index in sorted(state):
-            for key in sorted(state[index]):
-                value = state[index][key]
+        for index, state in enumerate(self.optimizer_state(i)):
+            for key in sorted(state):
+                value = state[key]
                 if torch.is_tensor(value):
                     state_items.append([index, key, list(value.shape), str(value.dtype)])
                     tensors.append(value.detach().cpu().contiguous())
@@ -241,9 +289,7 @@ class Shard:
         i = header["layer"]
         if self.scaler is not None:
             self.scaler.adopt(header.get("loss_scale"), restore=restore)
-        if i not in self.layers:
-            self.layers[i] = build_layer(self.factory, self.seed, i, self.device)
-            self.optimizers[i] = self.make_optimizer(list(self.layers[i].parameters()))
+        self.ensure(i, i + 1)
         params = list(self.layers[i].parameters())
         with torch.no_grad():
             for p, t in zip(params, tensors, strict=False):
@@ -252,11 +298,14 @@ class Shard:
         state: dict[int, dict[str, Any]] = {}
         for index, key, shape, value in header["state"]:
             state.setdefault(index, {})[key] = (
-                next(rest).to(self.device) if shape is not None else value
+                _state_value(params[index], key, next(rest)) if shape is not None else value
             )
-        current = self.optimizers[i].state_dict()
-        current["state"] = state
-        self.optimizers[i].load_state_dict(current)
+        opt = self.optimizer
+        assert opt is not None
+        for index, p in enumerate(params):
+            opt.state.pop(p, None)
+            if index in state:
+                opt.state[p] = state[index]
 
     def checksum(self, i: int) -> float:
         """A cheap fingerprint of a layer's weights, for cross-holder consistency checks."""
@@ -267,6 +316,17 @@ class Shard:
                     for p in self.layers[i].parameters()
                 )
             )
+
+
+def _state_value(param: torch.Tensor, key: str, value: torch.Tensor) -> torch.Tensor:
+    """An optimizer state tensor placed as ``Optimizer.load_state_dict`` places it: a
+    step count as it came, the rest on the parameter's device, floating ones in its
+    dtype."""
+    if key == "step":
+        return value
+    if value.is_floating_point():
+        return value.to(dtype=param.dtype, device=param.device)
+    return value.to(device=param.device)
 
 
 def pack_layers(layers: list[tuple[dict, list[torch.Tensor]]]) -> tuple[torch.Tensor, int]:

@@ -23,6 +23,7 @@ message of the step is matched on both sides, so no wait stays blocked.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections import deque
@@ -167,6 +168,7 @@ def _run(
     cpu = 0.0
     keys = control.keys
     loop0 = time.thread_time()
+    metering = meter.begin_step()  # the first steps of a layout only (chameleon_runtime.memory)
     for op in part.ops:
         mb = op.micro_batch
         if op.kind is OpKind.FORWARD:
@@ -178,7 +180,7 @@ def _run(
                 )
                 x.requires_grad_(True)
             c0 = time.thread_time()
-            with meter.saving(mb):
+            with meter.saving(mb) if metering else contextlib.nullcontext():
                 y = shard.forward(x, first, end, step=step, micro_batch=mb)
                 if op.next is None:
                     # In fp32 whatever the precision: an fp16 loss times the loss scale
@@ -191,8 +193,9 @@ def _run(
             else:
                 ledger.send(gen, y.detach(), op.next, "F", mb)
                 stash[mb] = (x, y)
-            meter.keep(mb, *stash[mb])
-            meter.sample()
+            if metering:
+                meter.keep(mb, *stash[mb])
+                meter.sample()
         else:
             x, y = stash.pop(mb)
             grad = (
@@ -201,8 +204,9 @@ def _run(
             c0 = time.thread_time()
             y.backward(grad)
             cpu += time.thread_time() - c0
-            meter.release(mb)
-            meter.sample(*(() if x.grad is None else (x.grad,)))  # and the layers' .grad
+            if metering:
+                meter.release(mb)
+                meter.sample(*(() if x.grad is None else (x.grad,)))  # and the layers' .grad
             c0 = time.thread_time()
             shard.accumulate(first, end)  # exact float64 sums: any order (chameleon_runtime.shard)
             cpu += time.thread_time() - c0
@@ -213,10 +217,11 @@ def _run(
     for op in part.tail:  # layers held here alone have no bucket: their sum is total
         kind = op.kind
         if kind is TailKind.EXCHANGE:
-            _exchange(op.bucket, part.worker, shard, gen, ledger, meter)
+            _exchange(op.bucket, part.worker, shard, gen, ledger, meter if metering else None)
         elif kind is TailKind.ROUND:
             shard.round_grads(first, end)
-            meter.sample()
+            if metering:
+                meter.sample()
             gen.flush_sends()
         elif kind is TailKind.REPORT_LOSS:
             control.put(keys.loss(gen.generation, step, part.worker), repr(partial_loss))
@@ -275,7 +280,7 @@ def _read_norm(step, part, shard, gen, control, max_grad_norm) -> bool:  # noqa:
 
 
 def _exchange(
-    bucket: Bucket, me: int, shard: Shard, gen: Generation, ledger: Ledger, meter: Meter
+    bucket: Bucket, me: int, shard: Shard, gen: Generation, ledger: Ledger, meter: Meter | None
 ) -> None:
     """Sum a bucket's gradients over its holders: send my float64 sums to every other
     holder, then receive theirs one at a time in holder order and add each as it comes
@@ -299,5 +304,6 @@ def _exchange(
         else:
             total += part
     assert total is not None
-    meter.sample(*(t for t in (total, mine, scratch) if t is not None))
+    if meter is not None:
+        meter.sample(*(t for t in (total, mine, scratch) if t is not None))
     shard.set_flat_sums(bucket.first_layer, bucket.end_layer, total)

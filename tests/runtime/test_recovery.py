@@ -153,8 +153,12 @@ def test_forced_restart_resumes_from_the_checkpoint(tmp_path, reference):
     resumed = next(e for e in evs if e["event"] == "resumed" and e["attempt"] == 1)
     # The last checkpoint (every 3 steps) before the kill: the kill lands at step 7 or a
     # little later (faults are checked every monitor interval), so read where it landed.
+    # The abort's last_step is the leader's last look at the workers, which may have
+    # finished a step (and published one more checkpoint) since.
     reached = next(e["last_step"] for e in evs if e["event"] == "abort")
-    assert reached >= 7 and resumed["resume_step"] in checkpoint_resumes(reached + 1)
+    assert reached >= 7
+    lag = checkpoint_resumes(reached + 1) | checkpoint_resumes(reached + 2)
+    assert resumed["resume_step"] in lag
 
 
 def test_losing_every_replica_of_a_stage_falls_back_to_the_checkpoint(tmp_path, reference):
