@@ -350,9 +350,7 @@ def describe_job(trainer: Any, plan: Any, costs: list[LayerCostWire]) -> JobDesc
 
 def _optimizer_bytes_per_param(shard: Shard) -> int:
     """Adam keeps two fp32 moments per parameter; SGD with momentum one."""
-    name = (
-        type(shard.optimizer).__name__.lower() if shard.optimizer is not None else "adam"
-    )
+    name = type(shard.optimizer).__name__.lower() if shard.optimizer is not None else "adam"
     return 8 if "adam" in name else 4
 
 
