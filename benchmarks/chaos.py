@@ -15,11 +15,14 @@ The example tiny GPT (examples/train_gpt.py, made smaller: 2-stage pipelines) tr
 
 It prints the faults injected, recoveries in place, replacements admitted back into the
 job (and growths: recoveries that only took them into the layout), restarts, wedges (no step for ``--wedge-s``), steps lost, the final weights'
-largest relative difference from the failure-free run, the store's key count and a
-survivor's file descriptors and threads after the first and the last recovery. It exits
-non-zero if anything wedged, fewer than ``--faults`` faults were injected, or the weights
-differ by more than ``--tolerance`` (1e-5). ``--keep DIR`` keeps both runs' events and
-every worker's log.
+largest relative difference from the failure-free run (and the final loss's), the
+store's key count and a survivor's file descriptors and threads after the first and the
+last recovery. It exits non-zero if anything wedged, fewer than ``--faults`` faults were
+injected, or the weights or the final loss differ by more than ``--tolerance``: the
+default runtime's stated tolerance (1e-3: its gradients are summed in float32 in another
+order after each recovery, docs/runtime.md), or 1e-5 with ``--exact`` (float64 sums: the
+same bits in any layout, less what rounding the example's loss costs). ``--keep DIR``
+keeps both runs' events and every worker's log.
 """
 
 from __future__ import annotations
@@ -92,7 +95,7 @@ def train(work: Path, name: str, args: argparse.Namespace, faults: list[str], st
         "--heartbeat-timeout", "2", "--events", str(log), "--redirects", "3",
         "--log-dir", str(out / "logs"), *flags, str(EXAMPLE),
         "--steps", str(steps), *MODEL, "--checkpoint-dir", str(out / "ckpt"),
-        "--dump", str(out / "dump"),
+        "--dump", str(out / "dump"), *(["--exact"] if args.exact else []),
     ]  # fmt: skip
     started = time.monotonic()
     with open(out / "output.log", "w") as sink:
@@ -111,15 +114,19 @@ def train(work: Path, name: str, args: argparse.Namespace, faults: list[str], st
                 proc.wait()
     events = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
     checks: dict[int, list[float]] = {}
+    losses: dict[int, float] = {}
     for f in glob.glob(str(out / "dump.rank*.json")):
-        for layer, value in json.loads(Path(f).read_text())["checksums"].items():
+        dump = json.loads(Path(f).read_text())
+        for layer, value in dump["checksums"].items():
             checks.setdefault(int(layer), []).append(value)
+        losses.update({int(k): v for k, v in dump["losses"].items()})
     return {
         "code": proc.returncode,
         "wedged": wedged,
         "wall_s": time.monotonic() - started,
         "events": events,
         "checks": checks,
+        "final_loss": losses[max(losses)] if losses else None,
     }
 
 
@@ -164,6 +171,7 @@ def report(run: dict, reference: dict) -> dict:
         for layer, values in run["checks"].items()
     ]
     agree = all(max(v) == min(v) for v in run["checks"].values())
+    final, ref_final = run["final_loss"], reference["final_loss"]
     complete = sorted(run["checks"]) == sorted(reference["checks"])
     return {
         "faults_injected": len(injected),
@@ -176,6 +184,9 @@ def report(run: dict, reference: dict) -> dict:
         "exit_code": run["code"],
         "steps_lost": sum(r.steps_lost or 0 for r in recoveries(evs)),
         "weights_max_rel_diff": max(diffs) if diffs else None,
+        "final_loss_rel_diff": abs(final - ref_final) / abs(ref_final)
+        if final is not None and ref_final
+        else None,
         "holders_agree": agree,
         "all_layers_held": complete,
         "store_keys": [first and first["store_keys"], last and last["store_keys"]],
@@ -193,10 +204,15 @@ def main() -> int:
     parser.add_argument("--workers", type=int, default=8)
     parser.add_argument("--gap", type=int, default=150, help="steps between faults at steps")
     parser.add_argument("--wedge-s", type=float, default=120.0)
-    parser.add_argument("--tolerance", type=float, default=1e-5)
+    parser.add_argument("--exact", action="store_true", help="Trainer(exact=True)")
+    parser.add_argument(
+        "--tolerance", type=float, default=None, help="default: 1e-3, or 1e-5 with --exact"
+    )
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--keep", default=None, help="keep both runs (events, worker logs) here")
     args = parser.parse_args()
+    if args.tolerance is None:
+        args.tolerance = 1e-5 if args.exact else 1e-3
     specs, steps = schedule(args.seed, args.faults, args.gap)
     with tempfile.TemporaryDirectory(prefix="chaos-") as tmp:
         work = Path(args.keep or tmp)
@@ -208,12 +224,15 @@ def main() -> int:
         run = train(work, "chaos", args, specs, steps)
         result = report(run, reference)
     result["seed"], result["steps"], result["scheduled"] = args.seed, steps, specs
+    result["exact"], result["tolerance"] = args.exact, args.tolerance
     ok = (
         not result["wedged"]
         and result["exit_code"] == 0
         and result["faults_injected"] >= args.faults
         and result["weights_max_rel_diff"] is not None
         and result["weights_max_rel_diff"] <= args.tolerance
+        and result["final_loss_rel_diff"] is not None
+        and result["final_loss_rel_diff"] <= args.tolerance
         and result["holders_agree"]
         and result["all_layers_held"]
     )

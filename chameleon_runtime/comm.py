@@ -1,7 +1,8 @@
 """Communication for one plan generation: one process group over the generation's
 members, built straight on the store (no default group), point-to-point transfers matched
-by their order (no tags: chameleon_runtime.transport), and waits that an abort ends at
-once.
+by their order (no tags: chameleon_runtime.transport), a group per set of workers that
+all-reduce a bucket together (a ring program's collectives: planner.program), and waits
+that an abort ends at once.
 
 Why every blocking call runs on a helper thread: gloo cannot interrupt a blocked wait or
 a group being built (``abort()`` does not wake a waiter on torch 2.13). The main thread
@@ -16,6 +17,21 @@ pending are the messages a drained step posted (chameleon_runtime.step), which c
 once the peer drains too, releases its own end, or dies. So ``abandon`` queues one last
 job on the helper: wait for those, drop the group, end the thread. Nothing blocks the
 main thread, and after a recovery the survivor holds one group, not one per failure.
+
+Why collectives have groups of their own: a collective that a failure interrupts can
+leave its group unusable (its members stopped at different points of the ring, and gloo
+cannot cancel what is posted), so it must never be the point-to-point group. A gloo
+collective whose peer is gone ends in an error as soon as that peer's connections close:
+killed (measured on torch 2.13: every survivor's all-reduce failed within 25 ms of a
+kill -9, mid-transfer or before it was posted) or, alive, once it lets go of its own end.
+An aborted step posts the collectives it still owed (chameleon_runtime.reducer), as it
+drains its messages, so on a group whose holders all live every posted all-reduce ends.
+Such a group is ``settled`` and a later generation with the same holders carries it over
+(chameleon_runtime.recovery); one that is not is let go of once its own posted work has
+ended, each on a thread of its own: released one after another, a member waiting for its
+work on one group before letting go of another could wait on a peer that waits on it in
+turn. A hung peer's collectives end once the launcher kills it. The trainer owns the
+collective groups across generations (``Collective``); a generation uses them.
 
 Timeouts: a group is built under a short timeout (every member has already arrived: the
 ``groups`` agreement, chameleon_runtime.recovery) so a member lost during the build
@@ -150,6 +166,49 @@ class Kept:
             self.unsettled += delta
 
 
+@dataclass(eq=False)
+class Collective:
+    """A group over the holders of some of a ring's buckets, built for generation
+    ``built``, with the collectives posted on it not yet known to have ended."""
+
+    built: int
+    holders: tuple[int, ...]
+    group: Any
+    posted: list[Any] = field(default_factory=list)
+
+    @property
+    def settled(self) -> bool:
+        """Every collective posted on it ended well. Then every holder posted the same
+        ones (an all-reduce ends only once all its holders posted it), and when every
+        holder says so, nothing is left posted in the group (module doc)."""
+        if all(w.is_completed() and w.exception() is None for w in self.posted):
+            self.posted.clear()
+            return True
+        return False
+
+    def let_go(self, transport: Transport, timeout: timedelta) -> None:
+        """Drop the group once its posted work has ended, on a thread of its own (module
+        doc): never on the caller's, as destroying a gloo group joins its threads (15 ms
+        for two members here, more for more)."""
+        if not transport.drains:
+            transport.abort(self.group)
+        box, works = [self.group], self.posted
+        self.group, self.posted = None, []
+        helper = _Helper(f"comm-gen{self.built}-c{self.holders[0]}")
+        what = f"all-reduce of gen {self.built} with {list(self.holders)}"
+
+        def release() -> None:
+            helper.busy_with = what
+            for work in works:
+                with contextlib.suppress(Exception):
+                    work.wait(timeout)
+            works.clear()
+            box.clear()  # the last reference: the group is destroyed here
+
+        helper.submit(release, "release")
+        helper.stop()
+
+
 class Generation:
     """The group of one plan generation, over ``members`` (global ranks): the plan's
     workers plus survivors that only send layers away."""
@@ -168,8 +227,13 @@ class Generation:
         build_timeout_s: float = BUILD_TIMEOUT_S,
         op_timeout_s: float = OP_TIMEOUT_S,
         adopt: Kept | None = None,
+        collectives: dict[tuple[int, ...], Collective] | None = None,
+        wanted: Sequence[tuple[int, ...]] = (),
     ) -> None:
+        """``collectives``: the trainer's collective groups by holders, those carried
+        over included; the ones ``wanted`` that it lacks are built into it."""
         self.generation = generation
+        self.me = me
         self.members = list(adopt.members if adopt is not None else members)
         self._index = {rank: i for i, rank in enumerate(self.members)}
         self.interrupts = interrupts
@@ -181,26 +245,60 @@ class Generation:
         self._held: list[Any] = []  # the group, owned here and dropped by the helper
         self._abandoned = False
         self._helper = _Helper(f"comm-gen{generation}")
+        self.collectives = collectives if collectives is not None else {}
+        self.sent_bytes = 0  # counted as posted: messages, and a ring's share of collectives
+        timeout = timedelta(seconds=build_timeout_s)
         if adopt is not None:  # carried over: module doc of chameleon_runtime.recovery
             self._held.append(adopt.group)
             self.group = adopt.group
             self.kept = adopt.acquire()
-            return
-        group_store = dist.PrefixStore(prefix, store)
-        timeout = timedelta(seconds=build_timeout_s)
+        else:
+            group_store = dist.PrefixStore(prefix, store)
+
+            def build() -> None:
+                self._held.append(
+                    self.transport.make_group(
+                        group_store, self._index[me], len(self.members), timeout
+                    )
+                )
+
+            try:
+                self._run(build, "groups", ())
+            except BaseException:
+                self.abandon()  # the helper drops the group if the build still completes
+                raise
+            self.group = self._held[0]
+            self.kept = Kept(generation, self.members, self.group).acquire()
+        missing = sorted({h for h in wanted if me in h} - set(self.collectives))
+        if missing:
+            self._build_collectives(store, prefix, missing, timeout)
+
+    def _build_collectives(
+        self,
+        store: dist.Store,
+        prefix: str,
+        missing: Sequence[tuple[int, ...]],
+        timeout: timedelta,
+    ) -> None:
+        """A group per set of holders, built in one order on every member (sorted): a
+        member blocked building one waits only for members still building smaller ones,
+        so the smallest unfinished group always completes."""
+        me = self.me
 
         def build() -> None:
-            self._held.append(
-                self.transport.make_group(group_store, self._index[me], len(self.members), timeout)
-            )
+            for holders in missing:
+                key = "-".join(map(str, holders))
+                group_store = dist.PrefixStore(f"{prefix}/c{key}", store)
+                group = self.transport.make_group(
+                    group_store, holders.index(me), len(holders), timeout
+                )
+                self.collectives[holders] = Collective(self.generation, holders, group)
 
         try:
             self._run(build, "groups", ())
         except BaseException:
-            self.abandon()  # the helper drops the group if the build still completes
+            self.abandon()
             raise
-        self.group = self._held[0]
-        self.kept = Kept(generation, self.members, self.group).acquire()
 
     # -- blocking calls, abortable ---------------------------------------------------------
 
@@ -224,10 +322,10 @@ class Generation:
     def _wait(self, work: Any, what: str, peers: Sequence[int]) -> None:
         self._run(lambda: work.wait(self._op_timeout), what, peers)
 
-    def _post(self, fn: Callable[..., Any], *args: Any) -> Any:
+    def _post(self, fn: Callable[..., Any], *args: Any, group: Any = None) -> Any:
         self._check()
         try:
-            return fn(self.group, *args)
+            return fn(self.group if group is None else group, *args)
         except Exception as exc:  # a broken pair raises at post time
             raise CommError(str(exc).splitlines()[0][:300]) from None
 
@@ -237,6 +335,7 @@ class Generation:
         """Asynchronous: completes at ``flush_sends`` (the tensor is kept alive till then)."""
         work, keep = self._post(self.transport.post_send, tensor, self._index[dst])
         self._pending.append((work, keep, dst))
+        self.sent_bytes += tensor.numel() * tensor.element_size()
 
     def recv(
         self, buffer: torch.Tensor, src: int, posted: Callable[[], None] | None = None
@@ -289,6 +388,37 @@ class Generation:
                     self.group, torch.empty(shape, dtype=dtype), self._index[peer]
                 )
                 self._pending.append((work, into, peer))
+
+    # -- collectives -----------------------------------------------------------------------
+
+    def allreduce(
+        self, holders: tuple[int, ...], tensor: torch.Tensor, *, draining: bool = False
+    ) -> Any:
+        """Sum ``tensor`` in place over ``holders`` (their collective group), posted now
+        and waited for by ``wait``. A ring all-reduce sends 2 (n - 1) / n of it.
+        ``draining``: an aborted step's (chameleon_runtime.reducer), posted anyway."""
+        collective = self.collectives[holders]
+        if draining:
+            work = self.transport.post_allreduce(collective.group, tensor)
+        else:
+            work = self._post(self.transport.post_allreduce, tensor, group=collective.group)
+        collective.posted.append(work)
+        n = len(holders)
+        self.sent_bytes += 2 * (n - 1) * tensor.numel() * tensor.element_size() // n
+        return work
+
+    def wait(self, work: Any, holders: tuple[int, ...]) -> None:
+        """Wait for a collective posted by ``allreduce`` (an abort ends the wait)."""
+        if not work.is_completed():
+            self._wait(work, "allreduce", [h for h in holders if h != self.me])
+        else:
+            try:
+                work.wait()
+            except Exception as exc:  # completed with an error: a peer died
+                raise CommError(str(exc).splitlines()[0][:300]) from None
+        posted = self.collectives[holders].posted
+        if work in posted:
+            posted.remove(work)
 
     # -- the end ---------------------------------------------------------------------------
 

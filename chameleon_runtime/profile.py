@@ -117,7 +117,7 @@ def measure_steps(trainer: Any, steps: int) -> dict[str, float]:
                 step=step, part=trainer.part, shard=trainer.shard, gen=trainer.gen,
                 control=trainer.control, batches=trainer.batches, loss_fn=trainer.loss_fn,
                 activation_shapes=trainer.activation_shapes, meter=trainer.meter, forget=forget,
-                max_grad_norm=trainer.max_grad_norm,
+                max_grad_norm=trainer.max_grad_norm, reducer=trainer._reducer(),
             )  # fmt: skip
             now = time.process_time()
             rows.append((result.seconds, now - mark, result.compute_cpu_s, result.pass_cpu_s))
@@ -131,6 +131,7 @@ def measure_steps(trainer: Any, steps: int) -> dict[str, float]:
             )  # fmt: skip
     finally:
         trainer._leave()
+        trainer._let_go_of_collectives()
     settled = rows[PROFILE_WARMUP_STEPS:] or rows
     return {
         "step_s": statistics.median(r[0] for r in settled),
@@ -332,9 +333,10 @@ def describe_job(trainer: Any, plan: Any, costs: list[LayerCostWire]) -> JobDesc
         global_batch_size=trainer.batches.global_batch_size,
         micro_batch_size=trainer.batches.micro_batch_size,
         param_bytes=4,
-        # float64 sums, exchanged as such (chameleon_runtime.shard); the float32 gradient
-        # of the pass in flight adds up to 4 more per parameter at the peak.
-        grad_bytes=8,
+        # ring: the fp32 gradients, all-reduced in their buffers (chameleon_runtime.
+        # reducer); exact: float64 sums, exchanged as such (chameleon_runtime.shard), and
+        # the float32 gradient of the pass in flight adds up to 4 more at the peak.
+        grad_bytes=8 if trainer.exact else 4,
         optimizer_bytes=_optimizer_bytes_per_param(trainer.shard),
         dp=len(plan.pipelines),
         pp=trainer.pipeline_stages,
@@ -345,6 +347,7 @@ def describe_job(trainer: Any, plan: Any, costs: list[LayerCostWire]) -> JobDesc
         max_grad_norm=trainer.max_grad_norm,
         precision=trainer.precision,
         host_cores=len(os.sched_getaffinity(0)) if trainer.device == "cpu" else 0,
+        exact=trainer.exact,
     )
 
 

@@ -42,18 +42,24 @@ import os
 import threading
 import time
 from collections.abc import Sequence
+from datetime import timedelta
 from typing import TYPE_CHECKING
 
 import torch
 
-from chameleon_runtime.comm import Aborted, CommError, Generation, Kept
+from chameleon_runtime.comm import OP_TIMEOUT_S, Aborted, Collective, CommError, Generation, Kept
 from chameleon_runtime.control import STORE_LOST
 from chameleon_runtime.memory import Meter
+from chameleon_runtime.reducer import Reducer
 from chameleon_runtime.shard import Shard, pack_layers, unpack_layers
 from chameleon_runtime.transport import Transport
-from planner.program import WorkerProgram, worker_program
-from planner.protocol import Applied, Joined, Ready
+from planner.program import Allreduce, WorkerProgram, worker_program
+from planner.protocol import Applied, GroupOffer, Joined, Ready, holders_key
 from planner.wire import PlanMessage, TransferWire
+
+# How long a collective group let go of waits for its posted work before it is dropped
+# anyway: a backstop, as comm.OP_TIMEOUT_S (a peer gone ends the wait long before).
+COLLECTIVE_RELEASE = timedelta(seconds=OP_TIMEOUT_S)
 
 if TYPE_CHECKING:
     from chameleon_runtime.control import Control
@@ -97,6 +103,8 @@ class RecoveryMixin:
     device: str
     transport: Transport
     global_norm: bool  # each step reads the gradients' global norm (Trainer)
+    allreduce: Allreduce  # how holders sum a bucket: "ring", or "exchange" (exact)
+    reducer: Reducer | None  # the ring's, for ``part`` (built at its first step)
     layer_params: list[int]
     generation: int
     applied: int  # the last generation whose migration this worker completed
@@ -104,6 +112,8 @@ class RecoveryMixin:
     part: WorkerProgram | None
     gen: Generation | None
     kept: Kept | None  # the group of the last generation applied, for the next to carry over
+    # A ring's collective groups by holders, across generations (chameleon_runtime.comm)
+    collectives: dict[tuple[int, ...], Collective]
     groups_s: float  # what building (or carrying over) the last group took
     step: int
     recoveries: int
@@ -116,16 +126,44 @@ class RecoveryMixin:
         self.control.status.update(phase="groups", generation=generation)
         self.control.failpoint("groups")
         keys = self.control.keys
-        kept = self.kept if self.transport.carries_over else None  # gloo only (module doc)
+        carries = self.transport.carries_over  # gloo only (module doc)
+        kept = self.kept if carries else None
         usable = kept is not None and kept.settled and set(members) <= set(kept.members)
         offer = kept if usable else None
-        self.control.put(keys.kept(generation, self.rank), str(offer.built if offer else -1))
+        settled = {h: c.built for h, c in self.collectives.items() if carries and c.settled}
+        mine = GroupOffer(
+            p2p=offer.built if offer else -1,
+            collectives={holders_key(h): built for h, built in settled.items()},
+        )
+        self.control.put(keys.kept(generation, self.rank), mine)
         if not self.control.agree(generation, "groups", len(members)).held:
             raise Aborted(f"generation {generation} aborted before its groups were built")
-        if offer is not None:
-            offers = self.control.store.multi_get([keys.kept(generation, r) for r in members])
-            if any(int(o) != offer.built for o in offers):
+        part = (
+            worker_program(
+                plan, self.rank, self.layer_params, global_norm=self.global_norm,
+                allreduce=self.allreduce,
+            )
+            if self.rank in plan.stage_of
+            else None
+        )  # fmt: skip
+        # A ring's buckets: a group per set of holders (chameleon_runtime.comm).
+        wanted = [b.holders for b in part.buckets] if part and part.allreduce == "ring" else []
+        if offer is not None or settled:
+            raw = self.control.store.multi_get([keys.kept(generation, r) for r in members])
+            offers = dict(zip(members, map(GroupOffer.model_validate_json, raw), strict=True))
+            if offer is not None and any(o.p2p != offer.built for o in offers.values()):
                 offer = None
+            # A collective group every holder offers from the same build is carried over.
+            carried = {
+                h
+                for h in wanted
+                if h in settled
+                and all(offers[r].collectives.get(holders_key(h)) == settled[h] for r in h)
+            }
+        else:
+            carried = set()
+        for h in [h for h in self.collectives if h not in carried]:
+            self.collectives.pop(h).let_go(self.transport, COLLECTIVE_RELEASE)
         t0 = time.perf_counter()
         self.gen = Generation(
             adopt=offer,
@@ -137,14 +175,12 @@ class RecoveryMixin:
             interrupts=self.control.interrupts,
             status=self.control.status,
             transport=self.transport,
+            collectives=self.collectives,
+            wanted=wanted,
         )
         self.groups_s = time.perf_counter() - t0
         self.meter.reset()  # a new layout: its own peak
-        self.part = (
-            worker_program(plan, self.rank, self.layer_params, global_norm=self.global_norm)
-            if self.rank in plan.stage_of
-            else None
-        )
+        self.part = part
 
     def _keep(self, kept: Kept | None) -> None:
         """Hold ``kept`` for the next generation to carry over (None: hold nothing)."""
@@ -157,9 +193,30 @@ class RecoveryMixin:
         self.kept = kept
 
     def _leave(self) -> None:
+        if self.reducer is not None:
+            self.reducer.close()
+            self.reducer = None
         if self.gen is not None:
             self.gen.abandon()
             self.gen = None
+        if not self.transport.carries_over:  # aborted, never carried (transport's doc)
+            self._let_go_of_collectives()
+
+    def _let_go_of_collectives(self) -> None:
+        while self.collectives:
+            self.collectives.popitem()[1].let_go(self.transport, COLLECTIVE_RELEASE)
+
+    def _reducer(self) -> Reducer | None:
+        """The ring's reducer for the current program, built at its first step (after
+        any migration: it holds views of the layers' gradients); None for exchange."""
+        if self.part is None or self.part.allreduce != "ring":
+            return None
+        if self.reducer is None or self.reducer.part is not self.part:
+            if self.reducer is not None:
+                self.reducer.close()
+            assert self.gen is not None
+            self.reducer = Reducer(self.shard, self.part, self.gen)
+        return self.reducer
 
     # -- recovery ------------------------------------------------------------------------
 
@@ -212,6 +269,7 @@ class RecoveryMixin:
             # give the memory back. (Should this plan be abandoned, the launcher sees
             # that this worker no longer holds its old stage and plans accordingly.)
             self.shard.keep_only(0, 0)
+            self._let_go_of_collectives()
             self.step = message.resume_step
             self.control.status.update(phase="spare", generation=message.generation)
             return
@@ -261,6 +319,16 @@ class RecoveryMixin:
                 groups_s=self.groups_s,
                 migrate_s=migrate_s,
                 carried=carried,
+                collectives_built=[
+                    holders_key(h)
+                    for h, c in self.collectives.items()
+                    if c.built == message.generation
+                ],
+                collectives_carried=[
+                    holders_key(h)
+                    for h, c in self.collectives.items()
+                    if c.built != message.generation
+                ],
                 sent_at=time.time(),
             )
         )

@@ -4,12 +4,20 @@ Its passes, in order: a forward receives its input from ``prev`` (or reads the d
 runs the worker's layers and sends the output to ``next`` (or computes the loss, scaled by
 1/M for M micro-batches per step, so the step's gradient is the global batch's mean); a
 backward receives the output gradient from ``next`` (or starts from the loss) and sends
-the input gradient to ``prev``. Then its tail, operation by operation: each bucket's
-gradients exchanged among its holders and summed in holder order (bit-identical on every
-holder), the sums rounded, the loss reported, the commit barrier, the optimizer step, the
-loss read. Nothing else runs per step: the estimator times this same program. Any error
-or abort leaves the step unapplied on every worker (the commit is an all-or-none
-agreement, chameleon_runtime.control).
+the input gradient to ``prev``. How the gradients of a bucket's holders are summed is the
+program's ``allreduce``:
+
+- ring (the default): autograd adds every pass into the parameters' ``.grad``, views into
+  the buckets' flat buffers, and the last backward launches each bucket's all-reduce as it
+  completes (chameleon_runtime.reducer); the tail waits for them;
+- exchange (``exact``): each pass's gradients are moved into float64 sums
+  (chameleon_runtime.shard), and the tail exchanges them among the holders and adds them
+  in holder order (bit-identical on every holder and in any layout), then rounds them.
+
+Then the rest of the tail, operation by operation: the loss reported, the commit barrier,
+the optimizer step, the loss read. Nothing else runs per step: the estimator times this
+same program. Any error or abort leaves the step unapplied on every worker (the commit is
+an all-or-none agreement, chameleon_runtime.control).
 
 Everything between workers is point to point, and every message of a step is known up
 front, so an aborted step can be drained: the worker sends zeros for every message it
@@ -36,6 +44,7 @@ from chameleon_runtime.comm import Aborted, Generation
 from chameleon_runtime.control import Control
 from chameleon_runtime.data import Batches
 from chameleon_runtime.memory import Meter
+from chameleon_runtime.reducer import Reducer
 from chameleon_runtime.shard import Shard
 from planner.program import Bucket, Message, OpKind, TailKind, WorkerProgram
 from planner.protocol import commit_name
@@ -110,6 +119,8 @@ class StepResult:
     # CPU time this thread spent in the pass loop beyond the layers: receiving, sending,
     # stashing, the memory meter (the planner charges it per pass: planner.fit).
     pass_cpu_s: float = 0.0
+    # Bytes this worker sent: its messages, and a ring all-reduce's share of its buckets.
+    sent_bytes: int = 0
 
 
 def run_step(
@@ -126,18 +137,27 @@ def run_step(
     lr: float | None = None,
     forget: Sequence[str] = (),
     max_grad_norm: float | None = None,
+    reducer: Reducer | None = None,
 ) -> StepResult:
     """Run one step; raise Aborted (or CommError) with nothing applied. ``forget``: keys
     of the previous step, deleted by the last member to reach this step's commit (every
-    member is past that step by then)."""
+    member is past that step by then). ``reducer``: a ring program's (None: exchange)."""
+    if (reducer is None) != (part.allreduce == "exchange"):
+        raise ValueError(
+            f"a {part.allreduce} program needs {'a' if reducer is None else 'no'} reducer"
+        )
     ledger = Ledger(part, activation_shapes, shard)
+    if reducer is not None:
+        reducer.begin_step()
     try:
         return _run(
             step, part, shard, gen, control, batches, loss_fn, activation_shapes, meter, lr,
-            ledger, forget, max_grad_norm,
+            ledger, forget, max_grad_norm, reducer,
         )  # fmt: skip
     except BaseException:
         ledger.drain(gen)
+        if reducer is not None:
+            reducer.drain()  # its collectives too (chameleon_runtime.reducer)
         raise
 
 
@@ -155,8 +175,11 @@ def _run(
     ledger,
     forget,
     max_grad_norm,
+    reducer,
 ) -> StepResult:  # noqa: ANN001
     started = time.perf_counter()
+    sent0 = gen.sent_bytes
+    last_backward = part.last_backward
     m_total = part.plan.num_micro_batches
     first, end = part.first_layer, part.end_layer
     in_shape, in_dtype = activation_shapes[first - 1] if first > 0 else (None, None)
@@ -169,7 +192,7 @@ def _run(
     keys = control.keys
     loop0 = time.thread_time()
     metering = meter.begin_step()  # the first steps of a layout only (chameleon_runtime.memory)
-    for op in part.ops:
+    for i, op in enumerate(part.ops):
         mb = op.micro_batch
         if op.kind is OpKind.FORWARD:
             if op.prev is None:
@@ -201,25 +224,34 @@ def _run(
             grad = (
                 None if op.next is None else ledger.recv(gen, torch.empty_like(y), op.next, "B", mb)
             )
+            last = i == last_backward
+            if last and reducer is not None:
+                reducer.arm()  # buckets all-reduced as this backward completes them
             c0 = time.thread_time()
             y.backward(grad)
             cpu += time.thread_time() - c0
             if metering:
                 meter.release(mb)
                 meter.sample(*(() if x.grad is None else (x.grad,)))  # and the layers' .grad
-            c0 = time.thread_time()
-            shard.accumulate(first, end)  # exact float64 sums: any order (chameleon_runtime.shard)
-            cpu += time.thread_time() - c0
+            if reducer is None:
+                c0 = time.thread_time()
+                shard.accumulate(first, end)  # exact float64 sums: any order (shard's doc)
+                cpu += time.thread_time() - c0
+            elif last:
+                reducer.finish()
             if op.prev is not None:
                 ledger.send(gen, x.grad, op.prev, "B", mb)
     pass_cpu = time.thread_time() - loop0 - cpu
     total = 0.0
     for op in part.tail:  # layers held here alone have no bucket: their sum is total
         kind = op.kind
-        if kind is TailKind.EXCHANGE:
+        if kind is TailKind.ALLREDUCE:
+            reducer.wait(op.bucket)
+        elif kind is TailKind.EXCHANGE:
             _exchange(op.bucket, part.worker, shard, gen, ledger, meter if metering else None)
         elif kind is TailKind.ROUND:
-            shard.round_grads(first, end)
+            if reducer is None:
+                shard.round_grads(first, end)
             if metering:
                 meter.sample()
             gen.flush_sends()
@@ -241,7 +273,10 @@ def _run(
             if not skip:
                 shard.step(lr)
             cpu += time.thread_time() - c0
-            shard.zero_grad()
+            if reducer is None:
+                shard.zero_grad()
+            else:
+                reducer.zero_grad()
         elif kind is TailKind.READ_LOSS:
             keys_ = [keys.loss(gen.generation, step, w) for w in part.last_stage_workers()]
             total = sum(float(v) for v in control.store.multi_get(keys_))
@@ -250,6 +285,7 @@ def _run(
         seconds=time.perf_counter() - started,
         compute_cpu_s=cpu,
         pass_cpu_s=max(0.0, pass_cpu),
+        sent_bytes=gen.sent_bytes - sent0,
     )
 
 

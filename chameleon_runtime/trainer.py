@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from chameleon_runtime import checkpoint
-from chameleon_runtime.comm import Aborted, CommError, Generation, Kept, settle
+from chameleon_runtime.comm import Aborted, Collective, CommError, Generation, Kept, settle
 from chameleon_runtime.control import STORE_LOST, Control
 from chameleon_runtime.data import Batches
 from chameleon_runtime.device import bind, resolve_device
@@ -42,13 +42,14 @@ from chameleon_runtime.memory import Meter
 from chameleon_runtime.pace import Pace
 from chameleon_runtime.profile import describe_job, profile_job
 from chameleon_runtime.recovery import RecoveryMixin
+from chameleon_runtime.reducer import Reducer
 from chameleon_runtime.scaler import INIT_SCALE
 from chameleon_runtime.shard import PRECISIONS, LayerFactory, OptimizerFactory, Shard
 from chameleon_runtime.step import run_step
 from chameleon_runtime.transport import transport_for
 from planner.partition import balanced_split
 from planner.plan import Plan, pipelines_plan, split_evenly
-from planner.program import WorkerProgram, reads_global_norm
+from planner.program import Allreduce, WorkerProgram, reads_global_norm
 from planner.protocol import Finish, checkpoint_name
 from planner.wire import LayerCostWire, PlanMessage
 
@@ -61,6 +62,7 @@ class StepInfo:
     generation: int
     rank: int
     is_chief: bool  # the lowest-ranked worker of the current plan: log from here
+    sent_bytes: int = 0  # what this worker sent in the step (messages, its all-reduce share)
 
 
 @dataclass(frozen=True)
@@ -100,6 +102,11 @@ class Trainer(RecoveryMixin):
         max_grad_norm: clip the gradients to this global norm across every stage and
             replica, as torch.nn.utils.clip_grad_norm_ over the whole model (None: no
             clipping).
+        exact: sum every gradient in float64 and exchange the sums between holders, so
+            that any layout, and so any recovery, trains the same bits (8 bytes a
+            parameter more, and the exchange's traffic). The default trains as DDP does:
+            each bucket all-reduced in the gradients' dtype while the backward runs, and a
+            run with failures ends within float tolerance of one without.
     """
 
     def __init__(
@@ -122,6 +129,7 @@ class Trainer(RecoveryMixin):
         max_grad_norm: float | None = None,
         precision: str = "fp32",
         init_loss_scale: float = INIT_SCALE,
+        exact: bool = False,
     ) -> None:
         if precision not in PRECISIONS:
             raise ValueError(
@@ -157,6 +165,10 @@ class Trainer(RecoveryMixin):
         self.max_grad_norm = max_grad_norm
         self.precision = precision
         self.global_norm = reads_global_norm(max_grad_norm, precision)
+        self.exact = exact
+        self.allreduce: Allreduce = "exchange" if exact else "ring"
+        self.reducer: Reducer | None = None
+        self.collectives: dict[tuple[int, ...], Collective] = {}
         self.shard = Shard(
             self.factory, optimizer, seed=seed, device=device, precision=precision,
             init_loss_scale=init_loss_scale,
@@ -296,7 +308,7 @@ class Trainer(RecoveryMixin):
                     step=self.step, part=self.part, shard=self.shard, gen=self.gen,
                     control=self.control, batches=self.batches, loss_fn=self.loss_fn,
                     activation_shapes=self.activation_shapes, meter=self.meter, lr=lr,
-                    forget=forget, max_grad_norm=self.max_grad_norm,
+                    forget=forget, max_grad_norm=self.max_grad_norm, reducer=self._reducer(),
                 )  # fmt: skip
             except (Aborted, CommError) as exc:
                 self._recover(str(exc))
@@ -335,7 +347,15 @@ class Trainer(RecoveryMixin):
             if on_step is not None:
                 chief = self.rank == min(self.plan.workers)
                 on_step(
-                    StepInfo(done, result.loss, result.seconds, self.generation, self.rank, chief)
+                    StepInfo(
+                        done,
+                        result.loss,
+                        result.seconds,
+                        self.generation,
+                        self.rank,
+                        chief,
+                        result.sent_bytes,
+                    )  # fmt: skip
                 )
         self._finish(steps)
         return FitResult(
@@ -355,6 +375,7 @@ class Trainer(RecoveryMixin):
                     self.control.push_signed(keys.mailbox(rank), Finish(step=self.step - 1))
         self._leave()
         self._keep(None)
+        self._let_go_of_collectives()
         stuck = settle(timeout_s=5.0)
         self.control.close()
         if stuck:

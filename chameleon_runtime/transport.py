@@ -52,6 +52,11 @@ class GlooTransport:
         completes it once waited for (the copy from host for an accelerator's buffer)."""
         return _post_recv(group, buffer, peer, _HOST, pin=True)
 
+    def post_allreduce(self, group: Any, tensor: torch.Tensor) -> Any:
+        """Sum ``tensor`` in place over the group (gloo's ring; an accelerator's tensor
+        is copied to host and back by gloo itself)."""
+        return group.allreduce([tensor])
+
     def abort(self, group: Any) -> None:
         """Nothing to do: gloo waits end when their messages are drained or the peer's
         connection closes."""
@@ -82,6 +87,9 @@ class NativeTransport:
         self, group: Any, buffer: torch.Tensor, peer: int
     ) -> tuple[Any, torch.Tensor, Finish]:
         return _post_recv(group, buffer, peer, self.device, pin=False)
+
+    def post_allreduce(self, group: Any, tensor: torch.Tensor) -> Any:
+        return group.allreduce([tensor])
 
     def abort(self, group: Any) -> None:
         """End every operation posted on the communicator, so that no survivor blocks

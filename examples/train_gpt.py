@@ -7,7 +7,7 @@ at step 15; the launcher picks a recovery policy, the 7 survivors carry on in pl
 the step they were at, and the loss curve continues as if nothing happened. Add
 ``--policy reroute`` (or reparallelize, restart) to the launcher to force one, and
 ``--max-grad-norm 1.0`` or ``--precision bf16`` (or fp16) to the script for a clipped or
-mixed-precision run.
+mixed-precision run, ``--exact`` for one whose weights are the same bits in any layout.
 Without chameleon run (plain python) it trains on one worker.
 
 The corpus is generated here (a few hundred pseudo-English sentences from a fixed seed), so
@@ -184,6 +184,13 @@ def main() -> None:
         help="clip gradients to this global norm across stages and replicas (default: off)",
     )
     parser.add_argument(
+        "--exact",
+        action="store_true",
+        help="float64 gradient sums exchanged between holders: every layout, and so every "
+        "recovery, trains the same bits (default: DDP's all-reduce in the gradients' dtype, "
+        "a recovered run within float tolerance of a failure-free one)",
+    )
+    parser.add_argument(
         "--dump", default=None, help="write final per-layer checksums and losses here (tests)"
     )
     args = parser.parse_args()
@@ -234,6 +241,7 @@ def main() -> None:
             transport=args.transport,
             max_grad_norm=args.max_grad_norm,
             precision=args.precision,
+            exact=args.exact,
         )
     except (cr.DeviceError, ValueError) as exc:  # one line, not a traceback
         sys.exit(f"train_gpt.py: error: {exc}")

@@ -354,6 +354,9 @@ class Coordinator(RunningMixin):
             "groups_s": max(a.groups_s for a in applied),
             "migration_s": max(a.migrate_s for a in applied),
             "groups_carried": all(a.carried for a in applied),
+            # the collective groups each set of holders built anew, carried over
+            "collectives_built": len({h for a in applied for h in a.collectives_built}),
+            "collectives_carried": len({h for a in applied for h in a.collectives_carried}),
         }
 
     def _forget(self, below: int) -> None:

@@ -174,8 +174,8 @@ def _next(rank: int, statuses: Mapping[int, WorkerStatus]) -> list[int] | None:
     w = s.waiting_on
     if w is None or w.what in _OWN:
         return None
-    if w.what in ("recv", "send"):
-        return [p for p in w.peers if p in statuses]
+    if w.what in ("recv", "send", "allreduce"):
+        return [p for p in w.peers if p in statuses and p != rank]
     if w.what == "agree":
         # Everyone of its generation that has not reached the same agreement yet.
         return [

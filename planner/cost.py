@@ -7,17 +7,21 @@ Durations (PAPER.md, unified performance model):
   the intra- or inter-node link between the two (one pair's link, not a device's
   aggregate: a migration between two NPUs of a mesh uses the one link between them);
 - all-reduce of a bucket among n holders: ring all-reduce, 2(n-1)/n of the bytes over the
-  slowest link among them plus 2(n-1) latencies (or, for the runtime's point-to-point
+  slowest link among them plus 2(n-1) latencies (or, for the runtime's exact point-to-point
   exchange, n-1 sends of the whole bucket); within a node over a mesh, on the device's
-  aggregate bandwidth;
+  aggregate bandwidth; a ring's starts as soon as the last backward has made the bucket's
+  gradients (planner.timing);
 - commit barrier: two store round trips; the loss: one round trip to write a last stage's
   share, one to read the step's; optimizer: the sum over the worker's layers.
 
-Memory of a worker (what chameleon_runtime.memory measures): parameters, gradient sums and
+Memory of a worker (what chameleon_runtime.memory measures): parameters, gradients and
 optimizer state of its layers, plus the largest of what a step holds beside them: the
 activations saved for the micro-batches in flight (1F1B keeps n - k of them on stage k of
-n) with each one's output, the gradients a backward has just made, a bucket's exchange
-buffers, or the rounded gradients the optimizer steps with.
+n) with each one's output and the input gradient a backward has just made. A ring's
+gradients are the buckets' buffers that autograd accumulates into and the all-reduce sums
+in place (``grad_bytes`` each); the exchange keeps float64 sums (``grad_bytes`` 8) and
+holds besides them the gradients a backward has just made, a bucket's exchange buffers,
+or the rounded gradients the optimizer steps with.
 """
 
 from __future__ import annotations
@@ -39,6 +43,13 @@ class CostModel:
 
     def backward_s(self, first: int, end: int) -> float:
         return self.job.model.total("backward_s", first, end) + self.job.cluster.pass_cpu_s
+
+    def bucket_ready_s(self, compute_end_s: float, first: int, bucket_first: int) -> float:
+        """When a ring's bucket starting at layer ``bucket_first`` is ready on a worker
+        holding layers from ``first`` whose last pass (a backward) ended at
+        ``compute_end_s``: that backward had the layers below the bucket still to do."""
+        below = self.job.model.total("backward_s", first, bucket_first)
+        return max(0.0, compute_end_s - below)
 
     def optimizer_s(self, first: int, end: int) -> float:
         return self.job.model.total("optimizer_s", first, end)
@@ -116,6 +127,13 @@ class CostModel:
         out = model.layers[end - 1].activation_bytes if end < model.num_layers else 0
         params = model.total("num_params", first, end)
         held = stash + out
+        if self.job.cluster.allreduce == "ring":
+            # The gradients are state (module doc): beside it, the micro-batches in
+            # flight, or one fewer and the input gradient of the backward just run.
+            transient = max(
+                in_flight * held, max(0, in_flight - 1) * held + self.boundary_bytes(first)
+            )
+            return int(self.state_bytes(first, end) + transient)
         transient = max(
             in_flight * held,  # after a forward at the most micro-batches in flight
             # after a backward: one fewer in flight; the layers' .grad and the input's

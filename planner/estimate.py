@@ -15,7 +15,10 @@ from planner.cost import CostModel
 from planner.load import at_load
 from planner.plan import Plan, Route
 from planner.program import (
+    Allreduce,
+    Bucket,
     StepProgram,
+    bucket_split,
     buckets_of,
     build_program,
     norm_owners,
@@ -75,10 +78,11 @@ def estimate(job: Job, plan: Plan, *, memo: Memo | None = None) -> Estimate:
         memo = memo.setdefault(("load", load), {})  # type: ignore[assignment]
     costs = CostModel(job)
     ranges = {s.worker: (s.first_layer, s.end_layer) for s in plan.stages}
-    buckets = buckets_of(plan, job.model.layer_params)
+    ring = job.cluster.allreduce == "ring"
+    buckets = job_buckets(job, plan)
     if job.cluster.host_cores:
         # The whole program is simulated there; its in-flight counts are read off it.
-        program = build_program(plan, job.model.layer_params, global_norm=job.training.global_norm)
+        program = job_program(job, plan)
         step_s = shared_host_step_s(job, plan, costs, program)
         in_flight = {w.worker: w.max_in_flight for w in program.workers}
     else:
@@ -86,9 +90,11 @@ def estimate(job: Job, plan: Plan, *, memo: Memo | None = None) -> Estimate:
             job, plan, costs, ranges, {} if memo is None else memo
         )
         owners = set(norm_owners(plan)) if job.training.global_norm else None
-        step_s = finish_step(compute_end, buckets, ranges, costs, plan.num_layers, owners).step_s
+        step_s = finish_step(
+            compute_end, buckets, ranges, costs, plan.num_layers, owners, ring=ring
+        ).step_s
     exchange: dict[int, int] = {}
-    for b in buckets:
+    for b in () if ring else buckets:  # a ring sums in the gradients' own buffers
         need = costs.exchange_bytes(len(b.holders), b.first_layer, b.end_layer)
         for h in b.holders:
             exchange[h] = max(exchange.get(h, 0), need)
@@ -108,6 +114,25 @@ def estimate(job: Job, plan: Plan, *, memo: Memo | None = None) -> Estimate:
         in_flight=in_flight,
         limit_bytes=job.worker_memory_bytes,
     )
+
+
+def job_program(job: Job, plan: Plan) -> StepProgram:
+    """``plan``'s step program as ``job``'s runtime runs it (its all-reduce, gradient
+    dtype and global norm)."""
+    return build_program(
+        plan, job.model.layer_params, global_norm=job.training.global_norm,
+        allreduce=_allreduce(job), grad_bytes=job.training.grad_bytes,
+    )  # fmt: skip
+
+
+def job_buckets(job: Job, plan: Plan) -> tuple[Bucket, ...]:
+    """The buckets of ``job_program``."""
+    split = bucket_split(_allreduce(job), job.training.grad_bytes)
+    return buckets_of(plan, job.model.layer_params, split=split)
+
+
+def _allreduce(job: Job) -> Allreduce:
+    return "exchange" if job.cluster.allreduce == "exchange" else "ring"
 
 
 def shared_host_step_s(job: Job, plan: Plan, costs: CostModel, program: StepProgram) -> float:
@@ -131,7 +156,11 @@ def runtime_cpu_s(
     cluster = job.cluster
     if ranges is None:
         ranges = {s.worker: (s.first_layer, s.end_layer) for s in plan.stages}
-    ops = message_ops(plan, job.model.layer_params) if cluster.message_cpu_s else {}
+    ops = (
+        message_ops(plan, job.model.layer_params, cluster.allreduce)
+        if cluster.message_cpu_s
+        else {}
+    )
     sent = message_bytes(plan, costs, ranges) if cluster.message_cpu_s_per_byte else {}
     return {
         w: cluster.worker_overhead_s
@@ -142,27 +171,32 @@ def runtime_cpu_s(
     }
 
 
-def message_ops(plan: Plan, layer_params: Sequence[int]) -> dict[int, int]:
-    """Point-to-point sends and receives per worker in one step: activations and their
-    gradients along every route, and each bucket's exchange with its other holders."""
+def message_ops(
+    plan: Plan, layer_params: Sequence[int], allreduce: str = "exchange"
+) -> dict[int, int]:
+    """Sends and receives per worker in one step: activations and their gradients along
+    every route, and each bucket's exchange with its other holders (a ring's all-reduce
+    among n: a send and a receive in each of its 2(n - 1) steps)."""
     ops: dict[int, int] = {}
     for route in plan.routes:
         n, m = len(route.hops), len(route.micro_batches)
         for k, w in enumerate(route.hops):
             neighbours = (k > 0) + (k < n - 1)
             ops[w] = ops.get(w, 0) + 2 * neighbours * m
+    per_peer = 4 if allreduce == "ring" else 2
     for bucket in buckets_of(plan, layer_params):
         for w in bucket.holders:
-            ops[w] = ops.get(w, 0) + 2 * (len(bucket.holders) - 1)
+            ops[w] = ops.get(w, 0) + per_peer * (len(bucket.holders) - 1)
     return ops
 
 
 def message_bytes(
     plan: Plan, costs: CostModel, ranges: dict[int, tuple[int, int]]
 ) -> dict[int, int]:
-    """Bytes each worker sends and receives point to point in one step, the messages of
-    ``message_ops``: an activation and its gradient across each boundary per
-    micro-batch, a bucket's gradient sums to and from each other holder."""
+    """Bytes each worker sends and receives in one step, the messages of ``message_ops``:
+    an activation and its gradient across each boundary per micro-batch, a bucket's
+    gradient sums to and from each other holder (a ring's: 2(n - 1)/n of the bucket each
+    way)."""
     sent: dict[int, int] = {}
     for route in plan.routes:
         n, m = len(route.hops), len(route.micro_batches)
@@ -173,10 +207,13 @@ def message_bytes(
             )
             sent[w] = sent.get(w, 0) + 2 * edge * m
     training = costs.job.training
+    ring = costs.job.cluster.allreduce == "ring"
     for bucket in buckets_of(plan, costs.job.model.layer_params):
         size = costs.job.model.total("num_params", bucket.first_layer, bucket.end_layer)
+        n = len(bucket.holders)
+        both_ways = 2 * (n - 1) * size * training.grad_bytes
         for w in bucket.holders:
-            sent[w] = sent.get(w, 0) + 2 * (len(bucket.holders) - 1) * size * training.grad_bytes
+            sent[w] = sent.get(w, 0) + (both_ways * 2 // n if ring else both_ways)
     return sent
 
 

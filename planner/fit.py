@@ -167,7 +167,7 @@ def _overhead(
     """(base, per message) CPU beyond ``compute_cpu_s``, by least squares over the workers: a
     pipeline's middle stages send and receive twice what its ends do, which separates
     the two. One message count for all (data parallel only): all of it is base."""
-    ops = message_ops(plan, job.model.layer_params)
+    ops = message_ops(plan, job.model.layer_params, job.cluster.allreduce)
     xs = [float(ops.get(w, 0)) for w in workers]
     ys = [max(0.0, cpu_s[w] - compute_cpu_s[w]) for w in workers]
     mean_x, mean_y = statistics.mean(xs), statistics.mean(ys)

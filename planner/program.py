@@ -9,14 +9,27 @@ from ``prev`` (None on the first stage) and sends its output to ``next``; a back
 receives the output gradient from ``next`` and sends the input gradient to ``prev``.
 Sends are asynchronous; a pass waits only for its own input.
 
-After its last backward comes the worker's ``tail``, the rest of its step, in order:
-each bucket's exchange (a bucket is a run of layers with the same set of holders; its
-holders sum their gradients, in the rounds given by colouring the buckets' conflict
-graph), the gradients rounded, the last stage's share of the loss into the store, the
-commit barrier (the step is applied by all or by none, so a failure never leaves replicas
-disagreeing), the optimizer, and the step's loss read back. The runtime
+A bucket is a run of layers with the same set of holders, whose gradients those holders
+sum. How they sum them is the program's ``allreduce``:
+
+- ``ring`` (the runtime's default): each bucket is all-reduced among its holders with a
+  real collective (gloo's ring, NCCL's or HCCL's), in the gradients' dtype, launched
+  during the worker's last backward pass as soon as the bucket's layers have their
+  gradients, while the backward goes on below them (DDP's reducer does the same). Long
+  runs are cut into buckets of at most ``BUCKET_BYTES`` at layer boundaries, the
+  topmost (reduced first) of at most ``FIRST_BUCKET_BYTES``, as DDP cuts them;
+- ``exchange`` (``exact``: bit-identical weights in any layout): after the last backward
+  each holder sends its float64 sums of the bucket to every other holder and adds theirs
+  in holder order, in the rounds given by colouring the buckets' conflict graph.
+
+After its last backward comes the worker's ``tail``, the rest of its step, in order: the
+buckets (ring: waited for; exchange: exchanged), the gradients final (exchange: the sums
+rounded) and the queued sends flushed, the last stage's share of the loss into the store,
+the commit barrier (the step is applied by all or by none, so a failure never leaves
+replicas disagreeing), the optimizer, and the step's loss read back. The runtime
 (chameleon_runtime.step) runs exactly these operations and nothing else per step; the
-estimator (planner.timing) charges each of them.
+estimator (planner.timing) charges each of them, the ring's overlap with the backward
+included.
 
 Order within a worker: every pass gets a potential from its micro-batch's position q in
 its home pipeline and its hop k on a route of n hops,
@@ -47,10 +60,19 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 from planner.colouring import Task, colour_rounds
 from planner.plan import Plan, Route
+
+Allreduce = Literal["ring", "exchange"]
+ALLREDUCES: tuple[Allreduce, ...] = ("ring", "exchange")
+
+# DDP's bucket sizes (torch.nn.parallel.DistributedDataParallel's bucket_cap_mb and its
+# first bucket): a ring program cuts runs of layers into buckets of at most these many
+# gradient bytes, at layer boundaries (a larger layer is a bucket of its own).
+FIRST_BUCKET_BYTES = 1 << 20
+BUCKET_BYTES = 25 << 20
 
 
 class OpKind(StrEnum):
@@ -59,8 +81,14 @@ class OpKind(StrEnum):
 
 
 class TailKind(StrEnum):
-    EXCHANGE = "exchange"  # one bucket's gradients summed among its holders
-    ROUND = "round"  # float64 sums rounded to the parameters' dtype; queued sends flushed
+    # exchange: one bucket's float64 sums sent to and received from its other holders
+    EXCHANGE = "exchange"
+    # ring: one bucket's all-reduce among its holders, launched during the last backward
+    # pass once the bucket's gradients are complete; the tail waits for it to end
+    ALLREDUCE = "allreduce"
+    # the gradients final (exchange: the float64 sums rounded to the parameters' dtype)
+    # and the queued sends flushed
+    ROUND = "round"
     REPORT_LOSS = "report_loss"  # the last stage's share of the loss, into the store
     COMMIT = "commit"  # the all-or-none barrier over the plan's workers
     OPTIMIZE = "optimize"
@@ -91,7 +119,7 @@ class Bucket:
 
 class TailOp(NamedTuple):
     kind: TailKind
-    bucket: Bucket | None = None  # EXCHANGE only
+    bucket: Bucket | None = None  # EXCHANGE and ALLREDUCE only
 
 
 class Message(NamedTuple):
@@ -116,10 +144,12 @@ class WorkerProgram:
     ops: tuple[ComputeOp, ...]
     tail: tuple[TailOp, ...]
     max_in_flight: int  # micro-batches whose activations are stashed at once
+    allreduce: Allreduce = "ring"
 
     @property
     def buckets(self) -> tuple[Bucket, ...]:
-        """The buckets this worker exchanges, in issue order."""
+        """The buckets this worker sums with others, in issue order (ring: the order
+        the last backward completes them, from the top layer down)."""
         return tuple(op.bucket for op in self.tail if op.bucket is not None)
 
     @property
@@ -159,11 +189,21 @@ class WorkerProgram:
                     out.append(Message(op.next, False, "B", mb))
                 if op.prev is not None:
                     out.append(Message(op.prev, True, "B", mb))
-        for b in self.buckets:
-            others = [h for h in b.holders if h != me]
-            out += [Message(h, True, "X", b.index) for h in others]
-            out += [Message(h, False, "X", b.index) for h in others]
+        if self.allreduce == "exchange":
+            for b in self.buckets:
+                others = [h for h in b.holders if h != me]
+                out += [Message(h, True, "X", b.index) for h in others]
+                out += [Message(h, False, "X", b.index) for h in others]
         return tuple(out)
+
+    @property
+    def last_backward(self) -> int:
+        """The index in ``ops`` of the last backward pass (ring: it launches the buckets'
+        all-reduces); -1 when the worker runs no pass."""
+        for i in range(len(self.ops) - 1, -1, -1):
+            if self.ops[i].kind is OpKind.BACKWARD:
+                return i
+        return -1
 
     def owned_layers(self) -> list[int]:
         """The layers this worker is the lowest holder of: the ones it writes to a
@@ -193,30 +233,51 @@ def reads_global_norm(max_grad_norm: float | None, precision: str) -> bool:
     return max_grad_norm is not None or precision == "fp16"
 
 
+def bucket_split(allreduce: Allreduce, grad_bytes: int) -> tuple[int, int] | None:
+    """The most parameters of a ring program's buckets (the first reduced, the others),
+    from DDP's sizes; None for exchange (a run of layers is one bucket)."""
+    if allreduce == "exchange":
+        return None
+    return max(1, FIRST_BUCKET_BYTES // grad_bytes), max(1, BUCKET_BYTES // grad_bytes)
+
+
 def build_program(
-    plan: Plan, layer_params: Sequence[int], *, global_norm: bool = False
+    plan: Plan,
+    layer_params: Sequence[int],
+    *,
+    global_norm: bool = False,
+    allreduce: Allreduce = "ring",
+    grad_bytes: int = 4,
 ) -> StepProgram:
     """Every worker's program; ``layer_params`` (parameters per layer) orders the buckets;
     ``global_norm``: every step reads the gradients' global norm (to clip them, or to
-    check fp16 gradients for overflow)."""
-    buckets = buckets_of(plan, layer_params)
+    check fp16 gradients for overflow); ``allreduce`` and ``grad_bytes`` (the gradients'
+    dtype): how buckets are summed (module doc)."""
+    buckets = buckets_of(plan, layer_params, split=bucket_split(allreduce, grad_bytes))
     work = ops_for(plan.routes, position_in_home(plan), tie_rank(plan))
     owners = set(norm_owners(plan)) if global_norm else None
     programs = tuple(
-        _program(plan, stage.worker, work.get(stage.worker, []), buckets, owners)
+        _program(plan, stage.worker, work.get(stage.worker, []), buckets, owners, allreduce)
         for stage in plan.stages
     )
     return StepProgram(plan=plan, workers=programs, buckets=buckets)
 
 
 def worker_program(
-    plan: Plan, worker: int, layer_params: Sequence[int], *, global_norm: bool = False
+    plan: Plan,
+    worker: int,
+    layer_params: Sequence[int],
+    *,
+    global_norm: bool = False,
+    allreduce: Allreduce = "ring",
+    grad_bytes: int = 4,
 ) -> WorkerProgram:
     """One worker's program (what the runtime builds for itself: only its own routes)."""
     routes = [r for r in plan.routes if worker in r.hops]
     ops = ops_for(routes, position_in_home(plan), tie_rank(plan)).get(worker, [])
     owners = set(norm_owners(plan)) if global_norm else None
-    return _program(plan, worker, ops, buckets_of(plan, layer_params), owners)
+    buckets = buckets_of(plan, layer_params, split=bucket_split(allreduce, grad_bytes))
+    return _program(plan, worker, ops, buckets, owners, allreduce)
 
 
 def _program(
@@ -225,6 +286,7 @@ def _program(
     ops: Sequence[ComputeOp],
     buckets: Sequence[Bucket],
     owners: set[int] | None,
+    allreduce: Allreduce,
 ) -> WorkerProgram:
     stage = plan.stage_of[worker]
     return WorkerProgram(
@@ -239,8 +301,10 @@ def _program(
             last_stage=stage.end_layer == plan.num_layers,
             global_norm=owners is not None,
             reports_norm=owners is not None and worker in owners,
+            allreduce=allreduce,
         ),
         max_in_flight=max_in_flight(ops),
+        allreduce=allreduce,
     )
 
 
@@ -251,14 +315,23 @@ def tail_of(
     last_stage: bool,
     global_norm: bool = False,
     reports_norm: bool = False,
+    allreduce: Allreduce = "ring",
 ) -> tuple[TailOp, ...]:
-    """What follows a worker's passes (module doc): its buckets in (round, index) order,
-    the order every holder of a bucket reaches it in, so no two holders wait on each
-    other in a cycle. ``global_norm``: the step reads the gradients' global norm;
+    """What follows a worker's passes (module doc). Exchange: its buckets in (round,
+    index) order, the order every holder of a bucket reaches it in, so no two holders
+    wait on each other in a cycle. Ring: its buckets from the top layer down, the order
+    its last backward completes (and launches) them, the same on every holder; each
+    bucket's collective has a group of its own, so buckets of different holders never
+    wait on each other. ``global_norm``: the step reads the gradients' global norm;
     ``reports_norm``: it is the lowest holder of some layer and reports its part."""
-    mine = sorted((b for b in buckets if worker in b.holders), key=lambda b: (b.round, b.index))
+    if allreduce == "ring":
+        mine = sorted((b for b in buckets if worker in b.holders), key=lambda b: -b.first_layer)
+        kind = TailKind.ALLREDUCE
+    else:
+        mine = sorted((b for b in buckets if worker in b.holders), key=lambda b: (b.round, b.index))
+        kind = TailKind.EXCHANGE
     return (
-        *(TailOp(TailKind.EXCHANGE, b) for b in mine),
+        *(TailOp(kind, b) for b in mine),
         TailOp(TailKind.ROUND),
         *((TailOp(TailKind.REPORT_LOSS),) if last_stage else ()),
         *((TailOp(TailKind.REPORT_NORM),) if reports_norm else ()),
@@ -336,17 +409,40 @@ def max_in_flight(ops: Iterable[ComputeOp]) -> int:
     return peak
 
 
-def buckets_of(plan: Plan, layer_params: Sequence[int]) -> tuple[Bucket, ...]:
-    """Runs of layers with the same holders; single-holder runs need no all-reduce
-    (computed once per plan and ``layer_params``: ``Plan.derived``)."""
-    key = ("buckets", tuple(layer_params))
+def buckets_of(
+    plan: Plan, layer_params: Sequence[int], *, split: tuple[int, int] | None = None
+) -> tuple[Bucket, ...]:
+    """Runs of layers with the same holders; single-holder runs need no all-reduce.
+    ``split`` (``bucket_split``): cut each run into buckets of at most this many
+    parameters, its topmost of at most the first, at layer boundaries. In layer order;
+    computed once per plan, ``layer_params`` and ``split``: ``Plan.derived``."""
+    key = ("buckets", tuple(layer_params), split)
     hit = plan.derived.get(key)
     if hit is None:
-        hit = plan.derived[key] = _buckets_of(plan, layer_params)
+        hit = plan.derived[key] = _buckets_of(plan, layer_params, split)
     return hit  # type: ignore[return-value]
 
 
-def _buckets_of(plan: Plan, layer_params: Sequence[int]) -> tuple[Bucket, ...]:
+def _cut(
+    first: int, end: int, layer_params: Sequence[int], split: tuple[int, int]
+) -> list[tuple[int, int]]:
+    """[first, end) cut into spans from the top down, each within its cap (module doc)."""
+    spans = []
+    cap = split[0]
+    top = end
+    while top > first:
+        low, size = top - 1, layer_params[top - 1]
+        while low > first and size + layer_params[low - 1] <= cap:
+            low -= 1
+            size += layer_params[low]
+        spans.append((low, top))
+        top, cap = low, split[1]
+    return spans[::-1]
+
+
+def _buckets_of(
+    plan: Plan, layer_params: Sequence[int], split: tuple[int, int] | None
+) -> tuple[Bucket, ...]:
     boundaries = sorted({s.first_layer for s in plan.stages} | {s.end_layer for s in plan.stages})
     index = {b: i for i, b in enumerate(boundaries)}
     # The holders of the span between two neighbouring boundaries, in stage order: each
@@ -364,6 +460,8 @@ def _buckets_of(plan: Plan, layer_params: Sequence[int]) -> tuple[Bucket, ...]:
         else:
             runs.append((first, end, holders))
     shared = [r for r in runs if len(r[2]) > 1]
+    if split is not None:
+        shared = [(f, e, h) for f0, e0, h in shared for f, e in _cut(f0, e0, layer_params, split)]
     tasks = [Task(h, float(sum(layer_params[f:e]))) for f, e, h in shared]
     rounds = colour_rounds(tasks)
     return tuple(

@@ -59,10 +59,11 @@ class _Message(BaseModel):
 
 class WaitingOn(_Message):
     """What a worker is blocked on: a peer's message (``recv``/``send`` with the peers),
-    an all-or-none agreement of the generation's members (``agree`` with its name), the
+    a collective (``allreduce`` with the other holders of its bucket), an all-or-none
+    agreement of the generation's members (``agree`` with its name), the
     launcher (``plan``), or nobody but itself (``compute``, ``checkpoint``, ``groups``)."""
 
-    what: Literal["compute", "recv", "send", "agree", "plan", "groups", "checkpoint"]
+    what: Literal["compute", "recv", "send", "allreduce", "agree", "plan", "groups", "checkpoint"]
     peers: list[int] = []
     name: str = ""
 
@@ -115,7 +116,24 @@ class Applied(_Message):
     groups_s: float = 0.0
     migrate_s: float = 0.0
     carried: bool = False  # the group of an earlier generation was kept
+    # A ring's collective groups (``holders_key``): built for this generation, carried
+    # over from an earlier one
+    collectives_built: list[str] = []
+    collectives_carried: list[str] = []
     sent_at: float = 0.0  # the worker's wall clock as it went back to training (0: unknown)
+
+
+class GroupOffer(_Message):
+    """The groups a member of a new generation could carry over (chameleon_runtime.
+    recovery): the generation its point-to-point group was built for (-1: none), and per
+    set of holders (``holders_key``) the generation of a settled collective group."""
+
+    p2p: int = -1
+    collectives: dict[str, int] = {}
+
+
+def holders_key(holders: tuple[int, ...]) -> str:
+    return "-".join(map(str, holders))
 
 
 class Joined(_Message):
@@ -249,7 +267,7 @@ class Keys:
         return f"{self.generation(g)}groups"
 
     def kept(self, g: int, rank: int) -> str:
-        """The group a member of generation ``g`` could carry over (its build generation)."""
+        """The groups a member of generation ``g`` could carry over (``GroupOffer``)."""
         return f"{self.generation(g)}kept/{rank}"
 
     def agreement(self, g: int, name: str) -> str:

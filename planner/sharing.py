@@ -14,7 +14,11 @@ Where each operation's CPU goes: passes as ``CostModel`` charges them (layers pl
 runtime's loop per pass), the optimizer after the commit, and the rest of the runtime's
 own CPU (a base, each message, each byte, the tail's per parameter:
 ``estimate.runtime_cpu_s``) at the start of the tail, where most of it is spent
-(the bucket exchange, rounding, the store).
+(the bucket exchange, rounding, the store). A ring's all-reduce is posted during the
+last backward, where the bucket's layers are done (the backward's CPU is split there),
+starts once every holder has posted it and is done with its previous one, and is waited
+for at the start of the tail; it takes no worker's CPU beyond what the runtime's share
+charges.
 
 Event driven, in virtual time per host (the CPU each of its runnable workers has had):
 between two events the runnable set is fixed, so a worker that starts W of work when
@@ -29,12 +33,14 @@ import heapq
 from collections.abc import Mapping
 
 from planner.cost import CostModel
-from planner.program import OpKind, StepProgram, TailKind, WorkerProgram
+from planner.program import Bucket, OpKind, StepProgram, TailKind, WorkerProgram
 
 _EPS = 1e-12
 # A worker's program as items: ("cpu", seconds, key it produces or None),
 # ("wait", key, delay after it is produced), ("sleep", seconds),
-# ("barrier", key, members or None for everyone, seconds after the last arrives).
+# ("barrier", key, members or None for everyone, seconds after the last arrives),
+# ("post", key, members, seconds): a collective that produces key once every member
+# posted it and ended its previous one, plus seconds; the poster goes on at once.
 Item = tuple
 
 
@@ -59,6 +65,13 @@ class _Sim:
         self.blocked: dict[object, list[int]] = {}
         self.arrived: dict[object, dict[int, float]] = {}
         self.finished: dict[int, float] = {}
+        # Collectives ("post"): each member's posts in order, when each ends once known.
+        self.posts: dict[object, tuple[tuple[int, ...], float]] = {}  # key -> members, s
+        self.previous: dict[tuple[object, int], object] = {}  # (key, member) -> its last key
+        self.following: dict[object, list[object]] = {}  # key -> keys posted after it
+        self.last_post: dict[int, object] = {}
+        self.ends: dict[object, float] = {}
+        self.timers: list[tuple[float, int, object]] = []  # (when, seq, key) to produce
         self.everyone = tuple(sorted(items))
         self.now = 0.0
 
@@ -68,6 +81,8 @@ class _Sim:
         hosts = self.hosts.values()
         while True:
             step = self.sleeping[0][0] - self.now if self.sleeping else float("inf")
+            if self.timers:
+                step = min(step, self.timers[0][0] - self.now)
             for host in hosts:
                 if host.finishing:
                     rate = min(1.0, self.cores / len(host.finishing))
@@ -85,6 +100,8 @@ class _Sim:
             woke = []
             while self.sleeping and self.sleeping[0][0] <= self.now + _EPS:
                 woke.append(heapq.heappop(self.sleeping)[1])
+            while self.timers and self.timers[0][0] <= self.now + _EPS:
+                self.produce(heapq.heappop(self.timers)[2])
             for w in done:
                 self.cursor[w] += 1
                 key = self.produces.pop(w, None)
@@ -116,6 +133,9 @@ class _Sim:
                     return
                 if item[2] is not None:
                     self.produce(item[2])
+                i += 1
+            elif tag == "post":
+                self.post(w, item[1], item[2], item[3], now)
                 i += 1
             elif tag == "sleep":
                 i += 1
@@ -154,6 +174,34 @@ class _Sim:
         self.cursor[w] = i
         self.finished[w] = now
 
+    def post(self, w: int, key: object, members: tuple[int, ...], seconds: float, now: float):
+        """Member ``w`` posts collective ``key`` now (module doc)."""
+        self.posts[key] = (members, seconds)
+        self.arrived.setdefault(key, {})[w] = now
+        before = self.previous[(key, w)] = self.last_post.get(w)
+        if before is not None:
+            self.following.setdefault(before, []).append(key)
+        self.last_post[w] = key
+        self.schedule(key)
+
+    def schedule(self, key: object) -> None:
+        """Fix ``key``'s end once every member posted it and each one's previous
+        collective has an end; then the members' next ones may follow."""
+        members, seconds = self.posts[key]
+        here = self.arrived[key]
+        if key in self.ends or len(here) < len(members):
+            return
+        start = 0.0
+        for m in members:
+            before = self.previous.get((key, m))
+            if before is not None and before not in self.ends:
+                return
+            start = max(start, here[m], self.ends.get(before, 0.0) if before else 0.0)
+        end = self.ends[key] = start + seconds
+        heapq.heappush(self.timers, (end, len(self.ends), key))
+        for later in self.following.get(key, ()):
+            self.schedule(later)
+
     def produce(self, key: object) -> None:
         self.produced[key] = self.now
         for w in self.blocked.pop(key, ()):
@@ -180,7 +228,9 @@ def _items(w: WorkerProgram, costs: CostModel, own_cpu_s: float) -> list[Item]:
     into = costs.boundary_bytes(first)  # an activation received, a gradient sent back
     out = costs.boundary_bytes(end)
     items: list[Item] = []
-    for kind, mb, prev, nxt in w.ops:
+    last = w.last_backward
+    ring = [b for kind, b in w.tail if kind is TailKind.ALLREDUCE and b is not None]
+    for i, (kind, mb, prev, nxt) in enumerate(w.ops):
         if kind is OpKind.FORWARD:
             if prev is not None:
                 items.append(("wait", (prev, 0, mb), costs.transfer_s(prev, w.worker, into)))
@@ -188,10 +238,18 @@ def _items(w: WorkerProgram, costs: CostModel, own_cpu_s: float) -> list[Item]:
         else:
             if nxt is not None:
                 items.append(("wait", (nxt, 1, mb), costs.transfer_s(nxt, w.worker, out)))
-            items.append(("cpu", bwd, (w.worker, 1, mb)))
+            if i == last and ring:
+                items += _last_backward(w, costs, bwd, ring)
+            else:
+                items.append(("cpu", bwd, (w.worker, 1, mb)))
+    if ring and last < 0:  # no pass: every bucket posted at the tail
+        items += [_post(b, costs) for b in ring]
     items.append(("cpu", own_cpu_s, None))
     for kind, bucket in w.tail:
-        if kind is TailKind.EXCHANGE:
+        if kind is TailKind.ALLREDUCE:
+            assert bucket is not None
+            items.append(("wait", ("bucket", bucket.index), 0.0))
+        elif kind is TailKind.EXCHANGE:
             assert bucket is not None
             duration = costs.allreduce_s(bucket.holders, bucket.first_layer, bucket.end_layer)
             items.append(("barrier", ("bucket", bucket.index), bucket.holders, duration))
@@ -201,4 +259,27 @@ def _items(w: WorkerProgram, costs: CostModel, own_cpu_s: float) -> list[Item]:
             items.append(("cpu", costs.optimizer_s(first, end), None))
         elif kind is TailKind.REPORT_LOSS or kind is TailKind.READ_LOSS:
             items.append(("sleep", costs.store_s()))
+    return items
+
+
+def _post(bucket: Bucket, costs: CostModel) -> Item:
+    duration = costs.allreduce_s(bucket.holders, bucket.first_layer, bucket.end_layer)
+    return ("post", ("bucket", bucket.index), bucket.holders, duration)
+
+
+def _last_backward(
+    w: WorkerProgram, costs: CostModel, bwd: float, ring: list[Bucket]
+) -> list[Item]:
+    """The last backward pass, its CPU split where each bucket (from the top layer down,
+    ``ring``'s order) is done and posted (module doc)."""
+    mb = w.ops[w.last_backward].micro_batch
+    model = costs.job.model
+    items: list[Item] = []
+    done = 0.0
+    for bucket in ring:
+        upto = bwd - model.total("backward_s", w.first_layer, bucket.first_layer)
+        items.append(("cpu", max(0.0, upto - done), None))
+        done = max(done, upto)
+        items.append(_post(bucket, costs))
+    items.append(("cpu", max(0.0, bwd - done), (w.worker, 1, mb)))
     return items

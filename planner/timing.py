@@ -10,11 +10,12 @@ A program whose workers wait on each other in a cycle would deadlock at run time
 raises ``ScheduleDeadlock`` naming the stuck ops, so no such plan is ever handed out.
 
 ``simulate`` walks every worker's whole program, tail included (planner.program: each
-bucket's exchange once all its holders reach it, the commit once every worker does, the
-store operations of the loss, the optimizer). ``estimate`` takes two fast paths over the
-same graph, tests hold them equal: ``simulate_pipeline`` for whole pipelines and
-``finish_step``, which visits the buckets in the one (round, index) order every tail
-follows.
+bucket's exchange once all its holders reach it, or a ring's all-reduce once every holder
+has launched it in its last backward and is done with its previous one, the commit once
+every worker does, the store operations of the loss, the optimizer). ``estimate`` takes
+two fast paths over the same graph, tests hold them equal: ``simulate_pipeline`` for
+whole pipelines and ``finish_step``, which visits the buckets in the one order every tail
+follows ((round, index) for an exchange, from the top layer down for a ring).
 """
 
 from __future__ import annotations
@@ -56,9 +57,12 @@ def simulate_tails(
     costs: CostModel,
 ) -> Timing:
     """Every worker's tail from the end of its passes: an exchange ends when the last of
-    its holders reaches it plus its duration, the commit when the last worker does plus
-    its own; the rest runs on the worker alone."""
+    its holders reaches it plus its duration; a ring's all-reduce when the last holder
+    has it ready (in its last backward) and is done with its previous one, plus its
+    duration; the commit when the last worker arrives plus its own; the rest runs on the
+    worker alone."""
     t = {w: compute_end.get(w, 0.0) for w in tails}
+    comm_free = dict.fromkeys(tails, 0.0)  # a ring's: when each one's last all-reduce ended
     cursor = dict.fromkeys(tails, 0)
     arrived: dict[object, dict[int, float]] = {}
     allreduce_end: dict[int, float] = {}
@@ -71,7 +75,23 @@ def simulate_tails(
             tail = tails[w]
             while cursor[w] < len(tail):
                 kind, bucket = tail[cursor[w]]
-                if kind is TailKind.EXCHANGE or kind is TailKind.COMMIT:
+                if kind is TailKind.ALLREDUCE:
+                    assert bucket is not None
+                    here = arrived.setdefault(bucket.index, {})
+                    ready = costs.bucket_ready_s(
+                        compute_end.get(w, 0.0), ranges[w][0], bucket.first_layer
+                    )
+                    here[w] = max(ready, comm_free[w])
+                    if len(here) < len(bucket.holders):
+                        break
+                    end = max(here.values()) + costs.allreduce_s(
+                        bucket.holders, bucket.first_layer, bucket.end_layer
+                    )
+                    for h in bucket.holders:
+                        comm_free[h] = end
+                        t[h] = max(t[h], end)
+                        cursor[h] += 1
+                elif kind is TailKind.EXCHANGE or kind is TailKind.COMMIT:
                     assert bucket is not None or kind is TailKind.COMMIT
                     key, group = (bucket.index, bucket.holders) if bucket else ("commit", everyone)
                     here = arrived.setdefault(key, {})
@@ -211,13 +231,30 @@ def finish_step(
     costs: CostModel,
     num_layers: int,
     norm_owners: Collection[int] | None = None,
+    *,
+    ring: bool = False,
 ) -> Timing:
     """``simulate_tails`` of the tails ``planner.program.tail_of`` makes, without making
-    them: the buckets in the (round, index) order every tail has them in, then the last
-    stages' loss (and, clipping, ``norm_owners``' squared norms), the commit, (the norms
-    read back,) the optimizer and the loss read back."""
+    them: the buckets in the order every tail has them in ((round, index), or for a
+    ``ring`` from the top layer down, each from when its holders have it ready), then the
+    last stages' loss (and, clipping, ``norm_owners``' squared norms), the commit, (the
+    norms read back,) the optimizer and the loss read back."""
     comm_free = {w: compute_end.get(w, 0.0) for w in ranges}
-    for bucket in sorted(buckets, key=lambda b: (b.round, b.index)):
+    if ring:
+        link_free = dict.fromkeys(ranges, 0.0)
+        for bucket in sorted(buckets, key=lambda b: -b.first_layer):
+            start = max(
+                max(
+                    costs.bucket_ready_s(compute_end.get(h, 0.0), ranges[h][0], bucket.first_layer),
+                    link_free[h],
+                )
+                for h in bucket.holders
+            )
+            end = start + costs.allreduce_s(bucket.holders, bucket.first_layer, bucket.end_layer)
+            for h in bucket.holders:
+                link_free[h] = end
+                comm_free[h] = max(comm_free[h], end)
+    for bucket in () if ring else sorted(buckets, key=lambda b: (b.round, b.index)):
         start = max(comm_free[h] for h in bucket.holders)
         end = start + costs.allreduce_s(bucket.holders, bucket.first_layer, bucket.end_layer)
         for h in bucket.holders:

@@ -4,23 +4,21 @@ The runtime keeps every communicator that still works and builds only the ones i
 this module says which those are, so that the transition the planner charges a policy is
 the one the runtime will pay.
 
-- ``exchange`` (chameleon_runtime on gloo): everything between workers is point to point
-  over one group of the generation's members. A gloo group whose member died still
-  carries point-to-point traffic between the others (measured on torch 2.13: pending
-  operations with the dead member fail with "connection closed", sends and receives
-  between survivors go on; collectives over the group fail). So a new plan whose members
-  all belong to the group in use keeps it, whatever the policy: a reroute or a
+- point to point (activations, gradients, migrations): one group over the generation's
+  members. A gloo group whose member died still carries point-to-point traffic between
+  the others (measured on torch 2.13: pending operations with the dead member fail with
+  "connection closed", sends and receives between survivors go on). So a new plan whose
+  members all belong to the group in use keeps it, whatever the policy: a reroute or a
   re-partition over survivors builds nothing, and only a plan that takes in a worker
   outside the group (a replacement, a spare) builds a new one over all its members.
-- ``ring`` (NCCL, HCCL): collectives need a communicator per set of workers that sum a
-  bucket together (the data-parallel groups), and each whole pipeline has one for its
-  neighbours. A communicator with a failed member is aborted, so every group of the new
-  plan that the old plan had without a failed member is kept, and the others are built.
-  A reroute rebuilds the failed stage's data-parallel group; a re-partition rebuilds
-  every group whose members changed, which is every data-parallel group even when it
-  keeps the intact pipelines (each loses the dropped pipeline's worker). Traffic that a
-  reroute sends across pipelines goes over the point-to-point communicators the backends
-  make on first use between two ranks, not counted here.
+- ``exchange`` (chameleon_runtime's exact mode): buckets are summed point to point over
+  that same group, so nothing else is built.
+- ``ring`` (chameleon_runtime's default, and NCCL's or HCCL's collectives): a collective
+  group per set of workers that sum a bucket together (the data-parallel groups). One
+  whose holders all survive is kept (an aborted step's collectives are drained, so it is
+  left settled: chameleon_runtime.comm), and the others are built. A reroute rebuilds
+  nothing (the failed stage's survivors lose their group's dead member, and a stage held
+  by one worker needs none); a re-partition builds every group whose holders changed.
 
 The recovery protocol itself (launcher/recovery.py, chameleon_runtime/recovery.py) costs
 what its messages cost, phase by phase (``protocol``): a worker blocked in a store wait
@@ -63,13 +61,17 @@ from planner.workload import Job
 Group = frozenset[int]
 
 
+def collective_groups(job: Job, plan: Plan) -> set[Group]:
+    """A ring's collective groups for ``plan``: one per set of bucket holders (module
+    doc); none for an exchange."""
+    if job.cluster.allreduce == "exchange":
+        return set()
+    return {frozenset(b.holders) for b in buckets_of(plan, job.model.layer_params)}
+
+
 def plan_groups(job: Job, plan: Plan) -> set[Group]:
     """The communicators the runtime uses for ``plan`` (module doc)."""
-    if job.cluster.allreduce == "exchange":
-        return {frozenset(plan.workers)}
-    groups = {frozenset(p) for p in plan.pipelines if len(p) > 1}
-    groups |= {frozenset(b.holders) for b in buckets_of(plan, job.model.layer_params)}
-    return groups
+    return {frozenset(plan.workers)} | collective_groups(job, plan)
 
 
 def groups_to_build(
@@ -79,11 +81,12 @@ def groups_to_build(
     ``members``: every worker the new generation involves beyond the plan's (transfer
     sources that hold no stage any more)."""
     lost = set(failed)
-    if job.cluster.allreduce == "exchange":
-        everyone = frozenset(new.workers) | frozenset(members)
-        return [] if everyone <= frozenset(current.workers) else [everyone]
-    kept = {g for g in plan_groups(job, current) if not g & lost}
-    return [g for g in plan_groups(job, new) if g not in kept]
+    everyone = frozenset(new.workers) | frozenset(members)
+    build = [] if everyone <= frozenset(current.workers) else [everyone]
+    kept = {g for g in collective_groups(job, current) if not g & lost}
+    return build + sorted(
+        (g for g in collective_groups(job, new) if g not in kept), key=lambda g: sorted(g)
+    )
 
 
 def build_s(job: Job, groups: Iterable[Group]) -> float:

@@ -58,6 +58,13 @@ class JobDescription(_Wire):
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     # CPU workers share their host's cores (workload.Cluster.host_cores); 0 on devices.
     host_cores: int = 0
+    # Trainer(exact=True): float64 sums exchanged point to point, not a ring's collectives.
+    exact: bool = False
+
+    @property
+    def allreduce(self) -> str:
+        """What the runtime executes (planner.program), whatever a config says."""
+        return "exchange" if self.exact else "ring"
 
     def to_job(
         self,
@@ -88,8 +95,7 @@ class JobDescription(_Wire):
             pg_init_base_s=pg_init_base_s,
             pg_init_per_worker_s=pg_init_per_worker_s,
             store_round_trip_s=store_round_trip_s,
-            # The runtime sums gradients by direct exchange between holders, not a ring.
-            allreduce="exchange",
+            allreduce=self.allreduce,
             host_cores=self.host_cores,
             nodes_per_host=nodes_per_host,
         )
@@ -99,7 +105,7 @@ class JobDescription(_Wire):
                 num_nodes=num_nodes,
                 devices_per_node=workers_per_node,
                 spare_nodes=0,
-                allreduce="exchange",
+                allreduce=self.allreduce,
                 host_cores=self.host_cores if cluster.host_cores is None else cluster.host_cores,
                 nodes_per_host=nodes_per_host,
             )

@@ -68,9 +68,10 @@ class Cluster:
     pg_init_per_worker_s: float = 0.001
     # One round trip to the job's TCPStore; the per-step commit barrier costs two.
     store_round_trip_s: float = 0.0005
-    # How holders sum a bucket's gradients: "ring" (NCCL, HCCL, large groups) or
-    # "exchange" (chameleon_runtime on gloo: every holder sends its gradients to every
-    # other and sums in holder order, point to point, so an aborted step can be drained).
+    # How holders sum a bucket's gradients (planner.program): "ring" (chameleon_runtime's
+    # default: a collective per bucket, overlapped with the last backward, on gloo, NCCL
+    # or HCCL) or "exchange" (chameleon_runtime's exact mode: every holder sends its
+    # float64 sums to every other and adds them in holder order, point to point).
     allreduce: str = "ring"
     # Workers that share a host's CPU cores instead of owning a device each (the CPU test
     # bed: 8 gloo workers on 2 cores). 0: a device per worker. When set, a step takes at

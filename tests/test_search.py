@@ -1,6 +1,7 @@
 """The fast plan search against the exhaustive reference, on seeded random jobs."""
 
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -37,6 +38,7 @@ def test_golden_plan_when_memory_forces_three_stages():
     # survivors of the other form a 3-stage pipeline, and micro-batches split 10 / 6 so
     # both finish together ((10 + 3) * 6 = 78 and (6 + 2) * 9 = 72, vs 81 for 9 / 7).
     job = uniform_job(dp=2, pp=4, num_layers=8, micro_batches=16, memory_bytes=70_000)
+    job = replace(job, cluster=replace(job.cluster, allreduce="exchange"))  # its buffers
     current = initial_plan(job)
     best = Search(job).propose(current, [w for w in current.workers if w != 5])[0]
     assert sorted(len(p) for p in best.plan.pipelines) == [3, 4]

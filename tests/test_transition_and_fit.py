@@ -56,7 +56,7 @@ def test_the_fit_separates_base_and_per_message_cpu_and_reproduces_the_step():
         uniform_job(dp=2, pp=4, num_layers=8, micro_batches=8, forward_s=0.001, backward_s=0.002)
     )
     plan = initial_plan(job)
-    ops = message_ops(plan, job.model.layer_params)
+    ops = message_ops(plan, job.model.layer_params, job.cluster.allreduce)
     compute = {w: 0.030 for w in plan.workers}
     cpu = {w: 0.030 + 0.002 + 0.0005 * ops[w] for w in plan.workers}  # base 2 ms, 0.5 ms/msg
     fit = fit_host(job, plan, 0.200, cpu, compute)

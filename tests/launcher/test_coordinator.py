@@ -153,7 +153,11 @@ def test_a_configured_cluster_reaches_the_planner(store):
     assert job.cluster.device_memory_bytes == cluster.device_memory_bytes == 2 * 2**30
     assert job.cluster.intra_node == cluster.intra_node and job.cluster.restart_s == 8
     assert (job.cluster.num_nodes, job.cluster.devices_per_node) == (1, 4)
-    assert job.cluster.allreduce == "exchange"  # what the runtime executes
+    assert job.cluster.allreduce == "ring"  # what the runtime executes
+    exact = DESCRIPTION.model_copy(update={"exact": True}).to_job(
+        num_nodes=1, workers_per_node=4, mtbf_s=60, step_s=0.1, restart_s=5, cluster=cluster
+    )
+    assert exact.cluster.allreduce == "exchange"  # Trainer(exact=True), whatever the config
     # A device too small for any layout: no in-place policy fits, the job restarts.
     c, emitted, _ = make(store, policy="auto", cluster=replace(cluster, device_memory_bytes=1000))
     c.tick()

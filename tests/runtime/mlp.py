@@ -7,11 +7,15 @@ Behaviour the tests need, from the environment (nothing of it is a product featu
     MLP_STALL_RANK/STEP   that rank blocks forever before that step (a stalled worker)
     MLP_JOIN_SLEEP_S      a replacement (CHAMELEON_JOIN set) sleeps this long before
                           importing the runtime (a slow start-up)
+    MLP_IN_ALLREDUCE      KIND:RANK:STEP: that rank sends itself SIGKILL (kill) or SIGSTOP
+                          (hang) just after launching its first all-reduce of that step,
+                          while its peers are in it (not a replacement of it)
 """
 
 import argparse
 import json
 import os
+import signal
 import time
 
 if os.environ.get("CHAMELEON_JOIN") and os.environ.get("MLP_JOIN_SLEEP_S"):
@@ -26,6 +30,27 @@ import chameleon_runtime as cr  # noqa: E402
 SLEEP_S = float(os.environ.get("MLP_STEP_SLEEP_S", "0"))
 STALL = (int(os.environ.get("MLP_STALL_RANK", "-1")), int(os.environ.get("MLP_STALL_STEP", "-1")))
 RANK = int(os.environ.get("RANK", "0"))
+IN_ALLREDUCE = os.environ.get("MLP_IN_ALLREDUCE", "")
+SENT: list[int] = []  # bytes this worker sent, per step (StepInfo.sent_bytes)
+STEP = [-1]  # the step running now (lr_at is called once per step, before it)
+
+
+def fault_in_allreduce() -> None:
+    """MLP_IN_ALLREDUCE (module doc): wrap the reducer's launch of a bucket."""
+    kind, rank, step = IN_ALLREDUCE.split(":")
+    if int(rank) != RANK or os.environ.get("CHAMELEON_JOIN"):
+        return
+    from chameleon_runtime.reducer import Reducer
+
+    launch = Reducer._launch
+    sig = signal.SIGKILL if kind == "kill" else signal.SIGSTOP
+
+    def launch_then_fault(self, k, **kwargs):
+        launch(self, k, **kwargs)
+        if STEP[0] == int(step) and not kwargs.get("draining"):
+            os.kill(os.getpid(), sig)
+
+    Reducer._launch = launch_then_fault
 
 
 LR = 0.05
@@ -52,6 +77,7 @@ def main() -> None:
     parser.add_argument("--init-loss-scale", type=float, default=2.0**16)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--transport", default="gloo")
+    parser.add_argument("--exact", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(1)
     data = make_data()
@@ -60,12 +86,15 @@ def main() -> None:
         return make_layer(i, args.layers)
 
     def lr_at(step: int) -> float:  # called once per step, before it: the test hooks
+        STEP[0] = step
         if (RANK, step) == STALL:
             time.sleep(10**6)
         if SLEEP_S:
             time.sleep(SLEEP_S)
         return LR
 
+    if IN_ALLREDUCE:
+        fault_in_allreduce()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     trainer = cr.Trainer(
         layers=layer,
@@ -82,11 +111,12 @@ def main() -> None:
         init_loss_scale=args.init_loss_scale,
         device=args.device,
         transport=args.transport,
+        exact=args.exact,
     )
-    result = trainer.fit(args.steps)
+    result = trainer.fit(args.steps, on_step=lambda info: SENT.append(info.sent_bytes))
     if args.dump:
         with open(f"{args.dump}.rank{RANK}.json", "w") as f:
-            dump = {"checksums": trainer.checksums(), "losses": result.losses}
+            dump = {"checksums": trainer.checksums(), "losses": result.losses, "sent": SENT}
             json.dump(dump | {"loss_scale": trainer.loss_scale}, f)
 
 

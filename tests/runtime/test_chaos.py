@@ -1,6 +1,8 @@
 """The chaos soak (benchmarks/chaos.py), short: six workers, at least five faults of mixed
-kinds, some inside recoveries, replacements rejoining. Nothing may wedge or restart, and
-the final weights must be those of the failure-free run."""
+kinds, some inside recoveries (a kill may land in a step's all-reduce), replacements
+rejoining. Nothing may wedge or restart, and the final weights and loss must be those of
+the failure-free run within the default runtime's stated tolerance (1e-3 relative:
+docs/runtime.md)."""
 
 import json
 import subprocess
@@ -28,5 +30,6 @@ def test_a_short_chaos_run_recovers_every_fault_in_place(tmp_path):
     assert report["faults_injected"] >= 6 and not report["wedged"]
     assert report["restarts"] == 0 and report["recovered_in_place"] >= 4
     assert any(k.startswith("kill in ") for k in report["faults_by_kind"])  # inside recoveries
-    assert report["weights_max_rel_diff"] <= 1e-5 and report["holders_agree"]
+    assert report["weights_max_rel_diff"] <= 1e-3 and report["holders_agree"]
+    assert report["final_loss_rel_diff"] <= 1e-3
     assert report["steps_lost"] == 0

@@ -91,7 +91,7 @@ def test_the_ledger_lists_every_message_of_a_step_both_ways_in_program_order():
     plan = _plan()
     shard = Shard(factory, adam, seed=0)
     shard.ensure(2, 4)
-    part = worker_program(plan, 1, [20, 20, 20, 20])
+    part = worker_program(plan, 1, [20, 20, 20, 20], allreduce="exchange")
     shapes = [(torch.Size([2, 4]), torch.float32)] * 4
     ledger = Ledger(part, shapes, shard)
     # Worker 1 (stage 1 of pipeline 0, micro-batches 0 and 1) receives 2 activations from
@@ -106,6 +106,11 @@ def test_the_ledger_lists_every_message_of_a_step_both_ways_in_program_order():
     }
     listed = {p: [(m.kind, m.index) for m, _ in q] for p, q in ledger.owes.items()}
     assert listed == {0: [("B", 0), ("B", 1)], 3: [("X", bucket)]}
+    # A ring program sums the bucket with a collective of its own group: no message.
+    ring = Ledger(worker_program(plan, 1, [20, 20, 20, 20]), shapes, shard)
+    assert {p: [(m.kind, m.index) for m, _ in q] for p, q in ring.owed.items()} == {
+        0: [("F", 0), ("F", 1)]
+    }
 
 
 class _Recorder:
@@ -125,7 +130,8 @@ def test_a_message_out_of_program_order_is_refused_and_the_drain_keeps_the_order
     plan = _plan()
     shard = Shard(factory, adam, seed=0)
     shard.ensure(0, 2)
-    part = worker_program(plan, 0, [20, 20, 20, 20])  # sends F0, F1 to 1; receives B0, B1
+    # exact: sends F0, F1 to 1; receives B0, B1; swaps its bucket's sums with 2
+    part = worker_program(plan, 0, [20, 20, 20, 20], allreduce="exchange")
     ledger = Ledger(part, [(torch.Size([2, 4]), torch.float32)] * 4, shard)
     gen = _Recorder()
     with pytest.raises(ProtocolError, match="F1"):
