@@ -331,9 +331,20 @@ class Generation:
 
     # -- point to point --------------------------------------------------------------------
 
-    def send(self, tensor: torch.Tensor, dst: int) -> None:
-        """Asynchronous: completes at ``flush_sends`` (the tensor is kept alive till then)."""
-        work, keep = self._post(self.transport.post_send, tensor, self._index[dst])
+    def send(self, tensor: torch.Tensor, dst: int, *, force: bool = False) -> None:
+        """Asynchronous: completes at ``flush_sends`` (the tensor is kept alive till then).
+        ``force``: posted even in an aborted generation, and a failure to post ignored
+        (a message that must reach a live peer whatever happens here: a commit's
+        decision, chameleon_runtime.step)."""
+        if force:
+            if self.group is None:
+                return
+            try:
+                work, keep = self.transport.post_send(self.group, tensor, self._index[dst])
+            except Exception:  # a dead peer: nobody to tell
+                return
+        else:
+            work, keep = self._post(self.transport.post_send, tensor, self._index[dst])
         self._pending.append((work, keep, dst))
         self.sent_bytes += tensor.numel() * tensor.element_size()
 

@@ -41,7 +41,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
@@ -52,6 +52,7 @@ from chameleon_runtime.control import STORE_LOST
 from chameleon_runtime.memory import Meter
 from chameleon_runtime.reducer import Reducer
 from chameleon_runtime.shard import Shard, pack_layers, unpack_layers
+from chameleon_runtime.step import apply_norm
 from chameleon_runtime.transport import Transport
 from planner.program import Allreduce, WorkerProgram, worker_program
 from planner.protocol import Applied, GroupOffer, Joined, Ready, holders_key
@@ -105,6 +106,11 @@ class RecoveryMixin:
     global_norm: bool  # each step reads the gradients' global norm (Trainer)
     allreduce: Allreduce  # how holders sum a bucket: "ring", or "exchange" (exact)
     reducer: Reducer | None  # the ring's, for ``part`` (built at its first step)
+    max_grad_norm: float | None
+    lr_schedule: Callable[[int], float] | None
+    losses: dict[int, float]
+    committed: tuple[float, float, float] | None  # what the last commit summed (a ring's)
+    pending: int | None  # the step whose commit this worker did not learn (a ring's)
     layer_params: list[int]
     generation: int
     applied: int  # the last generation whose migration this worker completed
@@ -192,9 +198,9 @@ class RecoveryMixin:
             self.kept.let_go()
         self.kept = kept
 
-    def _leave(self) -> None:
+    def _leave(self, *, keep_grads: bool = False) -> None:
         if self.reducer is not None:
-            self.reducer.close()
+            self.reducer.close(keep_grads=keep_grads)
             self.reducer = None
         if self.gen is not None:
             self.gen.abandon()
@@ -220,11 +226,16 @@ class RecoveryMixin:
 
     # -- recovery ------------------------------------------------------------------------
 
-    def _recover(self, reason: str) -> None:
-        """Discard the step in progress and carry out the launcher's next plan."""
+    def _recover(self, reason: str, *, pending: int | None = None) -> None:
+        """Discard the step in progress and carry out the launcher's next plan. ``pending``:
+        the step whose commit this worker voted for without learning the decision (a
+        ring's: chameleon_runtime.step); its gradients are kept for the plan to settle."""
         left = self.generation
-        self._leave()
-        self.shard.zero_grad()
+        if pending is not None:
+            self.pending = pending
+        self._leave(keep_grads=self.pending is not None)
+        if self.pending is None:
+            self.shard.zero_grad()
         while True:
             self.control.status.update(phase="ready", generation=left)
             try:
@@ -239,6 +250,8 @@ class RecoveryMixin:
                         step=self.step if self.shard.held() else None,
                         held=self.shard.held(),
                         reason=reason[:200],
+                        pending=self.pending is not None,
+                        committed=list(self.committed) if self.committed else None,
                     )
                 )
                 message = self.control.next_plan(left)
@@ -260,7 +273,37 @@ class RecoveryMixin:
                 self._leave()
                 left, reason = message.generation, f"the worker store moved ({exc})"[:200]
 
+    def _settle_pending(self, message: PlanMessage) -> None:
+        """The step whose commit this worker did not learn: committed (the plan rolls it
+        forward) or not (its gradients are dropped). Module doc of chameleon_runtime.step."""
+        if self.pending is None:
+            return
+        rf = message.roll_forward
+        if rf is not None and rf.step == self.pending == self.step:
+            self._roll_forward(tuple(rf.values))
+        else:
+            self.shard.zero_grad()
+        self.pending = None
+
+    def _roll_forward(self, committed: tuple[float, ...]) -> None:
+        """Apply step ``self.step`` as its committed peers did: the tail after its commit
+        (chameleon_runtime.step), with the sums the commit gave them."""
+        step, shard = self.step, self.shard
+        held = shard.held()
+        first, end = held[0], held[-1] + 1
+        lr = self.lr_schedule(step) if self.lr_schedule else None
+        apply = True
+        if self.global_norm:
+            apply = apply_norm(step, shard, first, end, committed[1], self.max_grad_norm)
+        if apply:
+            shard.step(lr)
+        shard.zero_grad()
+        self.losses[step] = committed[0]
+        self.committed = (committed[0], committed[1], committed[2])
+        self.step += 1
+
     def _apply(self, message: PlanMessage) -> None:
+        self._settle_pending(message)
         plan = message.plan.to_plan()
         members = sorted(set(plan.workers) | {t.src for t in message.transfers})
         if self.rank not in members:  # neither used nor needed: a spare from now on

@@ -147,15 +147,18 @@ class Reducer:
         for p in self._loose:
             p.grad = None
 
-    def close(self) -> None:
-        """Remove the hooks and let go of the buffers (the parameters' gradients too)."""
+    def close(self, *, keep_grads: bool = False) -> None:
+        """Remove the hooks and let go of the buffers (the parameters' gradients too,
+        unless ``keep_grads``: a step whose commit is not known yet, which they may
+        still apply: chameleon_runtime.step)."""
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
-        for p in self._bucket_of:
-            p.grad = None
-        for p in self._loose:
-            p.grad = None
+        if not keep_grads:
+            for p in self._bucket_of:
+                p.grad = None
+            for p in self._loose:
+                p.grad = None
         self._bucket_of.clear()
         self._flats = []
         self._armed = False

@@ -14,10 +14,26 @@ program's ``allreduce``:
   (chameleon_runtime.shard), and the tail exchanges them among the holders and adds them
   in holder order (bit-identical on every holder and in any layout), then rounds them.
 
-Then the rest of the tail, operation by operation: the loss reported, the commit barrier,
-the optimizer step, the loss read. Nothing else runs per step: the estimator times this
-same program. Any error or abort leaves the step unapplied on every worker (the commit is
-an all-or-none agreement, chameleon_runtime.control).
+Then the rest of the tail, operation by operation, and the commit: nothing else runs per
+step, and the estimator times this same program. The commit decides, for every worker
+alike, whether the step is applied:
+
+- exchange: an all-or-none agreement in the store (chameleon_runtime.control), with the
+  loss and the norms reported and read there;
+- ring: no store operation. Votes go up a binary tree of the plan's workers
+  (``planner.program.commit_tree``), each with its sender's subtree's loss share and
+  squared gradient norm, point to point; the root, holding every vote, decides (yes when
+  all voted, no when a drained step's zero vote is among them) and the decision goes
+  back down with the sums: the step's loss and global norm. A worker that learned yes
+  applies the step; no, it drops it. One that voted and did not learn the decision (a
+  failure on the way: ``CommitUnknown``) cannot tell: the step may be applied elsewhere.
+  It keeps the step's gradients, which were final when it voted, and says so in its
+  ``Ready``; the leader's next plan says whether it was committed (a survivor is a step
+  ahead: it was, and the plan carries the sums to apply it with) or not
+  (chameleon_runtime.recovery, launcher/recovery.py). A decision lost on the way is
+  drained as zeros, which read as "not known", never as no.
+
+Any other error or abort leaves the step unapplied on every worker.
 
 Everything between workers is point to point, and every message of a step is known up
 front, so an aborted step can be drained: the worker sends zeros for every message it
@@ -40,16 +56,31 @@ from dataclasses import dataclass
 
 import torch
 
-from chameleon_runtime.comm import Aborted, Generation
+from chameleon_runtime.comm import Aborted, CommError, Generation
 from chameleon_runtime.control import Control
 from chameleon_runtime.data import Batches
 from chameleon_runtime.memory import Meter
 from chameleon_runtime.reducer import Reducer
 from chameleon_runtime.shard import Shard
-from planner.program import Bucket, Message, OpKind, TailKind, WorkerProgram
+from planner.program import Bucket, Message, OpKind, TailKind, WorkerProgram, commit_tree
 from planner.protocol import commit_name
 
 Shape = tuple[torch.Size, torch.dtype]
+
+
+class CommitUnknown(CommError):
+    """This worker voted for step ``step``'s commit (a ring's) and did not learn the
+    decision: it may be applied elsewhere (module doc)."""
+
+    def __init__(self, step: int, why: str) -> None:
+        super().__init__(f"the commit of step {step} is not known here: {why}")
+        self.step = step
+
+
+# A ring's commit decision, the third number of its messages (module doc). A drained
+# message is zeros: UNKNOWN.
+UNKNOWN, YES, NO = 0.0, 1.0, 2.0
+VOTE = (torch.Size([3]), torch.float64)  # [loss share, squared norm share, votes]
 
 
 class ProtocolError(RuntimeError):
@@ -75,6 +106,8 @@ class Ledger:
                 b = buckets[m.index]
                 size = sum(p.numel() for p in shard.params(b.first_layer, b.end_layer))
                 shape: Shape = (torch.Size([size]), torch.float64)
+            elif m.kind in ("U", "D"):
+                shape = VOTE
             else:  # a forward's input comes from prev, its output goes to next; backward: reverse
                 towards_prev = (m.kind == "F") != m.send
                 shape = inp if towards_prev else out  # type: ignore[assignment]
@@ -89,9 +122,20 @@ class Ledger:
             raise ProtocolError(f"posted {kind}{index} with {peer}, its program says {head}")
         return q
 
-    def send(self, gen: Generation, tensor: torch.Tensor, peer: int, kind: str, index: int) -> None:
+    def send(
+        self,
+        gen: Generation,
+        tensor: torch.Tensor,
+        peer: int,
+        kind: str,
+        index: int,
+        *,
+        force: bool = False,
+    ) -> None:
+        """``force``: post it whatever happened to the generation (a commit's decision
+        once known: module doc)."""
         q = self._next(self.owes, peer, kind, index)
-        gen.send(tensor, peer)
+        gen.send(tensor, peer, force=force)
         q.popleft()  # posted (a send that fails to post leaves the pair broken anyway)
 
     def recv(
@@ -121,6 +165,9 @@ class StepResult:
     pass_cpu_s: float = 0.0
     # Bytes this worker sent: its messages, and a ring all-reduce's share of its buckets.
     sent_bytes: int = 0
+    # A ring's commit: what it summed (the step's loss, its squared gradient norm, the
+    # votes), for a peer that voted and did not learn the decision (module doc).
+    committed: tuple[float, float, float] | None = None
 
 
 def run_step(
@@ -243,6 +290,8 @@ def _run(
                 ledger.send(gen, x.grad, op.prev, "B", mb)
     pass_cpu = time.thread_time() - loop0 - cpu
     total = 0.0
+    committed = None
+    reads_norm = any(op.kind is TailKind.READ_NORM for op in part.tail)
     for op in part.tail:  # layers held here alone have no bucket: their sum is total
         kind = op.kind
         if kind is TailKind.ALLREDUCE:
@@ -257,6 +306,11 @@ def _run(
             gen.flush_sends()
         elif kind is TailKind.REPORT_LOSS:
             control.put(keys.loss(gen.generation, step, part.worker), repr(partial_loss))
+        elif kind is TailKind.COMMIT and reducer is not None:  # a ring's (module doc)
+            squared = shard.grad_sq_norm(part.owned_layers()) if reads_norm else 0.0
+            share = partial_loss if part.is_last_stage else 0.0
+            committed = _commit_tree(step, part, gen, ledger, share, squared)
+            total = committed[0]
         elif kind is TailKind.COMMIT:
             agreed = control.agree(gen.generation, commit_name(step), len(part.members))
             if not agreed.held:
@@ -266,6 +320,8 @@ def _run(
         elif kind is TailKind.REPORT_NORM:
             squared = shard.grad_sq_norm(part.owned_layers())
             control.put(keys.norm(gen.generation, step, part.worker), repr(squared))
+        elif kind is TailKind.READ_NORM and committed is not None:
+            skip = not apply_norm(step, shard, first, end, committed[1], max_grad_norm)
         elif kind is TailKind.READ_NORM:
             skip = not _read_norm(step, part, shard, gen, control, max_grad_norm)
         elif kind is TailKind.OPTIMIZE:
@@ -286,19 +342,55 @@ def _run(
         compute_cpu_s=cpu,
         pass_cpu_s=max(0.0, pass_cpu),
         sent_bytes=gen.sent_bytes - sent0,
+        committed=committed,
     )
 
 
+def _commit_tree(
+    step: int, part: WorkerProgram, gen: Generation, ledger: Ledger, loss: float, squared: float
+) -> tuple[float, float, float]:
+    """A ring's commit (module doc): (the step's loss, its squared gradient norm, votes)
+    once committed; raises Aborted when not, CommitUnknown when not known here."""
+    parent, children = commit_tree(part.plan, part.worker)
+    vote = torch.tensor([loss, squared, 1.0], dtype=torch.float64)
+    for child in children:  # the subtrees' votes and sums, added in child order
+        vote += ledger.recv(gen, torch.empty(VOTE[0], dtype=VOTE[1]), child, "U", 0)
+    if parent is None:
+        yes = round(vote[2].item()) == len(part.plan.workers)
+        decision = torch.tensor([vote[0].item(), vote[1].item(), YES if yes else NO],
+                                dtype=torch.float64)  # fmt: skip
+    else:
+        ledger.send(gen, vote, parent, "U", 0)
+        try:
+            decision = ledger.recv(gen, torch.empty(VOTE[0], dtype=VOTE[1]), parent, "D", 0)
+        except (Aborted, CommError) as exc:
+            raise CommitUnknown(step, str(exc).splitlines()[0][:200]) from None
+    for child in children:  # passed down whatever happens to this generation now
+        ledger.send(gen, decision, child, "D", 0, force=True)
+    flag = decision[2].item()
+    if flag == YES:
+        return decision[0].item(), decision[1].item(), vote[2].item()
+    if flag == NO:
+        raise Aborted(f"step {step} not committed: a member of generation {gen.generation} left it")
+    raise CommitUnknown(step, "its decision was lost on the way")
+
+
 def _read_norm(step, part, shard, gen, control, max_grad_norm) -> bool:  # noqa: ANN001
-    """Read the global gradient norm; False: fp16 gradients overflowed, skip the step.
-    Every worker reads the same squared norms in the same order, so every worker makes
-    the same decision and every replica scales by the same bits. fp16: unscale by the
-    loss scale (a power of two: exact) and update it (chameleon_runtime.scaler). Clipping:
-    scale as torch.nn.utils.clip_grad_norm_ scales the whole model's gradients, by
-    max_norm / (norm + 1e-6) when below 1."""
+    """Read the global gradient norm from the store (exchange); ``apply_norm``."""
     keys = [control.keys.norm(gen.generation, step, w) for w in part.norm_owners()]
     squared = sum(float(v) for v in control.store.multi_get(keys))
-    first, end = part.first_layer, part.end_layer
+    return apply_norm(step, shard, part.first_layer, part.end_layer, squared, max_grad_norm)
+
+
+def apply_norm(
+    step: int, shard: Shard, first: int, end: int, squared: float, max_grad_norm: float | None
+) -> bool:
+    """Act on the global squared gradient norm; False: fp16 gradients overflowed, skip
+    the step. Every worker has the same sum (read in one order from the store, or a
+    ring's commit), so every worker makes the same decision and every replica scales by
+    the same bits. fp16: unscale by the loss scale (a power of two: exact) and update it
+    (chameleon_runtime.scaler). Clipping: scale as torch.nn.utils.clip_grad_norm_ scales
+    the whole model's gradients, by max_norm / (norm + 1e-6) when below 1."""
     scaler = shard.scaler
     if scaler is not None:
         inverse = 1.0 / scaler.scale

@@ -45,7 +45,7 @@ from chameleon_runtime.recovery import RecoveryMixin
 from chameleon_runtime.reducer import Reducer
 from chameleon_runtime.scaler import INIT_SCALE
 from chameleon_runtime.shard import PRECISIONS, LayerFactory, OptimizerFactory, Shard
-from chameleon_runtime.step import run_step
+from chameleon_runtime.step import CommitUnknown, run_step
 from chameleon_runtime.transport import transport_for
 from planner.partition import balanced_split
 from planner.plan import Plan, pipelines_plan, split_evenly
@@ -168,6 +168,12 @@ class Trainer(RecoveryMixin):
         self.exact = exact
         self.allreduce: Allreduce = "exchange" if exact else "ring"
         self.reducer: Reducer | None = None
+        self.losses: dict[int, float] = {}  # step -> loss, for the steps this process ran
+        # A ring's commit (chameleon_runtime.step): what the last one summed, and the step
+        # whose commit this worker voted for without learning the decision.
+        self.committed: tuple[float, float, float] | None = None
+        self.pending: int | None = None
+        self._checkpoint_keys: list[str] = []  # a ring's last checkpoint agreement
         self.collectives: dict[tuple[int, ...], Collective] = {}
         self.shard = Shard(
             self.factory, optimizer, seed=seed, device=device, precision=precision,
@@ -291,7 +297,7 @@ class Trainer(RecoveryMixin):
                 self.control.close()
             return FitResult(steps=0, generation=0, losses={}, recoveries=0)
         self._setup()
-        losses: dict[int, float] = {}
+        losses = self.losses
         status = self.control.status
         progress, slowest = 0, 0.0
         cpu_mark = time.process_time()
@@ -311,7 +317,11 @@ class Trainer(RecoveryMixin):
                     forget=forget, max_grad_norm=self.max_grad_norm, reducer=self._reducer(),
                 )  # fmt: skip
             except (Aborted, CommError) as exc:
-                self._recover(str(exc))
+                # A ring's commit whose outcome this worker did not learn: it keeps the
+                # step's gradients for the next plan to settle (chameleon_runtime.step).
+                self._recover(
+                    str(exc), pending=exc.step if isinstance(exc, CommitUnknown) else None
+                )
                 forget = []
                 continue
             except STORE_LOST as exc:  # the leader's node is lost: its store went with it
@@ -322,6 +332,7 @@ class Trainer(RecoveryMixin):
                 continue
             done = self.step
             losses[done] = result.loss
+            self.committed = result.committed
             self.step += 1
             progress += 1
             slowest = max(slowest, result.seconds)
@@ -342,7 +353,7 @@ class Trainer(RecoveryMixin):
             checkpointed = self._checkpoint_if_due(done)
             forget = self.control.keys.step_keys(
                 self.generation, done, self.part.last_stage_workers(), checkpointed=checkpointed,
-                norm_owners=self.part.norm_owners(),
+                norm_owners=self.part.norm_owners(), commit=self.allreduce == "exchange",
             )  # fmt: skip
             if on_step is not None:
                 chief = self.rank == min(self.plan.workers)
@@ -405,8 +416,19 @@ class Trainer(RecoveryMixin):
         status.update(phase="checkpoint")
         with status.waiting("checkpoint"):
             checkpoint.save_layers(self.checkpoint_dir, step, self.shard, self.part.owned_layers())
-        agreed = self.control.agree(self.generation, checkpoint_name(step), len(self.part.members))
+        name = checkpoint_name(step)
+        agreed = self.control.agree(self.generation, name, len(self.part.members))
         if agreed.held and self.rank == min(self.plan.workers):
             checkpoint.publish(self.checkpoint_dir, step, self.num_layers)
+        if self.allreduce == "ring":
+            # No store commit to forget them at (an exchange's does): the last to reach a
+            # checkpoint forgets the one before, which every member is past.
+            if agreed.last and self._checkpoint_keys:
+                self.control.forget(self._checkpoint_keys)
+            keys = self.control.keys
+            self._checkpoint_keys = [
+                keys.agreement(self.generation, name),
+                keys.agreement_done(self.generation, name),
+            ]
         status.update(phase="train")
-        return True
+        return self.allreduce == "exchange"  # whose step keys forget it

@@ -18,6 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
+from pydantic import ValidationError
+
 from launcher import recovery as rc
 from launcher import takeover
 from launcher.calibration import JobModel
@@ -167,7 +169,13 @@ class Coordinator(RunningMixin):
             body = self.seal.open(raw, self.keys.inbox)
             if body is None:  # not a worker of this job
                 continue
-            message = INBOX.validate_json(body)
+            try:
+                message = INBOX.validate_json(body)
+            except ValidationError as exc:
+                # Signed with our token, so one of our workers: another version of the
+                # protocol, or a bug. Said, never fatal to the job.
+                self.emit("bad_message", attempt=self.attempt, error=str(exc).splitlines()[0])
+                continue
             if isinstance(message, Ready):
                 report = rc.Report(
                     message.after,
@@ -175,6 +183,8 @@ class Coordinator(RunningMixin):
                     message.step,
                     tuple(message.held),
                     message.reason,
+                    pending=message.pending,
+                    committed=tuple(message.committed) if message.committed else None,
                 )
                 self._apply(rc.ReadyReported(message.rank, report))
             elif isinstance(message, Applied):

@@ -151,6 +151,7 @@ class Planner:
             plan=chosen.plan,
             migration=migration,
             estimated_step_s=chosen.estimate.step_s if chosen.estimate else None,
+            roll_forward=start.roll_forward,
         )
         why = (
             f"ranks {list(start.joining)} rejoin"

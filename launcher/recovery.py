@@ -245,13 +245,16 @@ def _plan(state: State, now: float, actions: list[Action]) -> Result:
         for w, (first, end) in layout.items()
         if w in reports and reports[w].held == tuple(range(first, end))
     }
-    steps = {reports[w].step for w in holders}
     reached = max((r.step for r in reports.values() if r.step is not None), default=0)
     reached = max(reached, state.reached if state.recovering else 0)
     if not holders:
         return _restart(
             replace(state, reached=reached), "no worker that held state survived", actions
         )
+    roll_forward = _roll_forward({w: reports[w] for w in holders})
+    steps = {reports[w].step for w in holders}
+    if roll_forward is not None:
+        steps = {roll_forward[0] + 1}
     if len(steps) != 1:
         return _restart(
             replace(state, reached=reached),
@@ -291,8 +294,28 @@ def _plan(state: State, now: float, actions: list[Action]) -> Result:
         resume_step=resume,
         reached=reached,
         joining=tuple(sorted(state.joining)),
+        roll_forward=roll_forward,
     )
     return state, [*actions, PhaseChanged(Phase.PLAN, state.recovery, generation), start]
+
+
+def _roll_forward(holders: Mapping[int, Report]) -> tuple[int, tuple[float, ...]] | None:
+    """A ring's commit is a collective (chameleon_runtime.step): a failure during it can
+    leave holders one step apart, those behind having posted the commit that those ahead
+    saw end. Then the step was committed, everyone behind holds its final gradients, and
+    they apply it with the sums a holder ahead reports: (that step, its sums). None when
+    the holders agree, or differ in any other way (the caller restarts)."""
+    steps = {r.step for r in holders.values()}
+    if len(steps) != 2 or None in steps:
+        return None
+    low, high = sorted(steps)  # type: ignore[type-var]
+    if high != low + 1:
+        return None
+    behind = [r for r in holders.values() if r.step == low]
+    ahead = [r.committed for r in holders.values() if r.step == high and r.committed]
+    if not ahead or not all(r.pending for r in behind):
+        return None
+    return low, ahead[0]
 
 
 def _planned(state: State, event: Planned, now: float) -> Result:

@@ -39,6 +39,10 @@ class Report:
     step: int | None  # the next step it would run; None for a spare
     held: tuple[int, ...]
     reason: str = ""
+    # A ring's commit (planner.protocol.Ready): posted for ``step`` and not seen to end;
+    # what step - 1's commit summed.
+    pending: bool = False
+    committed: tuple[float, ...] | None = None
 
 
 # -- events ----------------------------------------------------------------------------------
@@ -125,6 +129,9 @@ class StartPlanning:
     resume_step: int
     reached: int
     joining: tuple[int, ...] = ()
+    # Step resume_step - 1 was committed without some survivors seeing it end: they apply
+    # it with these sums first (planner.wire.RollForwardWire).
+    roll_forward: tuple[int, tuple[float, ...]] | None = None
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,11 @@ Durations (PAPER.md, unified performance model):
   exchange, n-1 sends of the whole bucket); within a node over a mesh, on the device's
   aggregate bandwidth; a ring's starts as soon as the last backward has made the bucket's
   gradients (planner.timing);
-- commit barrier: two store round trips; the loss: one round trip to write a last stage's
-  share, one to read the step's; optimizer: the sum over the worker's layers.
+- commit barrier: exchange: two store round trips, and the loss one round trip to write a
+  last stage's share, one to read the step's; ring: votes (with the loss and the
+  squared norm) up a binary tree of the workers and the decision back down, point to
+  point (planner.program.commit_tree): twice the tree's depth in small messages, no store
+  operation; optimizer: the sum over the worker's layers.
 
 Memory of a worker (what chameleon_runtime.memory measures): parameters, gradients and
 optimizer state of its layers, plus the largest of what a step holds beside them: the
@@ -26,12 +29,16 @@ or the rounded gradients the optimizer steps with.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
 
 from planner.workload import Job, Link
+
+# A ring's commit message: the vote, the loss and the squared norm, as float64.
+COMMIT_BYTES = 24
 
 
 @dataclass(frozen=True)
@@ -93,8 +100,17 @@ class CostModel:
             2 * (n - 1) / n * grad_bytes / link.bandwidth_bytes_per_s + 2 * (n - 1) * link.latency_s
         )
 
-    def commit_s(self) -> float:
-        return 2 * self.job.cluster.store_round_trip_s
+    def commit_s(self, num_workers: int) -> float:
+        """The commit barrier over ``num_workers`` (module doc)."""
+        cluster = self.job.cluster
+        if cluster.allreduce == "exchange":
+            return 2 * cluster.store_round_trip_s
+        if num_workers < 2:
+            return 0.0
+        spans = num_workers * self.job.tp > cluster.devices_per_node and cluster.num_nodes > 1
+        link = self.job.inter_link if spans else self.job.intra_link
+        depth = int(math.log2(num_workers))  # of a binary heap of num_workers
+        return 2 * depth * link.transfer_s(COMMIT_BYTES)
 
     def store_s(self) -> float:
         """One store operation (a share of the loss written or read)."""

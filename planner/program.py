@@ -60,6 +60,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
+from functools import cached_property
 from typing import Literal, NamedTuple
 
 from planner.colouring import Task, colour_rounds
@@ -81,6 +82,9 @@ class OpKind(StrEnum):
 
 
 class TailKind(StrEnum):
+    # REPORT_LOSS, REPORT_NORM, READ_NORM and READ_LOSS go through the store in an
+    # exchange program; a ring's COMMIT is a collective that sums the loss and the norms
+    # too, so its READ_NORM is local and the others are not in its program.
     # exchange: one bucket's float64 sums sent to and received from its other holders
     EXCHANGE = "exchange"
     # ring: one bucket's all-reduce among its holders, launched during the last backward
@@ -90,7 +94,11 @@ class TailKind(StrEnum):
     # and the queued sends flushed
     ROUND = "round"
     REPORT_LOSS = "report_loss"  # the last stage's share of the loss, into the store
-    COMMIT = "commit"  # the all-or-none barrier over the plan's workers
+    # the all-or-none barrier over the plan's workers: an agreement in the store
+    # (exchange); a ring's, votes summed up a binary tree of the workers with the loss
+    # and the squared gradient norm, and the root's decision sent back down
+    # (``commit_tree``; chameleon_runtime.step), point to point
+    COMMIT = "commit"
     OPTIMIZE = "optimize"
     READ_LOSS = "read_loss"  # the step's loss: every last-stage worker's share
     # The global gradient norm (Training.global_norm: clipping, or fp16's overflow check
@@ -129,8 +137,10 @@ class Message(NamedTuple):
 
     peer: int
     send: bool  # True: this worker sends it to ``peer``; False: receives it from ``peer``
-    kind: str  # "F" a forward's activation, "B" a backward's gradient, "X" a bucket's sums
-    index: int  # the micro-batch ("F", "B") or the bucket ("X")
+    # "F" a forward's activation, "B" a backward's gradient, "X" a bucket's sums; a ring's
+    # commit: "U" votes up its tree, "D" the decision down
+    kind: str
+    index: int  # the micro-batch ("F", "B"), the bucket ("X"); 0 for "U" and "D"
 
 
 @dataclass(frozen=True)
@@ -162,20 +172,27 @@ class WorkerProgram:
         return self.end_layer == self.plan.num_layers
 
     def last_stage_workers(self) -> list[int]:
-        """Whose shares of the loss make the step's loss."""
-        return last_stage_workers(self.plan)
+        """Whose shares of the loss make the step's loss (in the store: exchange only)."""
+        return last_stage_workers(self.plan) if self.allreduce == "exchange" else []
 
     def norm_owners(self) -> list[int]:
-        """Whose squared gradient norms make the step's global norm: none where this
-        program does not read the global norm (its step keys then hold no norm)."""
+        """Whose squared gradient norms make the step's global norm in the store: none
+        where this program does not read the global norm, or sums it in its commit
+        (ring): its step keys then hold no norm."""
         reads = any(op.kind is TailKind.READ_NORM for op in self.tail)
-        return norm_owners(self.plan) if reads else []
+        return norm_owners(self.plan) if reads and self.allreduce == "exchange" else []
 
     def messages(self) -> tuple[Message, ...]:
         """Every message this worker sends or receives in a step, in the order it posts
         them (chameleon_runtime.step): per pass, its input received before its output
-        sent; per bucket, its sums sent to every other holder, then theirs received in
-        holder order. A worker's first stage takes no input message."""
+        sent; per bucket (exchange), its sums sent to every other holder, then theirs
+        received in holder order; a ring's commit: its children's votes, its own up and
+        the decision down (``commit_tree``). A worker's first stage takes no input
+        message. Made once per program: the runtime lists them every step."""
+        return self._messages
+
+    @cached_property
+    def _messages(self) -> tuple[Message, ...]:
         me, out = self.worker, []
         for op in self.ops:
             mb = op.micro_batch
@@ -194,6 +211,12 @@ class WorkerProgram:
                 others = [h for h in b.holders if h != me]
                 out += [Message(h, True, "X", b.index) for h in others]
                 out += [Message(h, False, "X", b.index) for h in others]
+        else:
+            parent, children = commit_tree(self.plan, me)
+            out += [Message(c, False, "U", 0) for c in children]
+            if parent is not None:
+                out += [Message(parent, True, "U", 0), Message(parent, False, "D", 0)]
+            out += [Message(c, True, "D", 0) for c in children]
         return tuple(out)
 
     @property
@@ -326,7 +349,13 @@ def tail_of(
     ``reports_norm``: it is the lowest holder of some layer and reports its part."""
     if allreduce == "ring":
         mine = sorted((b for b in buckets if worker in b.holders), key=lambda b: -b.first_layer)
-        kind = TailKind.ALLREDUCE
+        return (
+            *(TailOp(TailKind.ALLREDUCE, b) for b in mine),
+            TailOp(TailKind.ROUND),
+            TailOp(TailKind.COMMIT),
+            *((TailOp(TailKind.READ_NORM),) if global_norm else ()),
+            TailOp(TailKind.OPTIMIZE),
+        )
     else:
         mine = sorted((b for b in buckets if worker in b.holders), key=lambda b: (b.round, b.index))
         kind = TailKind.EXCHANGE
@@ -340,6 +369,16 @@ def tail_of(
         TailOp(TailKind.OPTIMIZE),
         TailOp(TailKind.READ_LOSS),
     )
+
+
+def commit_tree(plan: Plan, worker: int) -> tuple[int | None, list[int]]:
+    """A ring's commit tree (``TailKind.COMMIT``): the plan's workers in rank order as a
+    binary heap, 2 log2(n) hops from the leaves to the root and back. (parent or None
+    for the root, children) of ``worker``."""
+    order = sorted(plan.workers)
+    i = order.index(worker)
+    children = [order[c] for c in (2 * i + 1, 2 * i + 2) if c < len(order)]
+    return (order[(i - 1) // 2] if i else None), children
 
 
 def last_stage_workers(plan: Plan) -> list[int]:

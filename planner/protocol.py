@@ -54,7 +54,9 @@ WorkerPhase = Literal[
 
 
 class _Message(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # Floats as JSON's Infinity and NaN where they are not finite (an fp16 step's
+    # overflowed norm in a commit's sums), not as null.
+    model_config = ConfigDict(extra="forbid", frozen=True, ser_json_inf_nan="constants")
 
 
 class WaitingOn(_Message):
@@ -95,7 +97,14 @@ class Ready(_Message):
     """A worker left generation ``after`` (an abort, or a broken transfer) and waits for
     the next plan. ``applied`` is the last generation it applied (its layers are that
     plan's stage); ``step`` the next step it would run (None: a spare, its step is not
-    current); ``held`` the layers it holds now."""
+    current); ``held`` the layers it holds now.
+
+    A ring's commit is a collective (chameleon_runtime.step): ``pending`` says the worker
+    posted step ``step``'s commit and did not see it end, so it may have been applied
+    elsewhere; it keeps that step's final gradients until the next plan says whether to
+    apply them (``PlanMessage.roll_forward``). ``committed`` is what the commit of step
+    ``step - 1`` summed (the step's loss, its squared gradient norm, the members), which
+    a pending peer needs to apply that step as everyone else did."""
 
     kind: Literal["ready"] = "ready"
     rank: int
@@ -105,6 +114,8 @@ class Ready(_Message):
     step: int | None
     held: list[int]
     reason: str = ""
+    pending: bool = False
+    committed: list[float] | None = None
 
 
 class Applied(_Message):
@@ -293,9 +304,13 @@ class Keys:
         *,
         checkpointed: bool,
         norm_owners: Sequence[int] = (),
+        commit: bool = True,
     ) -> list[str]:
-        """The keys of one step: deleted once every member has moved past it."""
-        names = [commit_name(step)] + ([checkpoint_name(step)] if checkpointed else [])
+        """The keys of one step: deleted once every member has moved past it. ``commit``:
+        the step's commit was an agreement in the store (an exchange program's; a ring's
+        commits through its messages and leaves no key)."""
+        names = [commit_name(step)] if commit else []
+        names += [checkpoint_name(step)] if checkpointed else []
         keys = [k for n in names for k in (self.agreement(g, n), self.agreement_done(g, n))]
         keys += [self.norm(g, step, w) for w in norm_owners]
         return keys + [self.loss(g, step, w) for w in last_stage]

@@ -131,7 +131,7 @@ class Search:
         worst = max(
             ring * t.max_stage_grad_bytes + latency + t.max_stage_optimizer_s for t, _n in kinds
         )
-        return worst + self.costs.commit_s()
+        return worst + self.costs.commit_s(n)
 
     def shapes(self, num_workers: int) -> list[Shape]:
         """Candidate shapes over at most ``num_workers``.

@@ -254,10 +254,10 @@ def _items(w: WorkerProgram, costs: CostModel, own_cpu_s: float) -> list[Item]:
             duration = costs.allreduce_s(bucket.holders, bucket.first_layer, bucket.end_layer)
             items.append(("barrier", ("bucket", bucket.index), bucket.holders, duration))
         elif kind is TailKind.COMMIT:
-            items.append(("barrier", ("commit",), None, costs.commit_s()))
+            items.append(("barrier", ("commit",), None, costs.commit_s(len(w.plan.workers))))
         elif kind is TailKind.OPTIMIZE:
             items.append(("cpu", costs.optimizer_s(first, end), None))
-        elif kind is TailKind.REPORT_LOSS or kind is TailKind.READ_LOSS:
+        elif kind is TailKind.REPORT_LOSS or kind is TailKind.READ_LOSS:  # exchange only
             items.append(("sleep", costs.store_s()))
     return items
 

@@ -103,7 +103,7 @@ def simulate_tails(
                             bucket.holders, bucket.first_layer, bucket.end_layer
                         )
                     else:
-                        end = commit_end = max(here.values()) + costs.commit_s()
+                        end = commit_end = max(here.values()) + costs.commit_s(len(group))
                     for h in group:
                         t[h] = end
                         cursor[h] += 1
@@ -132,10 +132,11 @@ _STORE_OPS = frozenset(
 
 def _local_s(kind: TailKind, layers: tuple[int, int], costs: CostModel) -> float:
     """A tail operation a worker runs alone. Rounding the gradients is CPU beyond the
-    layers: on shared hosts the fitted per-worker overhead holds it (planner.fit)."""
+    layers: on shared hosts the fitted per-worker overhead holds it (planner.fit). A
+    ring's READ_NORM reads its commit's sum: no store operation."""
     if kind is TailKind.OPTIMIZE:
         return costs.optimizer_s(*layers)
-    if kind in _STORE_OPS:
+    if kind in _STORE_OPS and costs.job.cluster.allreduce == "exchange":
         return costs.store_s()
     return 0.0
 
@@ -259,12 +260,13 @@ def finish_step(
         end = start + costs.allreduce_s(bucket.holders, bucket.first_layer, bucket.end_layer)
         for h in bucket.holders:
             comm_free[h] = end
-    store = costs.store_s()
+    # exchange: the loss and the norms through the store (a ring's commit sums them)
+    store = 0.0 if ring else costs.store_s()
     owners = norm_owners if norm_owners is not None else ()
     reported = (
         t + store * ((ranges[w][1] == num_layers) + (w in owners)) for w, t in comm_free.items()
     )
-    commit_end = max(reported, default=0.0) + costs.commit_s()
+    commit_end = max(reported, default=0.0) + costs.commit_s(len(ranges))
     after = store * (1 + (norm_owners is not None))  # the loss read, the norms read
     step = max(  # over distinct layer ranges: thousands of workers share a few
         (commit_end + costs.optimizer_s(*r) + after for r in set(ranges.values())),

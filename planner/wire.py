@@ -26,7 +26,8 @@ NonNegative = Annotated[float, Field(ge=0)]
 
 
 class _Wire(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # Floats as JSON's Infinity and NaN where they are not finite (planner.protocol).
+    model_config = ConfigDict(extra="forbid", frozen=True, ser_json_inf_nan="constants")
 
 
 class LayerCostWire(_Wire):
@@ -190,6 +191,15 @@ class TransferWire(_Wire):
     round: int
 
 
+class RollForwardWire(_Wire):
+    """Step ``step`` was committed (some survivor saw its commit end): a worker that
+    posted that commit without seeing it end applies its gradients with the commit's
+    sums (``values``: planner.protocol.Ready.committed) before the plan."""
+
+    step: int
+    values: list[float]
+
+
 class PlanMessage(_Wire):
     generation: int
     policy: str
@@ -197,6 +207,7 @@ class PlanMessage(_Wire):
     plan: PlanWire
     transfers: list[TransferWire] = []
     estimated_step_s: float | None = None
+    roll_forward: RollForwardWire | None = None
 
     @classmethod
     def build(
@@ -208,6 +219,7 @@ class PlanMessage(_Wire):
         plan: Plan,
         migration: Migration | None = None,
         estimated_step_s: float | None = None,
+        roll_forward: tuple[int, tuple[float, ...]] | None = None,
     ) -> PlanMessage:
         transfers = []
         if migration is not None:
@@ -224,4 +236,7 @@ class PlanMessage(_Wire):
             plan=PlanWire.of(plan),
             transfers=transfers,
             estimated_step_s=estimated_step_s,
+            roll_forward=RollForwardWire(step=roll_forward[0], values=list(roll_forward[1]))
+            if roll_forward is not None
+            else None,
         )

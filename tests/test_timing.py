@@ -2,6 +2,7 @@
 and no plan the planner can build deadlocks."""
 
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -181,6 +182,7 @@ def test_a_tail_exchange_waits_for_its_last_holder_and_a_crossed_order_deadlocks
     from planner.program import Bucket, TailKind, TailOp
 
     job = uniform_job(dp=2, pp=1, num_layers=2, micro_batches=2)
+    job = replace(job, cluster=replace(job.cluster, allreduce="exchange"))
     costs = CostModel(job)
     b0 = Bucket(index=0, first_layer=0, end_layer=1, holders=(0, 1), round=0)
     b1 = Bucket(index=1, first_layer=1, end_layer=2, holders=(0, 1), round=1)
@@ -189,7 +191,7 @@ def test_a_tail_exchange_waits_for_its_last_holder_and_a_crossed_order_deadlocks
     timing = simulate_tails({0: 1.0, 1: 3.0}, {0: tail, 1: tail}, ranges, costs)
     first = 3.0 + costs.allreduce_s((0, 1), 0, 1)
     assert timing.commit_end_s == pytest.approx(
-        first + costs.allreduce_s((0, 1), 1, 2) + costs.commit_s()
+        first + costs.allreduce_s((0, 1), 1, 2) + costs.commit_s(2)
     )
     crossed = (tail[1], tail[0], tail[2])
     with pytest.raises(ScheduleDeadlock, match="worker 0 at exchange"):
@@ -197,13 +199,13 @@ def test_a_tail_exchange_waits_for_its_last_holder_and_a_crossed_order_deadlocks
 
 
 def test_clipping_reports_each_layer_once_and_every_worker_reads_before_its_step():
-    from dataclasses import replace
-
     from planner.program import TailKind
 
     job = uniform_job(dp=2, pp=2, num_layers=4, micro_batches=4)
+    job = replace(job, cluster=replace(job.cluster, allreduce="exchange"))
     plan = reroute_plan(initial_plan(job), [1])  # a stage with one holder left
-    program = build_program(plan, job.model.layer_params, global_norm=True)
+    # exchange: the norms go through the store
+    program = build_program(plan, job.model.layer_params, global_norm=True, allreduce="exchange")
     counted = sorted(layer for p in program.workers for layer in p.owned_layers())
     assert counted == list(range(plan.num_layers))  # every layer once, whoever holds it
     for p in program.workers:
@@ -213,9 +215,19 @@ def test_clipping_reports_each_layer_once_and_every_worker_reads_before_its_step
         assert kinds.index(TailKind.READ_NORM) < kinds.index(TailKind.OPTIMIZE)
         if TailKind.REPORT_NORM in kinds:
             assert kinds.index(TailKind.REPORT_NORM) < kinds.index(TailKind.COMMIT)
-    plain = build_program(plan, job.model.layer_params)
+    plain = build_program(plan, job.model.layer_params, allreduce="exchange")
     assert all(TailKind.READ_NORM not in [op.kind for op in p.tail] for p in plain.workers)
     # the estimator times the program it is given: clipping costs its store round trips
     job = replace(job, cluster=replace(job.cluster, store_round_trip_s=1e-3))
     clipped_job = replace(job, training=replace(job.training, global_norm=True))
     assert estimate(clipped_job, plan).step_s > estimate(job, plan).step_s
+    # A ring's commit sums the norms with the votes: no store operation in its tail, the
+    # norm read after the commit, and the same step time with clipping as without.
+    ring = build_program(plan, job.model.layer_params, global_norm=True)
+    for p in ring.workers:
+        kinds = [op.kind for op in p.tail]
+        assert not {TailKind.REPORT_NORM, TailKind.REPORT_LOSS, TailKind.READ_LOSS} & set(kinds)
+        assert kinds.index(TailKind.COMMIT) < kinds.index(TailKind.READ_NORM)
+    ring_job = replace(job, cluster=replace(job.cluster, allreduce="ring"))
+    clipped = replace(ring_job, training=replace(ring_job.training, global_norm=True))
+    assert estimate(clipped, plan).step_s == pytest.approx(estimate(ring_job, plan).step_s)

@@ -35,10 +35,13 @@ def start(world=4, layout=LAYOUT):
     )
 
 
-def ready(rank, *, after, applied=0, step=5, held=None, layout=LAYOUT):
+def ready(
+    rank, *, after, applied=0, step=5, held=None, layout=LAYOUT, pending=False, committed=None
+):
     if held is None:
         held = tuple(range(*layout[rank])) if rank in layout else ()
-    return ReadyReported(rank, Report(after, applied, step, tuple(held)))
+    report = Report(after, applied, step, tuple(held), pending=pending, committed=committed)
+    return ReadyReported(rank, report)
 
 
 def run(state, *events, now=0.0):
@@ -209,6 +212,32 @@ def test_survivors_that_disagree_on_the_step_restart():
     )  # fmt: skip
     (restart,) = of(actions, Restart)
     assert "disagree" in restart.reason and restart.reached == 4
+
+
+def test_survivors_a_step_apart_over_a_ring_commit_roll_the_step_forward():
+    # A ring's commit reached 1 and not 0 and 2, which voted for step 3 (pending) and
+    # hold its gradients: step 3 was committed, and they apply it with 1's sums.
+    sums = (2.5, 0.25, 4.0)
+    s, actions = run(
+        start(), Failed(frozenset({3})), ready(0, after=0, step=3, pending=True),
+        ready(1, after=0, step=4, committed=sums), ready(2, after=0, step=3, pending=True),
+    )  # fmt: skip
+    assert not of(actions, Restart)
+    (planning,) = of(actions, StartPlanning)
+    assert planning.resume_step == 4 and planning.roll_forward == (3, sums)
+    # Without a vote behind (not pending), the step cannot be applied there: a restart.
+    _, actions = run(
+        start(), Failed(frozenset({3})), ready(0, after=0, step=3, pending=True),
+        ready(1, after=0, step=4, committed=sums), ready(2, after=0, step=3),
+    )  # fmt: skip
+    assert "disagree" in of(actions, Restart)[0].reason
+    # Everyone pending, nobody ahead: not committed; the plan resumes at the step.
+    _, actions = run(
+        start(), Failed(frozenset({3})),
+        *(ready(r, after=0, step=3, pending=True) for r in (0, 1, 2)),
+    )  # fmt: skip
+    (planning,) = of(actions, StartPlanning)
+    assert planning.resume_step == 3 and planning.roll_forward is None
 
 
 def test_a_spare_reports_no_step_and_its_death_aborts_nothing():

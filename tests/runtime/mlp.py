@@ -10,6 +10,9 @@ Behaviour the tests need, from the environment (nothing of it is a product featu
     MLP_IN_ALLREDUCE      KIND:RANK:STEP: that rank sends itself SIGKILL (kill) or SIGSTOP
                           (hang) just after launching its first all-reduce of that step,
                           while its peers are in it (not a replacement of it)
+    MLP_IN_COMMIT         RANK:STEP: that rank sends itself SIGKILL once it has passed its
+                          commit decision of that step to its first child (delivered), so
+                          that its other children never learn it
 """
 
 import argparse
@@ -31,6 +34,7 @@ SLEEP_S = float(os.environ.get("MLP_STEP_SLEEP_S", "0"))
 STALL = (int(os.environ.get("MLP_STALL_RANK", "-1")), int(os.environ.get("MLP_STALL_STEP", "-1")))
 RANK = int(os.environ.get("RANK", "0"))
 IN_ALLREDUCE = os.environ.get("MLP_IN_ALLREDUCE", "")
+IN_COMMIT = os.environ.get("MLP_IN_COMMIT", "")
 SENT: list[int] = []  # bytes this worker sent, per step (StepInfo.sent_bytes)
 STEP = [-1]  # the step running now (lr_at is called once per step, before it)
 
@@ -51,6 +55,24 @@ def fault_in_allreduce() -> None:
             os.kill(os.getpid(), sig)
 
     Reducer._launch = launch_then_fault
+
+
+def fault_in_commit() -> None:
+    """MLP_IN_COMMIT (module doc): wrap the step ledger's sends."""
+    rank, step = (int(x) for x in IN_COMMIT.split(":"))
+    if rank != RANK or os.environ.get("CHAMELEON_JOIN"):
+        return
+    from chameleon_runtime.step import Ledger
+
+    send = Ledger.send
+
+    def send_then_fault(self, gen, tensor, peer, kind, index, **kwargs):
+        send(self, gen, tensor, peer, kind, index, **kwargs)
+        if kind == "D" and STEP[0] == step:
+            gen.flush_sends()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    Ledger.send = send_then_fault
 
 
 LR = 0.05
@@ -95,6 +117,8 @@ def main() -> None:
 
     if IN_ALLREDUCE:
         fault_in_allreduce()
+    if IN_COMMIT:
+        fault_in_commit()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     trainer = cr.Trainer(
         layers=layer,

@@ -5,6 +5,9 @@ each bucket all-reduced among its holders by gloo's ring while the last backward
 - a worker killed (kill -9) or hung (SIGSTOP) just after it launched its all-reduce, while
   its peers are inside theirs: no survivor stays blocked, the job recovers in place and
   ends with the failure-free weights within float tolerance;
+- the commit's decision reaching some survivors and not others (the root killed between
+  passing it to its two children): those that did not learn it apply the step as the
+  others did (rolled forward by the next plan), and the job goes on in place;
 - what a worker sends per step is a ring all-reduce's share of its gradients, counted by
   the runtime itself;
 - 8 workers of the example GPT with a kill under each policy (reroute, re-partition,
@@ -60,14 +63,40 @@ def test_a_failure_inside_an_all_reduce_leaves_no_survivor_blocked(tmp_path, kin
     _same_weights(checks, reference, 1e-5)
 
 
+def test_a_commit_decision_half_delivered_is_rolled_forward(tmp_path):
+    # Data parallel over 4: the commit tree is 0 -> (1, 2), 1 -> 3. Rank 0 passes step 5's
+    # decision (yes) to 1, which applies it and passes it to 3, and is killed before it
+    # tells 2. Survivors 1 and 3 are at step 6, 2 at step 5 holding the step's gradients:
+    # the next plan rolls 2 forward with the commit's sums, and no step is lost or redone.
+    _, _, reference = run_mlp(tmp_path, "ref", workers=4, steps=12, args=("--stages", "1"))
+    result, evs, checks = run_mlp(
+        tmp_path, "commit", "--max-rejoins", "0", "--max-restarts", "0", workers=4, steps=12,
+        extra_env={"MLP_IN_COMMIT": "0:5"}, args=("--stages", "1"),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    (failure,) = named(evs, "failure")
+    assert failure["rank"] == 0
+    (recovered,) = named(evs, "recovered")
+    assert recovered["resume_step"] == 6 and recovered["steps_lost"] == 0
+    assert [e["attempt"] for e in named(evs, "workers_started")] == [0]
+    _same_weights(checks, reference, 1e-5)
+    losses = {}
+    for f in (tmp_path / "commit").glob("dump.rank*.json"):
+        losses[f.name] = json.loads(f.read_text())["losses"]
+    assert all("5" in ran for ran in losses.values())  # every survivor has step 5's loss
+
+
 def test_a_worker_sends_a_ring_all_reduce_share_of_its_gradients(tmp_path):
     # 4 data parallel workers of the MLP (3 x Linear(8, 8) + Linear(8, 4): 252 float32
     # parameters, one bucket): a ring all-reduce sends 2 (n - 1) / n of them, 1,512 bytes,
-    # and nothing else goes between workers.
+    # and besides them only the commit's messages of 24 bytes go between workers, one
+    # up the tree and one down to each child (0 -> 1, 2; 1 -> 3).
     result, _evs, _checks = run_mlp(tmp_path, "dp4", workers=4, steps=4, args=("--stages", "1"))
     assert result.returncode == 0, result.stderr[-3000:]
-    for f in (tmp_path / "dp4").glob("dump.rank*.json"):
-        assert json.loads(f.read_text())["sent"] == [2 * 3 * 252 * 4 // 4] * 4
+    commit_messages = {0: 2, 1: 2, 2: 1, 3: 1}
+    for rank, n in commit_messages.items():
+        sent = json.loads((tmp_path / "dp4" / f"dump.rank{rank}.json").read_text())["sent"]
+        assert sent == [2 * 3 * 252 * 4 // 4 + 24 * n] * 4
 
 
 GPT = [

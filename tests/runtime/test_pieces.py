@@ -106,10 +106,17 @@ def test_the_ledger_lists_every_message_of_a_step_both_ways_in_program_order():
     }
     listed = {p: [(m.kind, m.index) for m, _ in q] for p, q in ledger.owes.items()}
     assert listed == {0: [("B", 0), ("B", 1)], 3: [("X", bucket)]}
-    # A ring program sums the bucket with a collective of its own group: no message.
+    # A ring program sums the bucket with a collective of its own group, no message; its
+    # commit goes through the tree 0 -> (1, 2), 1 -> 3: 1 hears 3's vote, sends its own
+    # to 0 and hears the decision back.
     ring = Ledger(worker_program(plan, 1, [20, 20, 20, 20]), shapes, shard)
     assert {p: [(m.kind, m.index) for m, _ in q] for p, q in ring.owed.items()} == {
-        0: [("F", 0), ("F", 1)]
+        0: [("F", 0), ("F", 1), ("D", 0)],
+        3: [("U", 0)],
+    }
+    assert {p: [(m.kind, m.index) for m, _ in q] for p, q in ring.owes.items()} == {
+        0: [("B", 0), ("B", 1), ("U", 0)],
+        3: [("D", 0)],
     }
 
 
@@ -119,7 +126,7 @@ class _Recorder:
     def __init__(self):
         self.posted = []
 
-    def send(self, tensor, peer):
+    def send(self, tensor, peer, **_kwargs):
         self.posted.append(("send", peer))
 
     def drain(self, sends, recvs):
