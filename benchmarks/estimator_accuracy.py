@@ -11,7 +11,11 @@ measured:
 - step time (median) and peak memory (the largest worker's tensors, ``peak_bytes`` of
   the ``step`` events: chameleon_runtime.memory) in several dp x pp layouts on 8, 6, 4
   and 2 workers (6 layers split by parameter count, so 3 and 4 stages are uneven), and on
-  8 workers after kill -9 of rank 5, recovered by a reroute and by a re-partition;
+  8 workers after kill -9 of rank 5, recovered by a reroute and by a re-partition, all on
+  the runtime's default path (each bucket all-reduced by gloo's ring during the last
+  backward, the commit through a tree of messages); and two layouts again with
+  ``--exact`` (float64 sums exchanged point to point, the commit in the store), predicted
+  from the same profile as an exchange program;
 - the transition of those two recoveries, whole and part by part: collect, plan (the
   decision's own time, which the launcher measures, rounded up to the leader's ticks,
   plus the plan's publication), confirm (the
@@ -132,14 +136,17 @@ def profile(work: Path) -> Path:
     return config
 
 
-def run(work: Path, config: Path, name: str, workers: int, stages: int, extra: list[str]) -> Run:
+def run(
+    work: Path, config: Path, name: str, workers: int, stages: int, extra: list[str],
+    script: tuple[str, ...] = (),
+) -> Run:  # fmt: skip
     events = work / f"{name}.jsonl"
     cmd = [
         sys.executable, "-m", "chameleon_cli.app", "run", "--nproc-per-node", str(workers),
         "--master-port", str(free_port()), "--events", str(events), "--plain",
         "--config", str(config), "--max-rejoins", "0", *extra, str(EXAMPLE),
         "--steps", str(ARGS.steps), "--pipeline-stages", str(stages),
-        "--checkpoint-dir", str(work / f"{name}-ckpt"),
+        "--checkpoint-dir", str(work / f"{name}-ckpt"), *script,
     ]  # fmt: skip
     out = subprocess.run(
         cmd, cwd=work, env=env(), capture_output=True, text=True, timeout=ARGS.timeout
@@ -242,6 +249,15 @@ def one_round(
             job, f"{name} ({workers} workers)", r.first("resumed")["plan"], r, 0, ARGS.skip
         )
         print(f"  round {k + 1}: measured {name}", flush=True)
+    exact = exact_job(job)
+    for workers, stages in ARGS.exact_layouts:
+        name = f"{workers // stages}x{stages}"
+        r = run(work, config, f"{name}-exact-{k}", workers, stages, [], ("--exact",))
+        rows += layout_rows(
+            exact, f"{name} ({workers} workers), exact", r.first("resumed")["plan"], r, 0,
+            ARGS.skip,
+        )  # fmt: skip
+        print(f"  round {k + 1}: measured {name} exact", flush=True)
     fault = f"kill:rank=5,step={ARGS.kill_at}"
     for policy in ("reroute", "reparallelize"):
         extra = ["--policy", policy, "--inject-fault", fault, "--migration-schedule", "matched"]
@@ -256,6 +272,18 @@ def one_round(
             migrations["matched"] = (done["migration_s"], chosen)
         print(f"  round {k + 1}: measured {name}", flush=True)
     return rows, infos
+
+
+def exact_job(job):  # noqa: ANN001, ANN201
+    """``job`` as Trainer(exact=True) runs it: an exchange program and float64 sums
+    (planner.wire.JobDescription.to_job says the same of a live job)."""
+    from dataclasses import replace
+
+    return replace(
+        job,
+        cluster=replace(job.cluster, allreduce="exchange"),
+        training=replace(job.training, grad_bytes=8),
+    )
 
 
 def naive_migration(work: Path, config: Path, migrations: dict) -> None:
@@ -370,4 +398,5 @@ if __name__ == "__main__":
     )  # fmt: skip
     ARGS = parser.parse_args()
     ARGS.layouts = [(8, 4), (8, 2), (6, 3), (4, 4), (4, 2), (4, 1), (2, 1)]
+    ARGS.exact_layouts = [(8, 4), (4, 1)]
     sys.exit(main())

@@ -66,21 +66,30 @@ def link_cost(
     return latency, bandwidth, per_byte
 
 
-def measure_tail(shard: Shard, layers: list[int], reps: int = 5) -> float:
-    """CPU per parameter held of a step's tail beyond the optimizer, as
-    chameleon_runtime.step runs it with one other holder: the float64 sums flattened,
-    summed with a received copy, put back, rounded and zeroed. The median of ``reps``."""
+def measure_tail(shard: Shard, layers: list[int], reps: int = 5, *, exact: bool = False) -> float:
+    """CPU per parameter held of a step's tail beyond the optimizer and the messages, as
+    chameleon_runtime.step runs it with one other holder: ``exact``, the float64 sums
+    flattened, summed with a received copy, put back, rounded and zeroed; a ring, the
+    received half added into the bucket's buffer (the reduce-scatter's adds, which gloo
+    does on its thread) and the buffer zeroed after the optimizer. The median of
+    ``reps``."""
     first, end = min(layers), max(layers) + 1
     params = sum(p.numel() for i in layers for p in shard.layers[i].parameters())
+    flat = torch.ones(params)
+    half = flat[: params // 2]
     times = []
     for _ in range(reps + 1):
         c0 = time.thread_time()
-        mine = shard.flat_sums(first, end)
-        total = mine.clone()
-        total += mine
-        shard.set_flat_sums(first, end, total)
-        shard.round_grads(first, end)
-        shard.zero_grad()
+        if exact:
+            mine = shard.flat_sums(first, end)
+            total = mine.clone()
+            total += mine
+            shard.set_flat_sums(first, end, total)
+            shard.round_grads(first, end)
+            shard.zero_grad()
+        else:
+            half.add_(half)
+            flat.zero_()
         times.append(time.thread_time() - c0)
     return statistics.median(times[1:]) / max(1, params)
 
@@ -233,7 +242,7 @@ def profile_job(trainer: Any, out: Path) -> None:
     sample = trainer.batches.inputs(0, 0)
     trainer.layer_params, trainer.activation_shapes, trainer.layer_names = probe(
         trainer.factory, trainer.num_layers, sample, seed=trainer.seed,
-        wire_dtype=trainer.shard.wire_dtype,
+        wire_dtype=trainer.shard.wire_dtype, device=trainer.device,
     )  # fmt: skip
     sample_steps = measure_steps(trainer, PROFILE_STEPS)
     trainer.shard.ensure(0, trainer.num_layers)
@@ -242,7 +251,7 @@ def profile_job(trainer: Any, out: Path) -> None:
         control.put(keys.profile(f"{rank}/{cost.name}"), cost.model_dump_json())
     every = list(range(trainer.num_layers))
     per_param = dict(zip(PER_PARAM, measure_move(trainer.shard, every), strict=True))
-    per_param["tail"] = measure_tail(trainer.shard, every)
+    per_param["tail"] = measure_tail(trainer.shard, every, exact=trainer.exact)
     for name, value in per_param.items():
         control.put(keys.profile(f"{name}/{rank}"), repr(value))
     control.agree(0, "profile/start", world)

@@ -233,7 +233,7 @@ class Trainer(RecoveryMixin):
         sample = self.batches.inputs(0, 0)
         self.layer_params, self.activation_shapes, self.layer_names = probe(
             self.factory, self.num_layers, sample, seed=self.seed,
-            wire_dtype=self.shard.wire_dtype,
+            wire_dtype=self.shard.wire_dtype, device=self.device,
         )  # fmt: skip
         joining = os.environ.get("CHAMELEON_JOIN")
         if joining:
