@@ -320,6 +320,13 @@ class Generation:
         return value
 
     def _wait(self, work: Any, what: str, peers: Sequence[int]) -> None:
+        if work.is_completed():  # already there (often, in a pipeline): no thread hop
+            self._check()
+            try:
+                work.wait()
+            except Exception as exc:  # completed with an error: a peer died
+                raise CommError(str(exc).splitlines()[0][:300]) from None
+            return
         self._run(lambda: work.wait(self._op_timeout), what, peers)
 
     def _post(self, fn: Callable[..., Any], *args: Any, group: Any = None) -> Any:
@@ -420,13 +427,7 @@ class Generation:
 
     def wait(self, work: Any, holders: tuple[int, ...]) -> None:
         """Wait for a collective posted by ``allreduce`` (an abort ends the wait)."""
-        if not work.is_completed():
-            self._wait(work, "allreduce", [h for h in holders if h != self.me])
-        else:
-            try:
-                work.wait()
-            except Exception as exc:  # completed with an error: a peer died
-                raise CommError(str(exc).splitlines()[0][:300]) from None
+        self._wait(work, "allreduce", [h for h in holders if h != self.me])
         posted = self.collectives[holders].posted
         if work in posted:
             posted.remove(work)

@@ -30,6 +30,7 @@ from planner.failures import DEFAULT_DEVICE_MTBF_H
 from planner.workload import Cluster, Job, Layer, Link, Model, RankOrder, Training
 
 GiB = 2**30
+FP32_GRAD_BYTES = 4  # TrainingConfig.grad_sum_bytes
 Positive = Annotated[float, Field(gt=0)]
 PositiveInt = Annotated[int, Field(gt=0)]
 
@@ -130,9 +131,10 @@ class TrainingConfig(_Strict):
     rank_order: RankOrder = RankOrder.TP_PP_DP
     mtbf_hours: Positive | None = None  # D fixed for the job; unset: from device_mtbf_hours
     checkpoint_interval_s: Positive = 1800.0
-    # Bytes per parameter of the gradient sums a holder keeps between passes; unset: the
-    # precision's. chameleon_runtime sums in float64 (8), which makes a recovered run's
-    # weights equal to a failure-free run's.
+    # Bytes per parameter of the gradients a holder keeps between passes and all-reduces;
+    # unset: 4. chameleon_runtime keeps fp32 master weights and gradients at every
+    # precision (bf16 and fp16 only compute in the half type), and all-reduces them in
+    # their dtype, as DDP does under autocast; Trainer(exact=True) keeps float64 sums (8).
     grad_sum_bytes: PositiveInt | None = None
 
     @model_validator(mode="after")
@@ -255,7 +257,7 @@ def to_job(config: JobConfig, table: CostTable | None = None) -> Job:
         global_batch_size=t.global_batch_size,
         micro_batch_size=t.micro_batch_size,
         param_bytes=act_bytes,
-        grad_bytes=t.grad_sum_bytes or act_bytes,
+        grad_bytes=t.grad_sum_bytes or FP32_GRAD_BYTES,
         optimizer_bytes=_optimizer_bytes(t),
         dp=t.dp,
         pp=t.pp,
