@@ -33,8 +33,9 @@ its measured steps (``--steps`` a run, at least 20 over the rounds).
   What the runtime holds beyond the model and the step (its threads, store connections,
   Python objects) counts: it is memory the user pays;
 - bytes sent: what each worker wrote to sockets and files per step (``wchar`` of
-  /proc/self/io, gloo's traffic included), the mean over workers of their medians; on
-  the data parallel rows it is printed beside a ring all-reduce's bytes for the model's
+  /proc/self/io, gloo's traffic included), the mean over workers of their medians, and
+  beside it what the runtime counts it sent (``StepInfo.sent_bytes``); on the data
+  parallel rows they are printed beside a ring all-reduce's bytes for the model's
   gradients in their dtype, 2 (n - 1) / n of them.
 
 The goal is 1.05 on every row. The benchmark exits non-zero when a row's step ratio is
@@ -146,14 +147,17 @@ class Recorder:
         self.warmup = warmup
         self.intervals: list[float] = []
         self.written: list[int] = []
+        self.counted: list[int] = []  # what the runtime itself counts it sent (ours)
         self.losses: list[float] = []
         self._t = time.perf_counter()
         self._w = _written_bytes()
 
-    def step(self, loss: float) -> None:
+    def step(self, loss: float, counted: int | None = None) -> None:
         t, w = time.perf_counter(), _written_bytes()
         self.intervals.append(t - self._t)
         self.written.append(w - self._w)
+        if counted is not None:
+            self.counted.append(counted)
         self.losses.append(loss)
         if len(self.losses) == self.warmup:
             # The high-water mark from here on: the steady steps' peak (Linux >= 4.0).
@@ -165,6 +169,7 @@ class Recorder:
         record = {
             "intervals": self.intervals,
             "written": self.written,
+            "counted": self.counted,
             "losses": self.losses,
             "peak_bytes": _anon_peak_bytes() - self.anon_before,
             **extra,
@@ -221,7 +226,10 @@ def worker_ours(args: argparse.Namespace) -> None:
         micro_batch_size=MICRO_BATCH,
         pipeline_stages=args.stages,
     )
-    trainer.fit(args.steps, on_step=lambda info: recorder.step(info.loss))
+    trainer.fit(
+        args.steps,
+        on_step=lambda info: recorder.step(info.loss, getattr(info, "sent_bytes", None)),
+    )
     recorder.dump(args.out, {"global_loss": True})
 
 
@@ -345,6 +353,7 @@ def _launch(
 class Measured:
     intervals: list[float]  # rank 0's, measured steps only
     written: list[float]  # per worker: median bytes a step
+    counted: list[float]  # per worker: median bytes a step the runtime counted (ours)
     peak_bytes: int  # the largest worker's
     final_loss: float
 
@@ -358,6 +367,7 @@ def _collect(out: Path, workers: int, warmup: int) -> Measured:
     return Measured(
         intervals=records[0]["intervals"][warmup:],
         written=[statistics.median(r["written"][warmup:]) for r in records],
+        counted=[statistics.median(r["counted"][warmup:]) for r in records if r.get("counted")],
         peak_bytes=max(r["peak_bytes"] for r in records),
         final_loss=final_loss,
     )
@@ -429,7 +439,8 @@ def main() -> int:
     header = (
         f"{'row':8s} {'hidden':>6s} | {'plain ms':>9s} {'ours ms':>9s} {'ratio':>6s} "
         f"{'spread p/o':>11s} | {'plain mem':>10s} {'ours mem':>10s} {'ratio':>6s} | "
-        f"{'plain sent':>10s} {'ours sent':>10s} {'ring':>10s} {'ours/ring':>9s} | loss p/o"
+        f"{'plain sent':>10s} {'ours sent':>10s} {'counted':>10s} {'ring':>10s} {'ours/ring':>9s}"
+        " | loss p/o"
     )
     print(header)
     print("-" * len(header))
@@ -446,6 +457,8 @@ def main() -> int:
             o_mem = statistics.median(m.peak_bytes for m in ours)
             p_sent = statistics.median(statistics.mean(m.written) for m in plain)
             o_sent = statistics.median(statistics.mean(m.written) for m in ours)
+            counts = [statistics.mean(m.counted) for m in ours if m.counted]
+            o_counted = statistics.median(counts) if counts else None
             ring = 2 * (row.dp - 1) / row.dp * ring_total if row.stages == 1 else None
             step_ratio, mem_ratio = o_ms / p_ms, o_mem / max(p_mem, 1)
             ring_text = _fmt_bytes(ring) if ring else "-"
@@ -454,7 +467,9 @@ def main() -> int:
                 f"{row.name:8s} {hidden:6d} | {p_ms:9.1f} {o_ms:9.1f} {step_ratio:6.3f} "
                 f"{p_spread:5.0%}/{o_spread:<5.0%} | {_fmt_bytes(p_mem):>10s} "
                 f"{_fmt_bytes(o_mem):>10s} {mem_ratio:6.3f} | {_fmt_bytes(p_sent):>10s} "
-                f"{_fmt_bytes(o_sent):>10s} {ring_text:>10s} {ring_ratio:>9s} | "
+                f"{_fmt_bytes(o_sent):>10s} "
+                f"{_fmt_bytes(o_counted) if o_counted is not None else '-':>10s} "
+                f"{ring_text:>10s} {ring_ratio:>9s} | "
                 f"{plain[-1].final_loss:.4f}/{ours[-1].final_loss:.4f}"
             )
             table.append(
@@ -471,6 +486,7 @@ def main() -> int:
                     "memory_ratio": mem_ratio,
                     "plain_sent_bytes": p_sent,
                     "ours_sent_bytes": o_sent,
+                    "ours_counted_bytes": o_counted,
                     "ring_bytes": ring,
                 }  # fmt: skip
             )
