@@ -262,6 +262,7 @@ def profile_job(trainer: Any, out: Path) -> None:
         status=control.status, transport=trainer.transport,
     )  # fmt: skip
     pg_init_s = time.perf_counter() - t0
+    pair_s = _pair_group_s(trainer, control, rank, world)
     link = (
         link_cost(gen, rank, 1 - rank, device=trainer.device)
         if world >= 2 and rank in (0, 1)
@@ -314,7 +315,7 @@ def profile_job(trainer: Any, out: Path) -> None:
         if link
         else None,
         store_round_trip_s=store_rt,
-        pg_init_base_s=pg_init_s,
+        **_group_costs(pg_init_s, pair_s, world),
         **{
             f"{name}_cpu_s_per_param": statistics.median(
                 float(control.wait(keys.profile(f"{name}/{r}"))) for r in range(world)
@@ -331,6 +332,37 @@ def profile_job(trainer: Any, out: Path) -> None:
     tmp = out.with_name(out.name + ".tmp")
     tmp.write_text(table.model_dump_json(indent=2))
     os.replace(tmp, out)
+
+
+def _pair_group_s(trainer: Any, control: Any, rank: int, world: int) -> float | None:
+    """Time for ranks 0 and 1 to build a group of two (both there first), beside the
+    whole world's: two sizes give the cost of a group per member (``_group_costs``);
+    a ring's recoveries build groups of a bucket's holders (planner.transition)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    if world < 3:
+        return None
+    control.agree(0, "profile/pair", world)
+    if rank > 1:
+        return None
+    store = dist.PrefixStore(control.keys.profile("pair"), control.store)
+    t0 = time.perf_counter()
+    group = trainer.transport.make_group(store, rank, 2, timedelta(seconds=30))
+    elapsed = time.perf_counter() - t0
+    del group
+    return elapsed
+
+
+def _group_costs(world_s: float, pair_s: float | None, world: int) -> dict[str, float]:
+    """``pg_init_base_s`` and ``pg_init_per_worker_s`` from the builds of the world's
+    group and of a pair (a line through the two); the world's alone as the base when
+    there is no pair."""
+    if pair_s is None:
+        return {"pg_init_base_s": world_s}
+    per = max(0.0, (world_s - pair_s) / (world - 2))
+    return {"pg_init_base_s": max(0.0, pair_s - 2 * per), "pg_init_per_worker_s": per}
 
 
 def describe_job(trainer: Any, plan: Any, costs: list[LayerCostWire]) -> JobDescription:
