@@ -158,6 +158,14 @@ class Control:
         with contextlib.suppress(Exception):  # the wait timing out: go on
             self.store.wait([self.keys.failpoint(node, phase)], FAILPOINT_WAIT)
 
+    def step_failpoint(self, step: int) -> None:
+        """Fault injection only: a fault at step N of this rank (``kill:rank=R,step=N``)
+        fires once the rank has done N + 1 steps; the rank waits at that boundary until
+        it has. Without it the kill landed wherever the agent's next look found the rank,
+        which on a fast model was several steps (or the end of the run) later."""
+        if FAILPOINTS and f"step-{self.rank}-{step - 1}" in FAILPOINTS:
+            self.failpoint(f"step-{self.rank}-{step - 1}")
+
     def register(self, device: str) -> None:
         self.put(self.keys.aware(self.rank), Aware(pid=os.getpid(), device=device))
 

@@ -308,6 +308,7 @@ class Trainer(RecoveryMixin):
                 self._idle(steps)
                 forget = []
                 continue
+            self.control.step_failpoint(self.step)
             lr = self.lr_schedule(self.step) if self.lr_schedule else None
             try:
                 result = run_step(

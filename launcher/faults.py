@@ -23,7 +23,9 @@ moves layers). ``attempt=N`` (default 0) picks
 the restart attempt, so a restarted job is not killed again. Step and phase faults need
 workers that report (scripts using chameleon_runtime). For ``groups`` and ``migrate`` the
 workers of the fault's node pause on entering the phase until the fault has fired (at
-most 2 s): a migration of a few milliseconds would otherwise often end unseen.
+most 2 s): a migration of a few milliseconds would otherwise often end unseen. A step
+fault of a named rank pauses that rank likewise once it has done step N (a fast model's
+steps outran the agent's look: a kill meant for step 3 landed with one meant for 8).
 """
 
 from __future__ import annotations
@@ -48,6 +50,11 @@ class FaultKind(StrEnum):
 
 ANY = -1  # rank=any: a working rank of this node in the fault's phase, picked at random
 _WORKING = ("train", "checkpoint", "ready", "groups", "migrate")  # not starting, idle, done
+
+
+def step_failpoint(rank: int, step: int) -> str:
+    """The failpoint a step fault arms in its rank (chameleon_runtime.control)."""
+    return f"step-{rank}-{step}"
 
 
 @dataclass(frozen=True)
@@ -222,7 +229,15 @@ class Injector:
     def failpoints(self) -> list[str]:
         """The worker phases a pending fault waits for: the workers pause on entering
         them until it has fired (chameleon_runtime.control.Control.failpoint)."""
-        return sorted({f.phase for f in self.pending if f.phase in _WORKER_PHASES})
+        phases = {f.phase for f in self.pending if f.phase in _WORKER_PHASES}
+        # A step fault of a named rank waits for it at that step's end; one of any rank
+        # (a rank drawn when it fires) or after a delay does not.
+        steps = {
+            step_failpoint(f.rank, f.step)
+            for f in self.pending
+            if f.step is not None and f.rank != ANY and not f.after_ms
+        }
+        return sorted(phases | steps)
 
     def watches_status(self) -> bool:
         """Whether a pending fault needs the workers' statuses read."""

@@ -25,7 +25,11 @@ class RunningMixin:
         return self._statuses
 
     def _note_progress(self, statuses: dict[int, WorkerStatus]) -> None:
-        steps = [s.step - 1 for s in statuses.values() if s.phase in ("train", "checkpoint")]
+        # (a survivor whose collective failed with its peer reports "ready" at once, its
+        # step still the last it did: the leader's look at a failure must count it)
+        steps = [
+            s.step - 1 for s in statuses.values() if s.phase in ("train", "checkpoint", "ready")
+        ]
         if steps:
             self._top_step = max(self._top_step, max(steps))
 
