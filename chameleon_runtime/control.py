@@ -50,6 +50,18 @@ def poison(store: dist.Store, count_key: str, done_key: str, members: int) -> No
         store.set(done_key, "no")
 
 
+class Finished(Exception):  # noqa: N818 - an outcome, not an error
+    """Training ended (some worker did its last step) while this one waited for a plan."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__(f"training finished at step {step}")
+        self.step = step
+
+
+# What the key naming the plan after a generation holds when none follows: training ended.
+END_MARK = "end:"
+
+
 class Agreed(NamedTuple):
     held: bool  # every member arrived before an abort
     last: bool  # this worker arrived last (it may clean up what the others no longer read)
@@ -209,9 +221,23 @@ class Control:
         latest_now = self.get_signed(self.keys.latest)
         if latest_now is None or int(latest_now) <= after:
             with self.status.waiting("plan"):
-                self.wait_signed(self.keys.next(after))
+                self._wait_for_plan(self.keys.next(after))
         latest = int(self.wait_signed(self.keys.latest))
         return self._plan(latest)
+
+    def _wait_for_plan(self, key: str) -> None:
+        """Until ``key`` says which plan follows, or that training ended (``Finished``):
+        a worker that did the last step while the others waited for a recovery's plan (an
+        abort it heard too late) marks its generation's successor key so (``end``); no
+        plan follows, and waiting forever kept the job from ending."""
+        body = self.wait_signed(key)
+        if body.startswith(END_MARK):
+            raise Finished(int(body[len(END_MARK) :]))
+
+    def end(self, generation: int, step: int) -> None:
+        """Training is over at ``step``: workers waiting for the plan after ``generation``
+        learn it (unless a plan came first: then they were not waiting for this one)."""
+        self.store.compare_set(self.keys.next(generation), "", self.seal.seal(f"{END_MARK}{step}"))
 
     def latest_plan(self) -> PlanMessage:
         return self._plan(int(self.wait_signed(self.keys.latest)))

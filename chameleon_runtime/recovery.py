@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from chameleon_runtime.comm import OP_TIMEOUT_S, Aborted, Collective, CommError, Generation, Kept
-from chameleon_runtime.control import STORE_LOST
+from chameleon_runtime.control import STORE_LOST, Finished
 from chameleon_runtime.memory import Meter
 from chameleon_runtime.reducer import Reducer
 from chameleon_runtime.shard import Shard, pack_layers, unpack_layers
@@ -255,6 +255,12 @@ class RecoveryMixin:
                     )
                 )
                 message = self.control.next_plan(left)
+            except Finished as end:  # training ended meanwhile: nothing more to do
+                self.control.interrupts._finish(end.step)  # the loop's idle ends at once
+                self.step = max(self.step, end.step + 1)
+                self.generation, self.part = left, None
+                self.control.status.update(phase="spare")
+                return
             except STORE_LOST:  # the leader's node is lost: report again to the next one
                 if not self.control.reconnect():
                     raise

@@ -309,6 +309,13 @@ class Trainer(RecoveryMixin):
                 forget = []
                 continue
             self.control.step_failpoint(self.step)
+            if self.control.interrupts.aborted(self.generation):
+                # Heard between steps: a worker with no peer to wait on (alone in its
+                # generation) hears an abort nowhere else, and would train on to the end
+                # while the launcher waited for it to recover (a replacement's rejoin).
+                self._recover(f"generation {self.generation} aborted")
+                forget = []
+                continue
             lr = self.lr_schedule(self.step) if self.lr_schedule else None
             try:
                 result = run_step(
@@ -381,6 +388,7 @@ class Trainer(RecoveryMixin):
             # Spares (and replacements yet to come) wait for a plan: tell them it is over.
             keys = self.control.keys
             self.control.put_signed(keys.finished, str(self.step - 1))
+            self.control.end(self.generation, self.step - 1)
             members = set(self.plan.workers)
             for rank in range(self.world_size):
                 if rank not in members:

@@ -27,6 +27,7 @@ from launcher.events import EventLog
 from launcher.joining import RESTART_GRACE_S, JoiningMixin
 from launcher.leader import Leader
 from launcher.local import LocalGroup
+from launcher.preload import modules_for
 from launcher.rendezvous import (
     ControlPlane,
     NodeInfo,
@@ -284,7 +285,8 @@ class Agent(JoiningMixin, SuccessionMixin):
         if "OMP_NUM_THREADS" not in env and self.args.nproc_per_node > 1:
             env["OMP_NUM_THREADS"] = "1"  # as the workers get it (launcher/environment.py)
         try:
-            self.forkserver = ForkServer(env, self.run_dir / "forkserver.log")
+            preload = modules_for(self.args.script, self.args.preload, self.args.module)
+            self.forkserver = ForkServer(env, self.run_dir / "forkserver.log", preload)
         except OSError as exc:  # restarts start fresh interpreters, as without the server
             self.args = replace(self.args, warm_start=False)
             self.events.emit("warm_start_unavailable", detail=str(exc))

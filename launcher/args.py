@@ -63,6 +63,7 @@ class RunArgs:
     mtbf_s: float | None  # None: learned (planner.failures)
     plain: bool
     warm_start: bool
+    preload: str  # --preload (launcher/preload.py)
     script: str
     script_args: tuple[str, ...] = field(default_factory=tuple)
 
@@ -239,6 +240,7 @@ def parse_run_args(argv: list[str]) -> RunArgs:
         mtbf_s=mtbf_s,
         plain=ns.plain,
         warm_start=ns.warm_start,
+        preload=ns.preload,
         script=ns.training_script,
         script_args=tuple(ns.training_script_args),
     )

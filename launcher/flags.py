@@ -189,6 +189,14 @@ def parser() -> _Parser:
         help="restart workers as fresh interpreters, not from the warm fork server that has "
         "torch imported (one per node)",
     )
+    add(
+        "--preload",
+        default="auto",
+        metavar="MODULES",
+        help="what the warm fork server imports besides torch, so that restarted workers "
+        "do not: auto (the script's top-level third-party imports, read from its source), "
+        "none, or comma-separated module names (may include auto)",
+    )
     add("--plain", action="store_true", help="plain output even on a terminal")
     p.add_argument(
         "training_script", metavar="SCRIPT", help="the training script (or module with -m)"

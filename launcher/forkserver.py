@@ -94,16 +94,22 @@ def _reap(sock: socket.socket) -> None:
         send(sock, {"op": "exited", "pid": pid, "code": os.waitstatus_to_exitcode(status)})
 
 
-def serve(sock: socket.socket) -> ChildSpec | None:
+def serve(sock: socket.socket, extra: list[str] = ()) -> ChildSpec | None:  # type: ignore[assignment]
     """The server's loop. Returns in a forked child (what it is to run), or None in the
-    server once the launcher has closed its end."""
+    server once the launcher has closed its end. ``extra``: the script's own imports
+    (launcher/preload.py)."""
     import importlib
+    import threading
 
-    for name in PRELOAD:
+    for name in (*PRELOAD, *extra):
         try:
             importlib.import_module(name)
-        except Exception:  # noqa: BLE001 - a module this torch lacks: the child imports its own
+        except BaseException as exc:  # noqa: BLE001 - the child imports its own (and says why)
+            print(f"preload: {name} not imported ({type(exc).__name__}: {exc})", flush=True)
             continue
+    if threading.active_count() > 1:
+        # A thread does not survive a fork, and a lock it held stays held in the child.
+        print(f"preload: the imports started threads: {threading.enumerate()}", flush=True)
     with contextlib.suppress(ImportError):
         # set up here, while argv and environ are the process's own: it finds their memory
         # by them (its set-up is lazy, hence the call), and children inherit the set-up
@@ -233,9 +239,31 @@ def eligible(argv: list[str]) -> bool:
 def main() -> None:
     sock = socket.socket(fileno=int(sys.argv[1]))
     die_with_parent(int(sys.argv[2]))
-    spec = serve(sock)
+    spec = serve(sock, json.loads(sys.argv[3]) if len(sys.argv) > 3 else [])
     if spec is not None:
-        _become(spec)  # an exception here is the script's: Python prints it, exits 1
+        try:
+            _become(spec)
+        except SystemExit:
+            raise
+        except BaseException as exc:  # the script's: printed as Python would, from its frames
+            _report(exc)
+            if isinstance(exc, KeyboardInterrupt):  # as Python ends on one: by the signal
+                signal.signal(signal.SIGINT, signal.SIG_DFL)
+                os.kill(os.getpid(), signal.SIGINT)
+            sys.exit(1)
+
+
+def _report(exc: BaseException) -> None:
+    """Print ``exc`` through ``sys.excepthook`` (the script may have set its own) with
+    this module's frames left out: a user reads their script's traceback, as under
+    ``python SCRIPT`` or torchrun, not the fork server's."""
+    tb = exc.__traceback__
+    here = _report.__code__.co_filename
+    while tb is not None and tb.tb_frame.f_code.co_filename == here:
+        tb = tb.tb_next
+    # (the hook prints the exception's own __traceback__ whatever it is given)
+    sys.excepthook(type(exc), exc.with_traceback(tb), tb)
+    sys.stderr.flush()
 
 
 if __name__ == "__main__":

@@ -58,7 +58,7 @@ class ForkedProcess:
 class ForkServer:
     """The launcher's handle on its fork server: start it, spawn through it, close it."""
 
-    def __init__(self, env: dict[str, str], log_file: Path) -> None:
+    def __init__(self, env: dict[str, str], log_file: Path, preload: list[str] = ()) -> None:  # type: ignore[assignment]
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         log_file.parent.mkdir(parents=True, exist_ok=True)
         with open(log_file, "ab") as log:
@@ -69,6 +69,7 @@ class ForkServer:
                     "launcher.forkserver",
                     str(theirs.fileno()),
                     str(os.getpid()),
+                    json.dumps(list(preload)),
                 ],
                 env=env,
                 cwd=str(Path(__file__).resolve().parent.parent),  # where `launcher` imports

@@ -11,6 +11,7 @@ import time
 import pytest
 
 from launcher.forkserver import eligible
+from launcher.preload import modules_for
 from launcher.warm import ForkServer
 
 
@@ -57,6 +58,33 @@ def test_an_exception_prints_its_traceback_and_exits_1(server, tmp_path):
     assert proc.wait(timeout=30) == 1
     text = err.read().decode()
     assert "Traceback" in text and "KeyError: 'x'" in text and 'child.py", line 2, in f' in text
+    # the script's frames only, as `python child.py` prints them: none of the server's
+    frames = [line for line in text.splitlines() if line.lstrip().startswith("File ")]
+    assert len(frames) == 2 and all("child.py" in f for f in frames), text
+
+
+def test_the_server_imports_what_the_script_imports(tmp_path):
+    script = tmp_path / "train.py"
+    (tmp_path / "mine.py").write_text("import sys\nsys.exit('a local module is never preloaded')\n")
+    script.write_text(
+        "import os, json\nimport rich.console\nimport mine\nfrom pydantic import BaseModel\n"
+        "try:\n    import no_such_package_here\nexcept ImportError:\n    pass\n"
+        "def f():\n    import networkx\n"
+    )
+    wanted = modules_for(str(script), "auto", module_mode=False)
+    assert wanted == ["rich.console", "pydantic"]  # not stdlib, local, missing, or lazy
+    assert modules_for(str(script), "none", module_mode=False) == []
+    assert modules_for(str(script), "auto,psutil", module_mode=False)[0] == "psutil"
+    fs = ForkServer(dict(os.environ), tmp_path / "server.log", wanted)
+    assert fs.wait_ready(120)
+    proc, out, _err = _spawn(
+        fs,
+        tmp_path,
+        "import sys\nprint('rich.console' in sys.modules, 'networkx' in sys.modules)\n",
+    )
+    assert proc.wait(timeout=30) == 0
+    assert out.read().decode().strip() == "True False"
+    fs.close()
 
 
 def test_a_signal_is_reported_as_popen_does(server, tmp_path):

@@ -116,3 +116,30 @@ def test_a_replacement_on_another_agent_rejoins(tmp_path, long_reference):
     assert_same_training(
         long_reference, checks, losses, steps=STEPS, weights_tolerance=WEIGHTS_TOLERANCE
     )
+
+
+# The example's own model (hidden 64, 4 blocks), where two workers are faster than one:
+# on the tests' tinier one a lone worker is, and the replacement is rightly not taken in.
+PAIR = ("--blocks", "4", "--hidden", "64", "--heads", "4", "--seq-len", "64",
+        "--global-batch", "32", "--pipeline-stages", "1")  # fmt: skip
+PAIR_STEPS = 120
+
+
+def test_a_pair_that_lost_one_ends_with_exit_0_when_the_replacement_rejoins(tmp_path):
+    # Two data-parallel workers, rank 1 killed, no restarts allowed. The survivor trains
+    # alone; when the replacement is taken in, the survivor must hear the abort between
+    # steps (alone, it waits on no peer, the only place it listened before): it trained on
+    # to the end while the launcher waited 60 s for its answer, then the run exited 137.
+    reference = train(tmp_path, "ref", workers=2, steps=PAIR_STEPS, script_flags=PAIR)[:2]
+    checks, losses, evs = train(
+        tmp_path, "pair", "--max-restarts", "0", "--inject-fault", "kill:rank=1,step=4",
+        workers=2, steps=PAIR_STEPS, script_flags=PAIR,
+    )  # fmt: skip
+    assert_same_training(
+        reference, checks, losses, steps=PAIR_STEPS, weights_tolerance=WEIGHTS_TOLERANCE
+    )
+    assert not named(evs, "unresponsive")
+    (rejoined,) = named(evs, "rejoined")
+    assert rejoined["ranks"] == [1] and rejoined["taken_in"]
+    (done,) = named(evs, "exit")
+    assert done["exit_code"] == 0

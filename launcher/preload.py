@@ -1,0 +1,85 @@
+"""What the warm fork server imports for a script, beyond torch (launcher/forkserver.py).
+
+A restarted worker that imports a large library again pays for it on every restart:
+`transformers` took a Hugging Face script's warm restart from about 0.3 s (torch only)
+to 2.3 s. The server imports, once, the packages the script imports at its top level
+(read from its source, never run), so every worker forked from it has them.
+
+Only installed third-party packages are taken: not the standard library (cheap, and
+already partly loaded), not the script's own modules (a file or folder beside it, whose
+import may do anything), not ours (chameleon_runtime reads the worker's environment when
+it loads; the server's is not the worker's), and only statements at module level (an
+import inside a function may be one the script never reaches). ``--preload`` adds
+modules by name or turns this off (``none``).
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import sys
+from pathlib import Path
+
+OURS = frozenset({"chameleon_runtime", "chameleon_cli", "launcher", "planner"})
+
+
+def script_imports(script: Path) -> list[str]:
+    """The modules ``script`` imports at module level (in ``try`` and ``if`` blocks too),
+    as dotted names, in order, each once; [] when it cannot be read or parsed."""
+    try:
+        tree = ast.parse(script.read_bytes(), filename=str(script))
+    except (OSError, SyntaxError, ValueError):
+        return []
+    names: list[str] = []
+
+    def visit(body: list[ast.stmt]) -> None:
+        for node in body:
+            if isinstance(node, ast.Import):
+                names.extend(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                if node.level == 0 and node.module:
+                    names.append(node.module)
+            elif isinstance(node, ast.Try):
+                visit(node.body)
+            elif isinstance(node, ast.If):
+                visit(node.body)
+                visit(node.orelse)
+
+    visit(tree.body)
+    return list(dict.fromkeys(names))
+
+
+def third_party(names: list[str], script_dir: Path) -> list[str]:
+    """Of ``names``, the installed packages that are neither the standard library, ours,
+    nor the script's own (found in its folder)."""
+    local: set[str] = set()
+    if script_dir.is_dir():
+        local = {p.stem for p in script_dir.glob("*.py")}
+        local |= {p.name for p in script_dir.iterdir() if (p / "__init__.py").exists()}
+    kept = []
+    for name in names:
+        top = name.split(".", 1)[0]
+        if top in sys.stdlib_module_names or top in OURS or top in local:
+            continue
+        try:
+            spec = importlib.util.find_spec(top)
+        except (ImportError, ValueError):
+            continue
+        if spec is None or spec.origin is None and not spec.submodule_search_locations:
+            continue
+        kept.append(name)
+    return kept
+
+
+def modules_for(script: str, flag: str, module_mode: bool) -> list[str]:
+    """What the server imports for this job: ``flag`` is ``--preload`` (``auto``, the
+    default: the script's third-party imports; ``none``; or comma-separated names,
+    which may include ``auto``)."""
+    wanted = [w.strip() for w in flag.split(",") if w.strip()]
+    if "none" in wanted:
+        return []
+    out = [w for w in wanted if w != "auto"]
+    if "auto" in wanted and not module_mode:
+        path = Path(script)
+        out += third_party(script_imports(path), path.resolve().parent)
+    return list(dict.fromkeys(out))
