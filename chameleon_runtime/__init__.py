@@ -6,13 +6,31 @@
                          pipeline_stages=4)
     trainer.fit(steps=100, on_step=lambda info: print(info.step, info.loss))
 
+An ordinary DDP loop swaps three objects (docs/dataparallel.md)::
+
+    sampler = cr.ElasticSampler(dataset, global_batch_size=32, micro_batch_size=8)
+    model = cr.DataParallel(model, sampler)
+    optimizer = cr.ElasticOptimizer(torch.optim.AdamW(model.parameters()), model)
+
 A plain torchrun script gets hang detection from ``cr.heartbeat()`` once a step and
 ``with cr.section("checkpoint", timeout=600):`` around long phases (no-ops elsewhere).
 See docs/runtime.md for the full API and examples/train_gpt.py for a complete script.
 """
 
+from chameleon_runtime.dataparallel import DataParallel, ElasticOptimizer
 from chameleon_runtime.device import DeviceError
+from chameleon_runtime.sampler import ElasticSampler
 from chameleon_runtime.scriptbeat import heartbeat, section
 from chameleon_runtime.trainer import FitResult, StepInfo, Trainer
 
-__all__ = ["DeviceError", "FitResult", "StepInfo", "Trainer", "heartbeat", "section"]
+__all__ = [
+    "DataParallel",
+    "DeviceError",
+    "ElasticOptimizer",
+    "ElasticSampler",
+    "FitResult",
+    "StepInfo",
+    "Trainer",
+    "heartbeat",
+    "section",
+]

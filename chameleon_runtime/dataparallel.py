@@ -1,0 +1,256 @@
+"""The drop-in data-parallel API for an ordinary PyTorch loop: ``DataParallel`` in place
+of ``DistributedDataParallel``, ``ElasticOptimizer`` around the user's optimizer (its
+``step()`` is the commit point) and ``ElasticSampler`` (chameleon_runtime.sampler) in
+place of ``DistributedSampler``. The user keeps their model, loss, dataset, DataLoader,
+learning-rate schedule and loop::
+
+    model = cr.DataParallel(model, sampler)        # was DistributedDataParallel(model)
+    optimizer = cr.ElasticOptimizer(torch.optim.AdamW(model.parameters()), model)
+    for batch in DataLoader(dataset, batch_sampler=sampler):
+        loss = loss_fn(model(batch))
+        loss.backward()
+        if optimizer.step():                       # False while accumulating
+            scheduler.step()
+        optimizer.zero_grad()
+
+What it does, as DDP does: the parameters and buffers start as rank 0's (broadcast);
+gradients live in flat buckets (about 25 MiB, the first 1 MiB, in reverse parameter
+order) that each ``.grad`` is a view of, and a bucket is all-reduced, asynchronously, as
+soon as the last backward of this worker's share of the step has produced all of its
+gradients, so that the all-reduce overlaps the rest of the backward. What it does
+differently: a step is a fixed global batch of micro-batches dealt by the sampler; a
+worker with several micro-batches of a step accumulates them (``step()`` returns False
+and ``zero_grad()`` leaves the sums alone until the step commits), and the sum is
+divided by the step's micro-batch count, not the world size, so that the gradient is the
+global batch's mean however the micro-batches were dealt. With one micro-batch per worker
+(``global_batch_size == world_size * micro_batch_size``) it trains as DDP with
+DistributedSampler does.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from chameleon_runtime.sampler import ElasticSampler, MicroBatch
+
+BUCKET_CAP_BYTES = 25 << 20
+FIRST_BUCKET_CAP_BYTES = 1 << 20
+
+
+def _process_group(device: torch.device) -> Any:
+    """The default group, initialised from torchrun's environment when the script has not
+    (None alone: nothing to sum with)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.group.WORLD
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return None
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return dist.group.WORLD
+
+
+class _Bucket:
+    """Parameters whose gradients are summed together: one flat buffer per bucket
+    (its parameters share a dtype and device), each ``.grad`` a view into it."""
+
+    def __init__(self, params: list[nn.Parameter]) -> None:
+        self.params = params
+        self.flat = torch.zeros(
+            sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device
+        )
+        self.views: dict[nn.Parameter, torch.Tensor] = {}
+        offset = 0
+        for p in params:
+            view = self.flat[offset : offset + p.numel()].view_as(p)
+            if p.grad is not None:
+                view.copy_(p.grad)
+            p.grad = self.views[p] = view
+            offset += p.numel()
+        self.ready = 0  # parameters whose gradient of the last backward is in
+        self.work: Any = None  # the all-reduce in flight
+
+
+def _buckets(params: list[nn.Parameter]) -> list[_Bucket]:
+    """DDP's bucketing: reverse order (the backward produces the last layers' gradients
+    first), a small first bucket so that the first all-reduce starts early."""
+    out, group, size = [], [], 0
+    cap = FIRST_BUCKET_CAP_BYTES
+    for p in reversed(params):
+        if group and (size + p.numel() * p.element_size() > cap or p.dtype != group[0].dtype):
+            out.append(_Bucket(group))
+            group, size, cap = [], 0, BUCKET_CAP_BYTES
+        group.append(p)
+        size += p.numel() * p.element_size()
+    if group:
+        out.append(_Bucket(group))
+    return out
+
+
+class DataParallel(nn.Module):
+    """In place of ``DistributedDataParallel(module)``; ``sampler`` deals the micro-batches
+    this wrapper's forward passes run (chameleon_runtime.sampler)."""
+
+    def __init__(self, module: nn.Module, sampler: ElasticSampler) -> None:
+        super().__init__()
+        self.module = module
+        self.sampler = sampler
+        first = next(module.parameters(), None)
+        device = first.device if first is not None else torch.device("cpu")
+        self.group = _process_group(device)
+        self.world_size = dist.get_world_size(self.group) if self.group is not None else 1
+        self.rank = dist.get_rank(self.group) if self.group is not None else 0
+        sampler.rank, sampler.members = self.rank, list(range(self.world_size))
+        if self.group is not None:  # every replica starts from rank 0's weights, as DDP's
+            with torch.no_grad():
+                for t in [*module.parameters(), *module.buffers()]:
+                    dist.broadcast(t.data, 0, group=self.group)
+        self._params = [p for p in module.parameters() if p.requires_grad]
+        self._buckets = _buckets(self._params)
+        self._bucket_of = {p: k for k, b in enumerate(self._buckets) for p in b.params}
+        self._launched = 0  # buckets launched in this step's sync, in order
+        self._armed = False  # the current backward is this worker's last of the step
+        self._queued = False  # its end-of-backward sync is queued
+        self.current: MicroBatch | None = None  # what the last training forward ran
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(self._accumulated) for p in self._params
+        ]
+
+    # -- the forward and the backward's hooks ---------------------------------------------
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.is_grad_enabled() and self.training:
+            # The loader yields in the order the sampler dealt (also with prefetching
+            # workers), so the oldest issued micro-batch is this one.
+            issued = self.sampler.issued
+            self.current = issued.pop(0) if issued else None
+            self._armed = self.current is None or self.current.last
+            self._queued = False
+            if self._armed:
+                self._launched = 0
+                for b in self._buckets:
+                    b.ready = 0
+            # The step's gradients show in .grad only from its last backward on (what a
+            # loop does to them between backward() and step(), such as clipping, must
+            # see the whole step's); before, each micro-batch's is added to the bucket
+            # and .grad left empty.
+            for b in self._buckets:
+                for p, view in b.views.items():
+                    p.grad = view if self._armed else None
+        return self.module(*args, **kwargs)
+
+    def _accumulated(self, param: nn.Parameter) -> None:
+        if not self._armed:  # accumulating: into the bucket, out of sight
+            self._buckets[self._bucket_of[param]].views[param].add_(param.grad)
+            param.grad = None
+            return
+        if not self._queued:
+            # As DDP: the sums are complete when backward() returns, so that what the
+            # loop does between it and step() (clipping, logging a norm) sees them.
+            torch.autograd.Variable._execution_engine.queue_callback(self.sync)
+            self._queued = True
+        if self.group is None:
+            return
+        bucket = self._buckets[self._bucket_of[param]]
+        bucket.ready += 1
+        # Buckets go out in one order on every worker (a collective's order must agree):
+        # a complete bucket waits for those before it.
+        while self._launched < len(self._buckets) and self._buckets[self._launched].ready == len(
+            self._buckets[self._launched].params
+        ):
+            self._launch(self._launched)
+
+    def _launch(self, k: int) -> None:
+        bucket = self._buckets[k]
+        bucket.work = dist.all_reduce(
+            bucket.flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True
+        )
+        self._launched = k + 1
+
+    def sync(self) -> None:
+        """The step's sums, divided into its mean: what the last backward did not launch
+        (a parameter with no gradient in it) goes out now, in order; then each is waited
+        for."""
+        if not self._armed:  # done at the end of the backward already
+            return
+        if self.group is not None:
+            while self._launched < len(self._buckets):
+                self._launch(self._launched)
+            for b in self._buckets:
+                b.work.wait()
+                b.work = None
+        self._armed = False
+        # The global batch's mean: its micro-batches' count when the sampler dealt them;
+        # DDP's world size for batches it did not deal.
+        count = self.sampler.num_micro_batches if self.current is not None else self.world_size
+        with torch.no_grad():
+            for b in self._buckets:
+                b.flat.div_(count)
+
+    def zero_grad_buckets(self) -> None:
+        for b in self._buckets:
+            b.flat.zero_()
+
+    def parameters_in_buckets(self) -> Iterator[nn.Parameter]:
+        yield from self._params
+
+
+class ElasticOptimizer(torch.optim.Optimizer):
+    """The user's optimizer, stepped once per global step: ``step()`` returns True when the
+    step committed (this worker's share of it done and the sums in), False while it
+    accumulates; ``zero_grad()`` clears the sums only after a commit. A learning-rate
+    scheduler built on this wrapper steps the inner optimizer's groups."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, model: DataParallel) -> None:
+        # (torch.optim.Optimizer.__init__ is not called: the state is the inner one's)
+        self.optimizer = optimizer
+        self.model = model
+        self.committed_steps = 0
+        self._clear = True  # the sums belong to a committed step: zero_grad may clear them
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, groups: list[dict[str, Any]]) -> None:
+        self.optimizer.param_groups = groups
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        return self.optimizer.state
+
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        return self.optimizer.defaults
+
+    def step(self, closure: Any = None) -> bool:  # type: ignore[override]
+        current = self.model.current
+        if current is not None and not current.last:
+            self._clear = False
+            return False
+        self.model.sync()
+        self.optimizer.step(closure) if closure is not None else self.optimizer.step()
+        if current is not None:
+            self.model.sampler.step = current.step + 1
+        self.committed_steps += 1
+        self._clear = True
+        return True
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        del set_to_none  # the gradients are views of the buckets: zeroed, never dropped
+        if self._clear:
+            self.model.zero_grad_buckets()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state_dict)
+
+    def __repr__(self) -> str:
+        return f"ElasticOptimizer({self.optimizer!r})"

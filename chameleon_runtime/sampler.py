@@ -1,0 +1,151 @@
+"""``ElasticSampler``: in place of ``DistributedSampler``, the global batch of every step
+dealt to the workers that are members now.
+
+A step covers a fixed global batch, whoever computes it: step ``s`` of epoch ``e`` is the
+``G`` samples at positions ``k*G ... (k+1)*G - 1`` of the epoch's permutation (``k`` the
+step within the epoch; ``torch.randperm`` seeded with ``seed + e``, as DistributedSampler
+draws it). Those ``G`` samples are ``M = G / m`` micro-batches of ``m``: micro-batch ``j``
+takes positions ``k*G + i*M + j`` for ``i < m``. Member ``p`` of ``n`` (ranks sorted)
+computes the micro-batches ``j`` with ``j % n == p``. With one micro-batch per member
+(``G = n * m``) member ``p``'s batch is exactly DistributedSampler's for rank ``p``; with
+fewer members each takes more micro-batches of the same size (gradient accumulation,
+the rule ReCycle uses), so a step's gradient is the same sum over the same samples.
+
+Epochs end at the last full global batch (``drop_last``): every step has the same size.
+It is a batch sampler: ``DataLoader(dataset, batch_sampler=sampler)``, one micro-batch
+per iteration, and ``set_epoch`` as for DistributedSampler.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sized
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """What one iteration of the loader is: micro-batch ``index`` of global step ``step``,
+    and whether it is this worker's last of that step (the one whose backward syncs)."""
+
+    step: int
+    index: int
+    last: bool
+
+
+def deal(num_micro_batches: int, members: list[int], rank: int) -> list[int]:
+    """The micro-batches of a step that ``rank`` computes among ``members``."""
+    ranks = sorted(members)
+    p, n = ranks.index(rank), len(ranks)
+    return [j for j in range(num_micro_batches) if j % n == p]
+
+
+class ElasticSampler:
+    """A batch sampler over a map-style dataset (anything with ``len``)."""
+
+    def __init__(
+        self,
+        dataset: Sized,
+        *,
+        global_batch_size: int,
+        micro_batch_size: int,
+        shuffle: bool = True,
+        seed: int = 0,
+        rank: int | None = None,
+        world_size: int | None = None,
+    ) -> None:
+        if global_batch_size % micro_batch_size:
+            raise ValueError(
+                f"global_batch_size {global_batch_size} is not a multiple of "
+                f"micro_batch_size {micro_batch_size}"
+            )
+        self.size = len(dataset)
+        if self.size < global_batch_size:
+            raise ValueError(
+                f"the dataset has {self.size} samples, fewer than one global batch "
+                f"({global_batch_size})"
+            )
+        self.global_batch_size = global_batch_size
+        self.micro_batch_size = micro_batch_size
+        self.shuffle = shuffle
+        self.seed = seed
+        self.rank = int(os.environ.get("RANK", "0")) if rank is None else rank
+        world = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
+        self.members = list(range(world))  # who computes steps now (DataParallel updates it)
+        self.epoch = 0
+        self.step = 0  # the next step to run, global (counted over epochs)
+        self._order: tuple[int, torch.Tensor] | None = None  # an epoch's permutation
+        self.issued: list[MicroBatch] = []  # yielded, not yet run (DataParallel pops them)
+
+    # -- what a step is ----------------------------------------------------------------
+
+    @property
+    def num_micro_batches(self) -> int:
+        return self.global_batch_size // self.micro_batch_size
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.size // self.global_batch_size
+
+    def _permutation(self, epoch: int) -> torch.Tensor:
+        if self._order is None or self._order[0] != epoch:
+            if self.shuffle:
+                g = torch.Generator()
+                g.manual_seed(self.seed + epoch)
+                order = torch.randperm(self.size, generator=g)
+            else:
+                order = torch.arange(self.size)
+            self._order = (epoch, order)
+        return self._order[1]
+
+    def indices(self, step: int, micro_batch: int) -> list[int]:
+        """The samples of micro-batch ``micro_batch`` of global step ``step``."""
+        epoch, k = divmod(step, self.steps_per_epoch)
+        order = self._permutation(epoch)
+        base, m = k * self.global_batch_size, self.num_micro_batches
+        return [int(order[base + i * m + micro_batch]) for i in range(self.micro_batch_size)]
+
+    def mine(self, step: int) -> list[int]:
+        """The micro-batches of ``step`` this worker computes."""
+        del step  # every step is dealt alike among the same members
+        return deal(self.num_micro_batches, self.members, self.rank)
+
+    # -- DistributedSampler's interface ----------------------------------------------------
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start the next iteration at ``epoch``'s first step (or where training is, if
+        that is further: a resumed run goes on mid-epoch)."""
+        self.epoch = epoch
+        self.step = max(self.step, epoch * self.steps_per_epoch)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        if self.step >= (self.epoch + 1) * self.steps_per_epoch:
+            # A pass without set_epoch goes on with the next epoch (DistributedSampler
+            # would repeat the last one's order).
+            self.epoch = self.step // self.steps_per_epoch
+        end = (self.epoch + 1) * self.steps_per_epoch
+        step = max(self.step, self.epoch * self.steps_per_epoch)
+        self.issued.clear()
+        while step < end:
+            share = self.mine(step)
+            for n, j in enumerate(share):
+                self.issued.append(MicroBatch(step, j, last=n == len(share) - 1))
+                yield self.indices(step, j)
+            step += 1
+
+    def __len__(self) -> int:
+        steps = (self.epoch + 1) * self.steps_per_epoch - max(
+            self.step, self.epoch * self.steps_per_epoch
+        )
+        return max(0, steps) * len(self.mine(self.step))
+
+    # -- checkpoints ---------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "step": self.step, "seed": self.seed}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.epoch, self.step, self.seed = state["epoch"], state["step"], state["seed"]
+        self._order = None
