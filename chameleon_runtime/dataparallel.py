@@ -29,7 +29,10 @@ DistributedSampler does.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import os
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -37,7 +40,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from chameleon_runtime.comm import Aborted, CommError
+from chameleon_runtime.elastic import Membership, export_state, install_state, under_chameleon
 from chameleon_runtime.sampler import ElasticSampler, MicroBatch
+from chameleon_runtime.shard import Seeder, op_seed
 
 BUCKET_CAP_BYTES = 25 << 20
 FIRST_BUCKET_CAP_BYTES = 1 << 20
@@ -93,7 +99,8 @@ def _buckets(params: list[nn.Parameter]) -> list[_Bucket]:
 
 class DataParallel(nn.Module):
     """In place of ``DistributedDataParallel(module)``; ``sampler`` deals the micro-batches
-    this wrapper's forward passes run (chameleon_runtime.sampler)."""
+    this wrapper's forward passes run (chameleon_runtime.sampler). Under ``chameleon
+    run`` it recovers in place (chameleon_runtime.elastic)."""
 
     def __init__(self, module: nn.Module, sampler: ElasticSampler) -> None:
         super().__init__()
@@ -101,24 +108,58 @@ class DataParallel(nn.Module):
         self.sampler = sampler
         first = next(module.parameters(), None)
         device = first.device if first is not None else torch.device("cpu")
-        self.group = _process_group(device)
-        self.world_size = dist.get_world_size(self.group) if self.group is not None else 1
-        self.rank = dist.get_rank(self.group) if self.group is not None else 0
+        self.elastic: Membership | None = None
+        if under_chameleon():
+            self.group = None
+            self.elastic = Membership(sampler, device.type)
+            self.world_size, self.rank = self.elastic.world_size, self.elastic.rank
+        else:
+            self.group = _process_group(device)
+            self.world_size = dist.get_world_size(self.group) if self.group is not None else 1
+            self.rank = dist.get_rank(self.group) if self.group is not None else 0
+        if sampler.num_micro_batches < self.world_size:
+            raise ValueError(
+                f"a step of {sampler.global_batch_size} samples is "
+                f"{sampler.num_micro_batches} micro-batches of {sampler.micro_batch_size}, "
+                f"fewer than the {self.world_size} workers: each needs one at least"
+            )
         sampler.rank, sampler.members = self.rank, list(range(self.world_size))
-        if self.group is not None:  # every replica starts from rank 0's weights, as DDP's
-            with torch.no_grad():
-                for t in [*module.parameters(), *module.buffers()]:
-                    dist.broadcast(t.data, 0, group=self.group)
         self._params = [p for p in module.parameters() if p.requires_grad]
         self._buckets = _buckets(self._params)
         self._bucket_of = {p: k for k, b in enumerate(self._buckets) for p in b.params}
         self._launched = 0  # buckets launched in this step's sync, in order
         self._armed = False  # the current backward is this worker's last of the step
         self._queued = False  # its end-of-backward sync is queued
+        self._discard = False  # the current micro-batch is a stale deal's: dropped
+        self.failure: tuple[str, bool] | None = None  # (why, pending) of a failed sync
         self.current: MicroBatch | None = None  # what the last training forward ran
+        self._timing: list[float] = []  # the first step's forward start, end (described)
+        self._seeder = Seeder(str(device))
+        if self.elastic is not None and not self.elastic.joining:
+            self.elastic.start(sampler.step)
+            self._broadcast_elastic()
+        elif self.group is not None:  # every replica starts from rank 0's weights, as DDP's
+            with torch.no_grad():
+                for t in [*module.parameters(), *module.buffers()]:
+                    dist.broadcast(t.data, 0, group=self.group)
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._accumulated) for p in self._params
         ]
+
+    def _broadcast_elastic(self) -> None:
+        """Rank 0's weights on every member: the others add zeros to them (exact)."""
+        assert self.elastic is not None
+        with torch.no_grad():
+            for t in [*self.module.parameters(), *self.module.buffers()]:
+                if not t.is_floating_point():
+                    continue
+                if self.rank != 0:
+                    t.data.zero_()
+                self.elastic.wait(self.elastic.allreduce(t.data))
+
+    @property
+    def distributed(self) -> bool:
+        return self.group is not None or self.elastic is not None
 
     # -- the forward and the backward's hooks ---------------------------------------------
 
@@ -128,7 +169,8 @@ class DataParallel(nn.Module):
             # workers), so the oldest issued micro-batch is this one.
             issued = self.sampler.issued
             self.current = issued.pop(0) if issued else None
-            self._armed = self.current is None or self.current.last
+            self._discard = self.current is not None and self.current.deal != self.sampler.deal_id
+            self._armed = not self._discard and (self.current is None or self.current.last)
             self._queued = False
             if self._armed:
                 self._launched = 0
@@ -141,9 +183,24 @@ class DataParallel(nn.Module):
             for b in self._buckets:
                 for p, view in b.views.items():
                     p.grad = view if self._armed else None
+            if self.current is not None:
+                # Random ops (dropout) draw the same numbers for a micro-batch wherever it
+                # runs: a run that lost a worker, whose micro-batches others computed,
+                # trains the same weights as one that did not.
+                self._seeder.seed(
+                    op_seed(self.sampler.seed, self.current.step, self.current.index, 0)
+                )
+            if self.elastic is not None and not self.elastic.described:
+                self._timing = [time.perf_counter()]
+                out = self.module(*args, **kwargs)
+                self._timing.append(time.perf_counter())
+                return out
         return self.module(*args, **kwargs)
 
     def _accumulated(self, param: nn.Parameter) -> None:
+        if self._discard:  # a stale deal's micro-batch (a recovery happened since)
+            param.grad = None
+            return
         if not self._armed:  # accumulating: into the bucket, out of sight
             self._buckets[self._bucket_of[param]].views[param].add_(param.grad)
             param.grad = None
@@ -153,7 +210,7 @@ class DataParallel(nn.Module):
             # loop does between it and step() (clipping, logging a norm) sees them.
             torch.autograd.Variable._execution_engine.queue_callback(self.sync)
             self._queued = True
-        if self.group is None:
+        if not self.distributed or self.failure is not None:
             return
         bucket = self._buckets[self._bucket_of[param]]
         bucket.ready += 1
@@ -166,24 +223,61 @@ class DataParallel(nn.Module):
 
     def _launch(self, k: int) -> None:
         bucket = self._buckets[k]
+        self._launched = k + 1
+        if self.elastic is not None:
+            try:
+                bucket.work = self.elastic.allreduce(bucket.flat)
+            except (Aborted, CommError) as exc:
+                self.failure = (str(exc), False)
+            return
         bucket.work = dist.all_reduce(
             bucket.flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True
         )
-        self._launched = k + 1
 
     def sync(self) -> None:
         """The step's sums, divided into its mean: what the last backward did not launch
         (a parameter with no gradient in it) goes out now, in order; then each is waited
-        for."""
+        for. Under chameleon run a failure here is not raised (it would end the user's
+        backward()): it is kept, and ``ElasticOptimizer.step`` recovers."""
         if not self._armed:  # done at the end of the backward already
             return
-        if self.group is not None:
+        self._armed = False
+        if self._timing and self.elastic is not None and not self.elastic.described:
+            self._timing.append(time.perf_counter())
+        if self.elastic is not None:
+            self._sync_elastic()
+        elif self.group is not None:
             while self._launched < len(self._buckets):
                 self._launch(self._launched)
             for b in self._buckets:
                 b.work.wait()
                 b.work = None
-        self._armed = False
+        self._mean()
+
+    def _sync_elastic(self) -> None:
+        elastic = self.elastic
+        assert elastic is not None
+        try:
+            if self.failure is None:
+                while self._launched < len(self._buckets):
+                    self._launch(self._launched)
+            if self.failure is not None:
+                return
+            for b in self._buckets:
+                elastic.wait(b.work)
+                b.work = None
+        except (Aborted, CommError) as exc:
+            self.failure = (str(exc), False)
+            return
+        # Every member has the step's sums once this one-element all-reduce ends: the
+        # commit (module doc of chameleon_runtime.elastic). Posted and not seen to end,
+        # the step may be applied elsewhere: pending, the next plan says.
+        try:
+            elastic.wait(elastic.allreduce(torch.ones(1)))
+        except (Aborted, CommError) as exc:
+            self.failure = (str(exc), True)
+
+    def _mean(self) -> None:
         # The global batch's mean: its micro-batches' count when the sampler dealt them;
         # DDP's world size for batches it did not deal.
         count = self.sampler.num_micro_batches if self.current is not None else self.world_size
@@ -194,6 +288,8 @@ class DataParallel(nn.Module):
     def zero_grad_buckets(self) -> None:
         for b in self._buckets:
             b.flat.zero_()
+            b.work = None
+        self._armed = False
 
     def parameters_in_buckets(self) -> Iterator[nn.Parameter]:
         yield from self._params
@@ -202,8 +298,9 @@ class DataParallel(nn.Module):
 class ElasticOptimizer(torch.optim.Optimizer):
     """The user's optimizer, stepped once per global step: ``step()`` returns True when the
     step committed (this worker's share of it done and the sums in), False while it
-    accumulates; ``zero_grad()`` clears the sums only after a commit. A learning-rate
-    scheduler built on this wrapper steps the inner optimizer's groups."""
+    accumulates or when a recovery left the step to be redone; ``zero_grad()`` clears the
+    sums only after a commit. A learning-rate scheduler built on this wrapper steps the
+    inner optimizer's groups."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, model: DataParallel) -> None:
         # (torch.optim.Optimizer.__init__ is not called: the state is the inner one's)
@@ -211,6 +308,13 @@ class ElasticOptimizer(torch.optim.Optimizer):
         self.model = model
         self.committed_steps = 0
         self._clear = True  # the sums belong to a committed step: zero_grad may clear them
+        self._last_commit = time.perf_counter()
+        elastic = model.elastic
+        if elastic is not None:
+            atexit.register(self._at_exit)
+            if elastic.joining:  # a replacement: healed from a live member, then trains
+                resume = elastic.join(self._export, self._install)
+                model.sampler.rewind(resume, elastic.members)
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
@@ -229,17 +333,75 @@ class ElasticOptimizer(torch.optim.Optimizer):
         return self.optimizer.defaults
 
     def step(self, closure: Any = None) -> bool:  # type: ignore[override]
-        current = self.model.current
+        model, elastic = self.model, self.model.elastic
+        current = model.current
+        if model._discard:  # a stale deal's micro-batch: nothing of it counts
+            self._clear = True
+            return False
+        if elastic is not None and model.failure is None and elastic.aborted():
+            model.failure = (f"generation {elastic.generation} aborted", False)
+        if model.failure is not None:
+            return self._recover(current)
         if current is not None and not current.last:
             self._clear = False
             return False
-        self.model.sync()
-        self.optimizer.step(closure) if closure is not None else self.optimizer.step()
+        model.sync()
+        if model.failure is not None:
+            return self._recover(current)
+        self._apply(closure)
         if current is not None:
-            self.model.sampler.step = current.step + 1
+            model.sampler.step = current.step + 1
+        return True
+
+    def _apply(self, closure: Any = None) -> None:
+        self.optimizer.step(closure) if closure is not None else self.optimizer.step()
         self.committed_steps += 1
         self._clear = True
-        return True
+        elastic = self.model.elastic
+        if elastic is not None:
+            now = time.perf_counter()
+            step = self.model.sampler.step + 1
+            elastic.progress(step, now - self._last_commit)
+            self._last_commit = now
+            timing = self.model._timing
+            if not elastic.described and len(timing) == 3:
+                forward_s, backward_s = timing[1] - timing[0], timing[2] - timing[1]
+                params = sum(p.numel() for p in self.model.module.parameters())
+                elastic.describe(forward_s, backward_s, params, self.optimizer)
+
+    def _recover(self, current: MicroBatch | None) -> bool:
+        """A failure during this step: the launcher's next plan, then the step again (or,
+        rolled forward, applied as the others applied it)."""
+        model, elastic = self.model, self.model.elastic
+        assert elastic is not None and model.failure is not None
+        why, pending = model.failure
+        model.failure = None
+        step = current.step if current is not None else model.sampler.step
+        resume, roll = elastic.recover(
+            why, step=step, pending=pending, export=self._export, install=self._install
+        )
+        if roll:  # the step was committed elsewhere: these sums are final
+            model._mean()
+            self._apply()
+        model.zero_grad_buckets()
+        self._clear = True
+        model.sampler.rewind(resume, elastic.members)
+        return roll
+
+    def _export(self) -> tuple[dict, list[torch.Tensor]]:
+        return export_state(self.model.module, self.optimizer, self.model.sampler)
+
+    def _install(self, header: dict, tensors: list[torch.Tensor]) -> None:
+        install_state(header, tensors, self.model.module, self.optimizer, self.model.sampler)
+
+    def _at_exit(self) -> None:
+        elastic = self.model.elastic
+        if elastic is None:
+            return
+        with contextlib.suppress(Exception):
+            elastic.finish(self.model.sampler.step)
+        with contextlib.suppress(Exception):
+            elastic.close()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         del set_to_none  # the gradients are views of the buckets: zeroed, never dropped

@@ -33,6 +33,7 @@ class MicroBatch:
     step: int
     index: int
     last: bool
+    deal: int = 0  # the sampler's deal it belongs to (a recovery starts a new one)
 
 
 def deal(num_micro_batches: int, members: list[int], rank: int) -> list[int]:
@@ -78,6 +79,8 @@ class ElasticSampler:
         self.step = 0  # the next step to run, global (counted over epochs)
         self._order: tuple[int, torch.Tensor] | None = None  # an epoch's permutation
         self.issued: list[MicroBatch] = []  # yielded, not yet run (DataParallel pops them)
+        self.deal_id = 0  # which deal (membership) the micro-batches issued now belong to
+        self._rewound: int | None = None
 
     # -- what a step is ----------------------------------------------------------------
 
@@ -128,12 +131,27 @@ class ElasticSampler:
         end = (self.epoch + 1) * self.steps_per_epoch
         step = max(self.step, self.epoch * self.steps_per_epoch)
         self.issued.clear()
+        self._rewound = None
         while step < end:
             share = self.mine(step)
             for n, j in enumerate(share):
-                self.issued.append(MicroBatch(step, j, last=n == len(share) - 1))
+                if self._rewound is not None:
+                    break
+                self.issued.append(MicroBatch(step, j, last=n == len(share) - 1, deal=self.deal_id))
                 yield self.indices(step, j)
+            if self._rewound is not None:  # a recovery: the step again, dealt anew
+                step, self._rewound = self._rewound, None
+                continue
             step += 1
+
+    def rewind(self, step: int, members: list[int]) -> None:
+        """A recovery: the next micro-batches are ``step``'s, dealt among ``members``.
+        Micro-batches already issued under the old deal (a DataLoader's prefetched
+        batches) are stale: DataParallel discards what they compute."""
+        self.members = sorted(members)
+        self.step = step
+        self.deal_id += 1
+        self._rewound = step
 
     def __len__(self) -> int:
         steps = (self.epoch + 1) * self.steps_per_epoch - max(

@@ -10,7 +10,7 @@ per-parameter state, and the optimizer is rebuilt over the held layers when they
 Why per-layer seeding: layer i is always built under seed (seed, i), so every holder of it,
 now or after a migration, starts from the same weights; and each layer's forward runs
 under a seed of (step, micro-batch, layer), so dropout draws the same mask whichever
-worker runs it. The generators are seeded directly (``_Seeder``), not through
+worker runs it. The generators are seeded directly (``Seeder``), not through
 ``torch.manual_seed``: on a machine whose CUDA is not initialised, that queues a lazy
 seeding with a captured Python stack for every device type, which cost a fifth of a
 tiny model's step. The caller's CPU generator is saved once per pass and given back.
@@ -63,7 +63,7 @@ def op_seed(seed: int, step: int, micro_batch: int, layer: int) -> int:
     return (seed * 1_000_003 + step * 104_729 + micro_batch * 7919 + layer * 31) % (2**63)
 
 
-class _Seeder:
+class Seeder:
     """Seeds the generators a layer's forward draws from on ``device``: the CPU's, and
     the accelerator's own where the layer runs on one (module doc)."""
 
@@ -107,7 +107,7 @@ class Shard:
         self.layers: dict[int, nn.Module] = {}
         self._optimizer: torch.optim.Optimizer | None = None
         self._optimizer_stale = False  # the held layers changed since it was built
-        self._seeder = _Seeder(device)
+        self._seeder = Seeder(device)
         self.grad_sums: dict[int, list[torch.Tensor]] = {}  # float64, per held layer
 
     # -- holding -----------------------------------------------------------------------

@@ -1,0 +1,419 @@
+"""The drop-in data-parallel API under ``chameleon run``: in-place recovery for an
+ordinary loop (chameleon_runtime.dataparallel). Under torchrun the drop-in API sums on
+the default process group, as DDP; under chameleon run it speaks the runtime's protocol
+with the launcher (planner.protocol), as the Trainer does, over groups of its own:
+
+- The job is one stage (the whole model, "layer" 0) held by every member; the plan's
+  workers are the members, and the sampler deals each step's micro-batches among them.
+- A step's gradients are all-reduced on a collective group of the generation's members
+  (chameleon_runtime.comm: an abort ends every wait), then a one-element all-reduce, the
+  commit, says every member has the step's sums. A worker that saw the commit applies
+  the step; one that posted it and did not see it end keeps the sums (``pending``), and
+  the next plan says whether the step was applied elsewhere (``roll_forward``): then it
+  applies it too. A failure before the commit leaves the step to be redone by the new
+  members, the sampler dealing its micro-batches among them.
+- On a failure (a peer's death breaking the all-reduce, the launcher's abort), the
+  worker reports ``Ready`` with the step it is at and waits for the next plan, builds
+  the new generation's group, heals whoever the plan says lacks the state (a
+  replacement: model, optimizer state, sampler position and random state, sent from a
+  live member), reports ``Applied`` and goes back to the loop, whose next micro-batches
+  are the interrupted step dealt anew.
+- A replacement started by the launcher announces itself (``Joined``) from the drop-in's
+  constructor and waits there, as a spare, until a plan takes it in (then heals) or
+  training ends (then the process exits 0: it has nothing to train).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from chameleon_runtime.comm import (
+    OP_TIMEOUT_S,
+    Aborted,
+    Collective,
+    CommError,
+    Generation,
+    settle,
+)
+from chameleon_runtime.control import STORE_LOST, Control, Finished
+from chameleon_runtime.shard import pack_layers, unpack_layers
+from planner.plan import Plan, pipelines_plan, split_evenly
+from planner.protocol import Applied, Finish, Joined, Ready
+from planner.seal import TOKEN_ENV
+from planner.wire import JobDescription, LayerCostWire, PlanMessage
+
+if TYPE_CHECKING:
+    from chameleon_runtime.sampler import ElasticSampler
+
+
+def under_chameleon() -> bool:
+    """Launched by ``chameleon run`` (its job token and worker store are in the env)."""
+    return TOKEN_ENV in os.environ and "CHAMELEON_RUN_DIR" in os.environ
+
+
+def dp_plan(members: list[int], num_micro_batches: int) -> Plan:
+    """Every member holds the whole model (one layer) and takes a share of the step."""
+    members = sorted(members)
+    return pipelines_plan(
+        num_layers=1,
+        num_micro_batches=num_micro_batches,
+        pipelines=[[r] for r in members],
+        boundaries=[[0, 1]] * len(members),
+        micro_batch_counts=split_evenly(num_micro_batches, [1.0] * len(members)),
+    )
+
+
+class Membership:
+    """This worker's place in the job under chameleon run: the generation, its group,
+    and the recovery protocol. ``state`` gives what a heal sends: (model, optimizer)."""
+
+    def __init__(self, sampler: ElasticSampler, device: str) -> None:
+        env = os.environ
+        self.rank = int(env["RANK"])
+        self.world_size = int(env["WORLD_SIZE"])
+        self.sampler = sampler
+        self.device = device
+        self.control = Control(
+            env["MASTER_ADDR"],
+            int(env["MASTER_PORT"]),
+            self.rank,
+            attempt=int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
+        )
+        self.control.register(device)
+        self.generation = 0
+        self.applied = 0
+        self.gen: Generation | None = None
+        self.collectives: dict[tuple[int, ...], Collective] = {}
+        self.members: list[int] = list(range(self.world_size))
+        self.recoveries = 0
+        self.described = False
+        self.joining = env.get("CHAMELEON_JOIN")
+
+    # -- generation 0 ----------------------------------------------------------------------
+
+    def start(self, step: int) -> None:
+        """Publish generation 0 (the chief) and build its group."""
+        self.sampler.step = step
+        plan = dp_plan(self.members, self.sampler.num_micro_batches)
+        if self.rank == 0:
+            message = PlanMessage.build(generation=0, policy="initial", resume_step=step, plan=plan)
+            self.control.put_signed(self.control.keys.plan(0), message)
+            self.control.put_signed(self.control.keys.latest, "0")
+        self._enter(0, self.members, build_agreement=False)
+        self.control.status.update(phase="train", generation=0, step=step)
+
+    def describe(self, forward_s: float, backward_s: float, params: int, optimizer: Any) -> None:
+        """The job for the planner, from the first step's measured pass (the chief)."""
+        if self.described or self.rank != min(self.members):
+            return
+        self.described = True
+        name = type(optimizer).__name__.lower()
+        import psutil
+
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        description = JobDescription(
+            model="DataParallel",
+            layers=[
+                LayerCostWire(
+                    name="model",
+                    num_params=params,
+                    forward_s=forward_s,
+                    backward_s=backward_s,
+                    optimizer_s=0.0,
+                    activation_bytes=0,
+                    stash_bytes=0,
+                )  # fmt: skip
+            ],
+            global_batch_size=self.sampler.global_batch_size,
+            micro_batch_size=self.sampler.micro_batch_size,
+            param_bytes=4,
+            grad_bytes=4,
+            optimizer_bytes=8 if "adam" in name else 4,
+            dp=len(self.members),
+            pp=1,
+            memory_limit_bytes=int(psutil.virtual_memory().total / max(1, local)),
+            link_bandwidth_bytes_per_s=1e9,
+            link_latency_s=1e-4,
+            checkpoint_interval_steps=1,
+            host_cores=len(os.sched_getaffinity(0)) if self.device == "cpu" else 0,
+        )
+        self.control.put_signed(self.control.keys.job, description)
+
+    def _enter(self, generation: int, members: list[int], *, build_agreement: bool = True) -> None:
+        self.generation = generation
+        self.control.status.update(phase="groups", generation=generation)
+        if build_agreement and not self.control.agree(generation, "groups", len(members)).held:
+            raise Aborted(f"generation {generation} aborted before its groups were built")
+        for holders in list(self.collectives):  # a new generation builds its own (gloo)
+            self.collectives.pop(holders).let_go(self.control_transport(), _RELEASE)
+        self.gen = Generation(
+            store=self.control.store,
+            prefix=self.control.keys.groups(generation),
+            generation=generation,
+            members=members,
+            me=self.rank,
+            interrupts=self.control.interrupts,
+            status=self.control.status,
+            collectives=self.collectives,
+            wanted=[tuple(members)],
+        )
+        self.members = list(members)
+
+    def control_transport(self) -> Any:
+        from chameleon_runtime.transport import GlooTransport
+
+        return self.gen.transport if self.gen is not None else GlooTransport()
+
+    # -- a step's collectives ----------------------------------------------------------------
+
+    @property
+    def holders(self) -> tuple[int, ...]:
+        return tuple(self.members)
+
+    def aborted(self) -> bool:
+        return self.control.interrupts.aborted(self.generation)
+
+    def allreduce(self, tensor: torch.Tensor) -> Any:
+        assert self.gen is not None
+        return self.gen.allreduce(self.holders, tensor)
+
+    def wait(self, work: Any) -> None:
+        assert self.gen is not None
+        self.gen.wait(work, self.holders)
+
+    def progress(self, step: int, step_s: float) -> None:
+        self.control.status.update(
+            phase="train", generation=self.generation, step=step, progress=step, step_s=step_s
+        )
+
+    # -- recovery ------------------------------------------------------------------------
+
+    def recover(
+        self,
+        reason: str,
+        *,
+        step: int,
+        pending: bool,
+        export: Callable[[], tuple[dict, list[torch.Tensor]]],
+        install: Callable[[dict, list[torch.Tensor]], None],
+        held: bool = True,
+    ) -> tuple[int, bool]:
+        """Leave the generation, report, apply the next plan. Returns (the step to resume
+        at, whether the pending step is to be applied: rolled forward)."""
+        left = self.generation
+        self._leave()
+        while True:
+            self.control.status.update(phase="ready", generation=left)
+            try:
+                self.control.tell_leader(
+                    Ready(
+                        rank=self.rank, pid=os.getpid(), after=left, applied=self.applied,
+                        step=step if held else None, held=[0] if held else [],
+                        reason=reason[:200], pending=pending,
+                        committed=[0.0, 0.0, float(len(self.members))] if held else None,
+                    )
+                )  # fmt: skip
+                message = self.control.next_plan(left)
+            except Finished:
+                self._end()
+            except STORE_LOST:
+                if not self.control.reconnect():
+                    raise
+                continue
+            try:
+                resume, roll = self._apply(message, step, pending, export, install)
+                self.recoveries += 1
+                return resume, roll
+            except (Aborted, CommError) as exc:
+                self._leave()
+                left, reason = message.generation, str(exc)
+                if self.applied == message.generation:  # healed before the failure
+                    held = True
+            except STORE_LOST as exc:
+                if not self.control.reconnect():
+                    raise
+                self._leave()
+                left, reason = message.generation, f"the worker store moved ({exc})"[:200]
+
+    def _apply(
+        self,
+        message: PlanMessage,
+        step: int,
+        pending: bool,
+        export: Callable[[], tuple[dict, list[torch.Tensor]]],
+        install: Callable[[dict, list[torch.Tensor]], None],
+    ) -> tuple[int, bool]:
+        plan = message.plan.to_plan()
+        members = sorted(set(plan.workers) | {t.src for t in message.transfers})
+        if self.rank not in members:  # not used by this plan: wait for the next one
+            self.generation = message.generation
+            self.control.status.update(phase="spare", generation=message.generation)
+            self._idle()
+            raise Aborted("a spare waits for the next plan")
+        rf = message.roll_forward
+        roll = pending and rf is not None and rf.step == step
+        self._enter(message.generation, members)
+        self.control.status.update(phase="migrate")
+        t0 = time.perf_counter()
+        received = None
+        for t in sorted(message.transfers, key=lambda t: t.round):
+            assert self.gen is not None
+            if t.src == self.rank:
+                blob, header_len = pack_layers([export()])
+                self.gen.send(torch.tensor([header_len, blob.numel()], dtype=torch.int64), t.dst)
+                self.gen.send(blob, t.dst)
+                self.gen.flush_sends()
+            elif t.dst == self.rank:
+                sizes = self.gen.recv(torch.zeros(2, dtype=torch.int64), t.src)
+                blob = self.gen.recv(torch.empty(int(sizes[1]), dtype=torch.uint8), t.src)
+                received = unpack_layers(blob, int(sizes[0]))[0]
+        if not self.control.agree(message.generation, "migrated", len(members)).held:
+            raise Aborted(f"generation {message.generation} aborted during its migration")
+        if received is not None:
+            install(*received)
+        self.applied = message.generation
+        self.members = sorted(plan.workers)
+        self.sampler.members = list(self.members)
+        self.control.status.update(phase="train", step=message.resume_step)
+        self.control.tell_leader(
+            Applied(
+                rank=self.rank,
+                generation=message.generation,
+                migrate_s=time.perf_counter() - t0,
+                collectives_built=["-".join(map(str, self.members))],
+                sent_at=time.time(),
+            )
+        )
+        return message.resume_step, roll
+
+    def join(
+        self,
+        export: Callable[[], tuple[dict, list[torch.Tensor]]],
+        install: Callable[[dict, list[torch.Tensor]], None],
+    ) -> int:
+        """A replacement: announce it, then wait as a spare until a plan takes it in
+        (healing it) or training ends. Returns the step to resume at."""
+        message = self.control.latest_plan()
+        self.generation = message.generation
+        self.control.status.update(phase="spare", generation=message.generation)
+        self.control.tell_leader(
+            Joined(rank=self.rank, count=int(self.joining or 1), generation=message.generation)
+        )
+        if self.control.get_signed(self.control.keys.finished) is not None:
+            self._end()
+        self._idle()
+        resume, _ = self.recover(
+            "a replacement waits to be taken in",
+            step=0, pending=False, export=export, install=install, held=False,
+        )  # fmt: skip
+        return resume
+
+    def _idle(self) -> None:
+        """A spare: until its generation is aborted (a plan is coming) or training ends."""
+        import threading
+
+        event = threading.Event()
+        with self.control.interrupts.watch(self.generation, event):
+            event.wait()
+        if self.control.interrupts.finished is not None:
+            self._end()
+
+    def _leave(self) -> None:
+        if self.gen is not None:
+            self.gen.abandon()
+            self.gen = None
+        transport = self.control_transport()
+        while self.collectives:
+            self.collectives.popitem()[1].let_go(transport, _RELEASE)
+
+    def _end(self) -> None:
+        """Training ended while this worker waited: nothing left for it to do."""
+        self.control.status.update(phase="done")
+        self.close()
+        sys.stdout.flush()
+        os._exit(0)  # the script's loop has no step left to run here
+
+    def finish(self, step: int) -> None:
+        """The last step is done: spares and those waiting for a plan end too."""
+        self.control.status.update(phase="done", step=step)
+        if self.rank == min(self.members):
+            keys = self.control.keys
+            self.control.put_signed(keys.finished, str(step - 1))
+            self.control.end(self.generation, step - 1)
+            for rank in range(self.world_size):
+                if rank not in self.members:
+                    self.control.push_signed(keys.mailbox(rank), Finish(step=step - 1))
+
+    def close(self) -> None:
+        self._leave()
+        # The groups' threads end before the interpreter does (one still running then
+        # aborts the process: "terminate called without an active exception").
+        stuck = settle(timeout_s=5.0)
+        self.control.close()
+        if stuck:
+            print(
+                f"chameleon_runtime: rank {self.rank} ends with blocked waits: {stuck}",
+                file=sys.stderr,
+                flush=True,
+            )
+
+
+_RELEASE = __import__("datetime").timedelta(seconds=OP_TIMEOUT_S)
+
+
+def rng_state() -> dict[str, Any]:
+    """The random state a healed replacement takes on (JSON-able, tensors apart)."""
+    return {"python": repr(random.getstate())}
+
+
+def export_state(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, sampler: Any
+) -> tuple[dict, list[torch.Tensor]]:
+    """Model, optimizer and sampler as a header and tensors (shard.pack_layers' format)."""
+    names = list(model.state_dict().keys())
+    tensors = [t.detach().cpu().contiguous() for t in model.state_dict().values()]
+    opt = optimizer.state_dict()
+    state_items: list[list[Any]] = []
+    for index, state in opt["state"].items():
+        for key in sorted(state):
+            value = state[key]
+            if torch.is_tensor(value):
+                state_items.append([index, key, list(value.shape), str(value.dtype)])
+                tensors.append(value.detach().cpu().contiguous())
+            else:
+                state_items.append([index, key, None, value])
+    header = {
+        "layer": 0,
+        "names": names,
+        "params": [[list(t.shape), str(t.dtype)] for t in tensors[: len(names)]],
+        "state": state_items,
+        "param_groups": opt["param_groups"],
+        "sampler": sampler.state_dict(),
+        "torch_rng": torch.get_rng_state().tolist(),
+    }
+    return header, tensors
+
+
+def install_state(
+    header: dict,
+    tensors: list[torch.Tensor],
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    sampler: Any,
+) -> None:
+    names = header["names"]
+    model.load_state_dict(dict(zip(names, tensors[: len(names)], strict=True)))
+    rest = iter(tensors[len(names) :])
+    state: dict[int, dict[str, Any]] = {}
+    for index, key, shape, value in header["state"]:
+        state.setdefault(int(index), {})[key] = next(rest) if shape is not None else value
+    optimizer.load_state_dict({"state": state, "param_groups": header["param_groups"]})
+    sampler.load_state_dict(header["sampler"])
+    torch.set_rng_state(torch.tensor(header["torch_rng"], dtype=torch.uint8))

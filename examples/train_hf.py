@@ -1,0 +1,156 @@
+"""A Hugging Face causal LM trained by an ordinary PyTorch loop on chameleon_runtime's
+drop-in data-parallel API (docs/dataparallel.md).
+
+    chameleon run --standalone --nproc-per-node 2 examples/train_hf.py --steps 30
+    torchrun --standalone --nproc-per-node 2 examples/train_hf.py --steps 30
+
+The model is built from a config (``--family gpt2`` or ``llama``, a few small layers,
+random initial weights: nothing is downloaded); the text is Python's own documentation
+as it ships with the interpreter (``pydoc_data.topics``), read as bytes (a 256-token
+vocabulary, no tokenizer to fetch). The loop is the one a DDP script has, with three
+objects swapped: ``cr.ElasticSampler`` for DistributedSampler, ``cr.DataParallel`` for
+DistributedDataParallel, ``cr.ElasticOptimizer`` around AdamW. Rank 0 prints ``step N
+loss X`` (its own micro-batches' mean) once a step commits. ``--checkpoint-dir`` saves
+model, optimizer, schedule and sampler every ``--checkpoint-every`` steps, atomically,
+and resumes from them (what a restart needs under torchrun).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from pydoc_data.topics import topics
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+import chameleon_runtime as cr
+
+
+class Text(Dataset):
+    """Python's documentation as bytes, cut into samples of ``seq_len`` tokens."""
+
+    def __init__(self, seq_len: int) -> None:
+        data = "\n\n".join(topics[k] for k in sorted(topics)).encode("utf-8")
+        self.tokens = torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
+        self.seq_len = seq_len
+
+    def __len__(self) -> int:
+        return len(self.tokens) // self.seq_len
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return self.tokens[i * self.seq_len : (i + 1) * self.seq_len]
+
+
+def build_model(family: str, layers: int, hidden: int, heads: int, seq_len: int):
+    torch.manual_seed(0)  # the same initial weights on every rank, as a recipe seeds them
+    if family == "gpt2":
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        config = GPT2Config(
+            vocab_size=256, n_positions=seq_len, n_embd=hidden, n_layer=layers, n_head=heads
+        )
+        return GPT2LMHeadModel(config)
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=256, hidden_size=hidden, intermediate_size=4 * hidden,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
+        max_position_embeddings=seq_len,
+    )  # fmt: skip
+    return LlamaForCausalLM(config)
+
+
+def save(path: Path, model, optimizer, schedule, sampler, step: int) -> None:
+    tmp = path.with_suffix(".tmp")
+    state = {
+        "model": model.module.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "schedule": schedule.state_dict(),
+        "sampler": sampler.state_dict(),
+        "step": step,
+    }
+    torch.save(state, tmp)
+    os.replace(tmp, path)  # atomic: a reader sees the old checkpoint or the new one
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--family", choices=["gpt2", "llama"], default="gpt2")
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--global-batch", type=int, default=32)
+    p.add_argument("--micro-batch", type=int, default=8)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--checkpoint-dir", default=None)
+    p.add_argument("--checkpoint-every", type=int, default=10)
+    p.add_argument("--dump", default=None, help="write rank 0's losses and weights' sums here")
+    args = p.parse_args()
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    rank = int(os.environ.get("RANK", "0"))
+
+    data = Text(args.seq_len)
+    sampler = cr.ElasticSampler(
+        data, global_batch_size=args.global_batch, micro_batch_size=args.micro_batch, seed=0
+    )
+    loader = DataLoader(data, batch_sampler=sampler)
+    model = cr.DataParallel(
+        build_model(args.family, args.layers, args.hidden, args.heads, args.seq_len), sampler
+    )
+    optimizer = cr.ElasticOptimizer(torch.optim.AdamW(model.parameters(), lr=args.lr), model)
+    warmup = 5
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
+
+    step, losses = 0, {}
+    ckpt = Path(args.checkpoint_dir) / "last.pt" if args.checkpoint_dir else None
+    if ckpt is not None and ckpt.exists():
+        state = torch.load(ckpt, weights_only=True)
+        model.module.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        schedule.load_state_dict(state["schedule"])
+        sampler.load_state_dict(state["sampler"])
+        step = state["step"]
+        if rank == 0:
+            print(f"resumed from step {step}", flush=True)
+
+    model.train()
+    mine = []
+    while step < args.steps:
+        for batch in loader:
+            loss = model(input_ids=batch, labels=batch).loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            mine.append(loss.item())
+            committed = optimizer.step()
+            optimizer.zero_grad()
+            if not committed:
+                continue
+            schedule.step()
+            losses[step] = sum(mine) / len(mine)
+            mine = []
+            if rank == 0:
+                print(f"step {step} loss {losses[step]:.4f}", flush=True)
+            step += 1
+            if ckpt is not None and step % args.checkpoint_every == 0 and rank == 0:
+                ckpt.parent.mkdir(parents=True, exist_ok=True)
+                save(ckpt, model, optimizer, schedule, sampler, step)
+            if step >= args.steps:
+                break
+    if args.dump and rank == 0:
+        sums = {k: v.double().sum().item() for k, v in model.module.state_dict().items()}
+        Path(args.dump).write_text(json.dumps({"losses": losses, "weights": sums}))
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except KeyboardInterrupt:
+        sys.exit(130)
