@@ -309,12 +309,33 @@ class ElasticOptimizer(torch.optim.Optimizer):
         self.committed_steps = 0
         self._clear = True  # the sums belong to a committed step: zero_grad may clear them
         self._last_commit = time.perf_counter()
+        self._kept: list[Any] = []  # heal_with's objects
+        self._healed: list[dict] = []  # their states, received by a replacement
+        self._groups: list[dict] = []  # the received optimizer groups' settings
         elastic = model.elastic
         if elastic is not None:
             atexit.register(self._at_exit)
             if elastic.joining:  # a replacement: healed from a live member, then trains
                 resume = elastic.join(self._export, self._install)
                 model.sampler.rewind(resume, elastic.members)
+
+    @property
+    def global_step(self) -> int:
+        """The job's committed steps: a loop's counter (a replacement joins mid-run)."""
+        return self.model.sampler.step
+
+    def heal_with(self, *objects: Any) -> None:
+        """Objects with ``state_dict``/``load_state_dict`` (JSON-able states: a learning-
+        rate schedule) that a replacement takes from a live member with the model and the
+        optimizer. On a replacement, each takes the received state at once."""
+        for obj in objects:
+            index = len(self._kept)
+            self._kept.append(obj)
+            if index < len(self._healed):
+                obj.load_state_dict(self._healed[index])
+                # A schedule's constructor set this process's learning rate from its own
+                # start: the live member's groups, received, are the ones to keep.
+                self._restore_groups()
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
@@ -389,10 +410,21 @@ class ElasticOptimizer(torch.optim.Optimizer):
         return roll
 
     def _export(self) -> tuple[dict, list[torch.Tensor]]:
-        return export_state(self.model.module, self.optimizer, self.model.sampler)
+        return export_state(self.model.module, self.optimizer, self.model.sampler, self._kept)
 
     def _install(self, header: dict, tensors: list[torch.Tensor]) -> None:
-        install_state(header, tensors, self.model.module, self.optimizer, self.model.sampler)
+        self._healed = install_state(
+            header, tensors, self.model.module, self.optimizer, self.model.sampler
+        )
+        self._groups = [
+            {k: v for k, v in g.items() if k != "params"} for g in header["param_groups"]
+        ]
+        for obj, state in zip(self._kept, self._healed, strict=False):
+            obj.load_state_dict(state)
+
+    def _restore_groups(self) -> None:
+        for group, healed in zip(self.optimizer.param_groups, self._groups, strict=True):
+            group.update(healed)
 
     def _at_exit(self) -> None:
         elastic = self.model.elastic

@@ -374,7 +374,7 @@ def rng_state() -> dict[str, Any]:
 
 
 def export_state(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, sampler: Any
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, sampler: Any, kept: list[Any]
 ) -> tuple[dict, list[torch.Tensor]]:
     """Model, optimizer and sampler as a header and tensors (shard.pack_layers' format)."""
     names = list(model.state_dict().keys())
@@ -397,6 +397,8 @@ def export_state(
         "param_groups": opt["param_groups"],
         "sampler": sampler.state_dict(),
         "torch_rng": torch.get_rng_state().tolist(),
+        # what the script asked to heal besides (ElasticOptimizer.heal_with: a schedule)
+        "kept": [o.state_dict() for o in kept],
     }
     return header, tensors
 
@@ -407,7 +409,8 @@ def install_state(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     sampler: Any,
-) -> None:
+) -> list[dict]:
+    """Install what ``export_state`` sent; returns the states of the objects it kept."""
     names = header["names"]
     model.load_state_dict(dict(zip(names, tensors[: len(names)], strict=True)))
     rest = iter(tensors[len(names) :])
@@ -417,3 +420,4 @@ def install_state(
     optimizer.load_state_dict({"state": state, "param_groups": header["param_groups"]})
     sampler.load_state_dict(header["sampler"])
     torch.set_rng_state(torch.tensor(header["torch_rng"], dtype=torch.uint8))
+    return list(header.get("kept", []))

@@ -26,6 +26,7 @@ from pydoc_data.topics import topics
 
 import torch
 from torch.utils.data import DataLoader, Dataset
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 import chameleon_runtime as cr
 
@@ -48,30 +49,26 @@ class Text(Dataset):
 def build_model(family: str, layers: int, hidden: int, heads: int, seq_len: int):
     torch.manual_seed(0)  # the same initial weights on every rank, as a recipe seeds them
     if family == "gpt2":
-        from transformers import GPT2Config, GPT2LMHeadModel
-
         config = GPT2Config(
-            vocab_size=256, n_positions=seq_len, n_embd=hidden, n_layer=layers, n_head=heads
-        )
+            vocab_size=256, n_positions=seq_len, n_embd=hidden, n_layer=layers, n_head=heads,
+            loss_type="ForCausalLM",
+        )  # fmt: skip
         return GPT2LMHeadModel(config)
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     config = LlamaConfig(
         vocab_size=256, hidden_size=hidden, intermediate_size=4 * hidden,
         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
-        max_position_embeddings=seq_len,
+        max_position_embeddings=seq_len, loss_type="ForCausalLM",
     )  # fmt: skip
     return LlamaForCausalLM(config)
 
 
-def save(path: Path, model, optimizer, schedule, sampler, step: int) -> None:
+def save(path: Path, model, optimizer, schedule, sampler) -> None:
     tmp = path.with_suffix(".tmp")
     state = {
         "model": model.module.state_dict(),
         "optimizer": optimizer.state_dict(),
         "schedule": schedule.state_dict(),
         "sampler": sampler.state_dict(),
-        "step": step,
     }
     torch.save(state, tmp)
     os.replace(tmp, path)  # atomic: a reader sees the old checkpoint or the new one
@@ -91,6 +88,12 @@ def main() -> None:
     p.add_argument("--checkpoint-dir", default=None)
     p.add_argument("--checkpoint-every", type=int, default=10)
     p.add_argument("--dump", default=None, help="write rank 0's losses and weights' sums here")
+    p.add_argument(
+        "--float64",
+        action="store_true",
+        help="train in float64: rounding noise too small to hide a real difference between "
+        "a run with failures and one without (the tests' check)",
+    )
     args = p.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     rank = int(os.environ.get("RANK", "0"))
@@ -100,14 +103,14 @@ def main() -> None:
         data, global_batch_size=args.global_batch, micro_batch_size=args.micro_batch, seed=0
     )
     loader = DataLoader(data, batch_sampler=sampler)
-    model = cr.DataParallel(
-        build_model(args.family, args.layers, args.hidden, args.heads, args.seq_len), sampler
-    )
+    net = build_model(args.family, args.layers, args.hidden, args.heads, args.seq_len)
+    model = cr.DataParallel(net.double() if args.float64 else net, sampler)
     optimizer = cr.ElasticOptimizer(torch.optim.AdamW(model.parameters(), lr=args.lr), model)
     warmup = 5
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
+    optimizer.heal_with(schedule)  # a replacement takes the schedule's position too
 
-    step, losses = 0, {}
+    losses = {}
     ckpt = Path(args.checkpoint_dir) / "last.pt" if args.checkpoint_dir else None
     if ckpt is not None and ckpt.exists():
         state = torch.load(ckpt, weights_only=True)
@@ -115,13 +118,13 @@ def main() -> None:
         optimizer.load_state_dict(state["optimizer"])
         schedule.load_state_dict(state["schedule"])
         sampler.load_state_dict(state["sampler"])
-        step = state["step"]
         if rank == 0:
-            print(f"resumed from step {step}", flush=True)
+            print(f"resumed from step {sampler.step}", flush=True)
 
     model.train()
     mine = []
-    while step < args.steps:
+    # optimizer.global_step: the job's committed steps (a replacement joins mid-run)
+    while optimizer.global_step < args.steps:
         for batch in loader:
             loss = model(input_ids=batch, labels=batch).loss
             loss.backward()
@@ -132,19 +135,24 @@ def main() -> None:
             if not committed:
                 continue
             schedule.step()
+            step = optimizer.global_step - 1
             losses[step] = sum(mine) / len(mine)
             mine = []
             if rank == 0:
                 print(f"step {step} loss {losses[step]:.4f}", flush=True)
-            step += 1
-            if ckpt is not None and step % args.checkpoint_every == 0 and rank == 0:
+            if ckpt is not None and (step + 1) % args.checkpoint_every == 0 and rank == 0:
                 ckpt.parent.mkdir(parents=True, exist_ok=True)
-                save(ckpt, model, optimizer, schedule, sampler, step)
-            if step >= args.steps:
+                save(ckpt, model, optimizer, schedule, sampler)
+            if optimizer.global_step >= args.steps:
                 break
-    if args.dump and rank == 0:
-        sums = {k: v.double().sum().item() for k, v in model.module.state_dict().items()}
-        Path(args.dump).write_text(json.dumps({"losses": losses, "weights": sums}))
+    if args.dump:
+        # every tensor's sum of squares: a fingerprint whose relative differences do not
+        # cancel (a sum near zero makes noise look large)
+        squares = {
+            k: v.double().square().sum().item() for k, v in model.module.state_dict().items()
+        }
+        out = Path(f"{args.dump}.rank{rank}.json")
+        out.write_text(json.dumps({"losses": losses, "weights": squares}))
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 

@@ -11,7 +11,6 @@ import torch
 from torch.utils.data import DistributedSampler
 
 from chameleon_runtime.sampler import ElasticSampler, deal
-from tests.launcher.helpers import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = str(ROOT / "tests" / "runtime" / "dp_script.py")
@@ -64,7 +63,7 @@ def _run(tmp_path: Path, name: str, mode: str, nproc: int, *extra: str) -> dict:
     if nproc > 1:
         cmd = [
             sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-            "--master-port", str(free_port()), *cmd[1:],
+            "--standalone", *cmd[1:],
         ]  # fmt: skip
     done = subprocess.run(
         cmd, cwd=ROOT, capture_output=True, text=True, timeout=180,
