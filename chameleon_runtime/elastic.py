@@ -46,7 +46,6 @@ from chameleon_runtime.control import STORE_LOST, Control, Finished
 from chameleon_runtime.shard import pack_layers, unpack_layers
 from planner.plan import Plan, pipelines_plan, split_evenly
 from planner.protocol import Applied, Finish, Joined, Ready
-from planner.seal import TOKEN_ENV
 from planner.wire import JobDescription, LayerCostWire, PlanMessage
 
 if TYPE_CHECKING:
@@ -54,8 +53,9 @@ if TYPE_CHECKING:
 
 
 def under_chameleon() -> bool:
-    """Launched by ``chameleon run`` (its job token and worker store are in the env)."""
-    return TOKEN_ENV in os.environ and "CHAMELEON_RUN_DIR" in os.environ
+    """Launched by ``chameleon run``, which sets CHAMELEON_RUN_DIR for every worker (the
+    job token only where the run has one)."""
+    return "CHAMELEON_RUN_DIR" in os.environ and "MASTER_ADDR" in os.environ
 
 
 def dp_plan(members: list[int], num_micro_batches: int) -> Plan:
@@ -95,6 +95,8 @@ class Membership:
         self.recoveries = 0
         self.described = False
         self.joining = env.get("CHAMELEON_JOIN")
+        self._progress = 0  # steps this process committed
+        self._slowest = 0.0
 
     # -- generation 0 ----------------------------------------------------------------------
 
@@ -189,9 +191,16 @@ class Membership:
         self.gen.wait(work, self.holders)
 
     def progress(self, step: int, step_s: float) -> None:
+        """A step committed: what the launcher's progress watch reads (its step timeout
+        is a multiple of the slowest step seen)."""
+        self._progress += 1
+        # (the first steps pay for start-up: as the Trainer, the slowest is of the rest)
+        if self._progress > 2:
+            self._slowest = max(self._slowest, step_s)
         self.control.status.update(
-            phase="train", generation=self.generation, step=step, progress=step, step_s=step_s
-        )
+            phase="train", generation=self.generation, step=step, progress=self._progress,
+            step_s=step_s, slowest_step_s=self._slowest or step_s,
+        )  # fmt: skip
 
     # -- recovery ------------------------------------------------------------------------
 
