@@ -44,6 +44,7 @@ from planner.protocol import (
 from planner.seal import Seal
 
 SNAPSHOT_PERIOD_S = 1.0
+REJOIN_SNAPSHOT_PERIOD_S = 0.1
 
 
 @dataclass(frozen=True)
@@ -194,7 +195,9 @@ class Coordinator(RunningMixin):
                 lag = max(0.0, time.time() - message.sent_at) if message.sent_at else 0.0
                 self._apply(rc.AppliedReported(message.rank, message.generation, lag))
             elif isinstance(message, Joined):
-                self.rejoins.up(message.rank, message.count, message.generation)
+                if self.rejoins.up(message.rank, message.count, message.generation):
+                    self._next_snapshot = 0.0  # admitted at the next look, now
+
         answer = self.planner.answer(self.plans[0])
         if answer is not None:
             planned, message = answer
@@ -207,6 +210,11 @@ class Coordinator(RunningMixin):
         ):
             self._next_snapshot = now + SNAPSHOT_PERIOD_S
             self._while_running(self._snapshot(now), now)
+            if self.rejoins.announced or self.rejoins.joined:
+                # A replacement is up or settling: its admission and the judgement of the
+                # layout with it wait for a look at the workers, so look often meanwhile
+                # (a second's period cost the replacement up to two seconds).
+                self._next_snapshot = now + REJOIN_SNAPSHOT_PERIOD_S
         self._apply(rc.Tick())
         if self._mirror_due:
             self._mirror()
