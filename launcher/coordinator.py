@@ -194,9 +194,10 @@ class Coordinator(RunningMixin):
                 # what skew can do (never before the phase began, nor after this read).
                 lag = max(0.0, time.time() - message.sent_at) if message.sent_at else 0.0
                 self._apply(rc.AppliedReported(message.rank, message.generation, lag))
-            elif isinstance(message, Joined):
-                if self.rejoins.up(message.rank, message.count, message.generation):
-                    self._next_snapshot = 0.0  # admitted at the next look, now
+            elif isinstance(message, Joined) and self.rejoins.up(
+                message.rank, message.count, message.generation
+            ):
+                self._next_snapshot = 0.0  # admitted at the next look, now
 
         answer = self.planner.answer(self.plans[0])
         if answer is not None:
