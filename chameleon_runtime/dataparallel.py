@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import gc
 import os
 import time
 from collections.abc import Iterator
@@ -49,15 +50,26 @@ BUCKET_CAP_BYTES = 25 << 20
 FIRST_BUCKET_CAP_BYTES = 1 << 20
 
 
-def _process_group(device: torch.device) -> Any:
-    """The default group, initialised from torchrun's environment when the script has not
-    (None alone: nothing to sum with)."""
+def _default_group(device: torch.device) -> bool:
+    """Whether there is a default group to sum on (False alone): the script's, or one
+    initialised here from torchrun's environment, then destroyed at exit. Only the default
+    group is named (group=None), never held: a gloo group still referenced when the
+    interpreter ends is destroyed with its threads running, which aborted the process
+    ("terminate called without an active exception") in about 1 exit of 8 here, plain
+    DDP's included."""
     if dist.is_available() and dist.is_initialized():
-        return dist.group.WORLD
+        return True
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-        return None
+        return False
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    return dist.group.WORLD
+    atexit.register(_destroy)
+    return True
+
+
+def _destroy() -> None:
+    if dist.is_initialized():
+        gc.collect()  # what still holds the group in a reference cycle lets go of it now
+        dist.destroy_process_group()
 
 
 class _Bucket:
@@ -110,13 +122,13 @@ class DataParallel(nn.Module):
         device = first.device if first is not None else torch.device("cpu")
         self.elastic: Membership | None = None
         if under_chameleon():
-            self.group = None
+            self.group = False
             self.elastic = Membership(sampler, device.type)
             self.world_size, self.rank = self.elastic.world_size, self.elastic.rank
         else:
-            self.group = _process_group(device)
-            self.world_size = dist.get_world_size(self.group) if self.group is not None else 1
-            self.rank = dist.get_rank(self.group) if self.group is not None else 0
+            self.group = _default_group(device)  # True: sum on the default group
+            self.world_size = dist.get_world_size() if self.group else 1
+            self.rank = dist.get_rank() if self.group else 0
         if sampler.num_micro_batches < self.world_size:
             raise ValueError(
                 f"a step of {sampler.global_batch_size} samples is "
@@ -138,10 +150,10 @@ class DataParallel(nn.Module):
         if self.elastic is not None and not self.elastic.joining:
             self.elastic.start(sampler.step)
             self._broadcast_elastic()
-        elif self.group is not None:  # every replica starts from rank 0's weights, as DDP's
+        elif self.group:  # every replica starts from rank 0's weights, as DDP's
             with torch.no_grad():
                 for t in [*module.parameters(), *module.buffers()]:
-                    dist.broadcast(t.data, 0, group=self.group)
+                    dist.broadcast(t.data, 0)
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._accumulated) for p in self._params
         ]
@@ -159,7 +171,7 @@ class DataParallel(nn.Module):
 
     @property
     def distributed(self) -> bool:
-        return self.group is not None or self.elastic is not None
+        return self.group or self.elastic is not None
 
     # -- the forward and the backward's hooks ---------------------------------------------
 
@@ -230,9 +242,7 @@ class DataParallel(nn.Module):
             except (Aborted, CommError) as exc:
                 self.failure = (str(exc), False)
             return
-        bucket.work = dist.all_reduce(
-            bucket.flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True
-        )
+        bucket.work = dist.all_reduce(bucket.flat, op=dist.ReduceOp.SUM, async_op=True)
 
     def sync(self) -> None:
         """The step's sums, divided into its mean: what the last backward did not launch
@@ -246,13 +256,15 @@ class DataParallel(nn.Module):
             self._timing.append(time.perf_counter())
         if self.elastic is not None:
             self._sync_elastic()
-        elif self.group is not None:
+            if self.failure is not None and not self.failure[1]:
+                return  # the sums are incomplete: the step is redone
+        elif self.group:
             while self._launched < len(self._buckets):
                 self._launch(self._launched)
             for b in self._buckets:
                 b.work.wait()
                 b.work = None
-        self._mean()
+        self._mean()  # (pending ones too: complete sums, which the plan may apply)
 
     def _sync_elastic(self) -> None:
         elastic = self.elastic
@@ -284,6 +296,17 @@ class DataParallel(nn.Module):
         with torch.no_grad():
             for b in self._buckets:
                 b.flat.div_(count)
+
+    def fresh_buckets(self) -> None:
+        """After an abandoned step: new buffers. An all-reduce of the old generation may
+        still be running on gloo's threads and would write its (stale) sums into the old
+        ones in place: into the next step's gradients, had they been reused (replicas
+        drifted apart so, after a kill that landed inside an all-reduce)."""
+        for p in self._params:
+            p.grad = None
+        self._buckets = [_Bucket(b.params) for b in self._buckets]
+        self._launched = 0
+        self._armed = False
 
     def zero_grad_buckets(self) -> None:
         for b in self._buckets:
@@ -401,10 +424,9 @@ class ElasticOptimizer(torch.optim.Optimizer):
         resume, roll = elastic.recover(
             why, step=step, pending=pending, export=self._export, install=self._install
         )
-        if roll:  # the step was committed elsewhere: these sums are final
-            model._mean()
+        if roll:  # the step was committed elsewhere: these sums (their mean) are final
             self._apply()
-        model.zero_grad_buckets()
+        model.fresh_buckets()
         self._clear = True
         model.sampler.rewind(resume, elastic.members)
         return roll

@@ -153,8 +153,6 @@ def main() -> None:
         }
         out = Path(f"{args.dump}.rank{rank}.json")
         out.write_text(json.dumps({"losses": losses, "weights": squares}))
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

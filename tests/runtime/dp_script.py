@@ -72,3 +72,9 @@ if int(os.environ.get("RANK", "0")) == 0:
     weights = {k: v.double().sum().item() for k, v in inner.state_dict().items()}
     with open(args.out, "w") as f:
         json.dump({"losses": losses, "weights": weights, "world": world}, f)
+if args.mode == "ddp":  # DDP holds its group: let go of it before destroying it
+    del model, optimizer, schedule
+    import gc
+
+    gc.collect()  # (DDP's reducer sits in a reference cycle)
+    dist.destroy_process_group()

@@ -114,6 +114,19 @@ def test_a_hung_worker_is_recovered_in_place(tmp_path, reference):
     assert [e["attempt"] for e in named(evs, "workers_started")] == [0]
 
 
+@pytest.mark.parametrize("at", ["2.3", "2.6"])
+def test_a_kill_at_a_moment_not_a_step_boundary(tmp_path, reference, at):
+    # Killed by the clock: wherever the step is (often inside the all-reduce). Before the
+    # survivors dropped an abandoned step's buffers, an all-reduce of the old group that
+    # ended late wrote stale sums into the next step's gradients: replicas drifted apart.
+    weights, evs = train(
+        tmp_path, "clock", "--max-rejoins", "0", "--inject-fault", f"kill:rank=2,at={at}"
+    )
+    assert_same(reference, weights)
+    assert named(evs, "recovered")
+    assert [e["attempt"] for e in named(evs, "workers_started")] == [0]
+
+
 def test_a_second_kill_during_the_recovery(tmp_path, reference):
     weights, evs = train(
         tmp_path, "second", "--max-rejoins", "0", "--inject-fault", "kill:rank=1,step=5",
