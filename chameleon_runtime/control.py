@@ -34,9 +34,15 @@ from planner.protocol import Aware, Keys, encode
 from planner.seal import TOKEN_ENV, Seal
 from planner.wire import PlanMessage
 
+
 # The phases where an injected fault waits for the worker (Control.failpoint), and for
 # how long at most: a bound, so a fault that never fires costs a test seconds, not a hang.
-FAILPOINTS = frozenset(p for p in os.environ.get("CHAMELEON_FAILPOINTS", "").split(",") if p)
+def failpoints() -> frozenset[str]:
+    """Read per worker, not when this module loads (the warm fork server imports it
+    before any worker's environment exists: launcher/preload.py)."""
+    return frozenset(p for p in os.environ.get("CHAMELEON_FAILPOINTS", "").split(",") if p)
+
+
 FAILPOINT_WAIT = timedelta(seconds=2)
 # What a store that stopped answering raises (a reset connection, a timed-out wait).
 STORE_LOST = (dist.DistNetworkError, dist.DistStoreError)
@@ -83,6 +89,7 @@ class Control:
     ) -> None:
         self.rank = rank
         self.keys = Keys(attempt)
+        self.failpoints = failpoints()  # --inject-fault's, armed in this worker
         self._timeout = timedelta(seconds=timeout_s)
         self.store = dist.TCPStore(addr, port, is_master=False, timeout=self._timeout)
         # A replacement started after the store moved begins at the file's epoch.
@@ -164,7 +171,7 @@ class Control:
         here until its agent says the fault has fired (or FAILPOINT_WAIT passes). Without
         it the kill raced the phase: a migration of a few milliseconds ended before the
         agent's next look. Armed only by --inject-fault (CHAMELEON_FAILPOINTS)."""
-        if phase not in FAILPOINTS:
+        if phase not in self.failpoints:
             return
         node = int(os.environ.get("GROUP_RANK", "0"))
         with contextlib.suppress(Exception):  # the wait timing out: go on
@@ -175,7 +182,7 @@ class Control:
         fires once the rank has done N + 1 steps; the rank waits at that boundary until
         it has. Without it the kill landed wherever the agent's next look found the rank,
         which on a fast model was several steps (or the end of the run) later."""
-        if FAILPOINTS and f"step-{self.rank}-{step - 1}" in FAILPOINTS:
+        if self.failpoints and f"step-{self.rank}-{step - 1}" in self.failpoints:
             self.failpoint(f"step-{self.rank}-{step - 1}")
 
     def register(self, device: str) -> None:

@@ -3,7 +3,7 @@ doing, and the watcher, which hears the launcher's messages at once.
 
 Why a heartbeat thread and not a heartbeat after each step: liveness and progress are
 different questions. A step, a checkpoint or an evaluation may take minutes; the thread
-keeps beating through it (every ``HEARTBEAT_PERIOD_S``, at most a second, and at once
+keeps beating through it (every ``CHAMELEON_HEARTBEAT_S``, at most a second, and at once
 when the main thread changes phase), so the launcher's liveness timeout only catches a process that is gone or
 frozen (SIGSTOP, a dead interpreter), and its progress timeouts (launcher/watch.py) judge
 the steps. The status also says what the worker waits on, so that when one worker stalls,
@@ -41,8 +41,14 @@ from planner.protocol import (
 )
 from planner.seal import Seal
 
+
 # The launcher sets the period from its --heartbeat-timeout (launcher/watch.py).
-HEARTBEAT_PERIOD_S = float(os.environ.get("CHAMELEON_HEARTBEAT_S", "1.0"))
+def heartbeat_period_s() -> float:
+    """Read when a heartbeat starts, not when this module loads: the warm fork server
+    imports it before any worker's environment exists (launcher/preload.py)."""
+    return float(os.environ.get("CHAMELEON_HEARTBEAT_S", "1.0"))
+
+
 # The watcher's connection waits for the next message as long as the job runs.
 FOREVER = timedelta(days=365)
 
@@ -140,6 +146,7 @@ class Heartbeat:
         self._key = keys.status(status.rank)
         self._status = status
         self._stop = threading.Event()
+        self._period_s = heartbeat_period_s()
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
         self._thread.start()
 
@@ -148,7 +155,7 @@ class Heartbeat:
         # that says "done". Dropped, the launcher saw a finished spare as still "spare" and,
         # while its interpreter took more than --heartbeat-timeout to exit, judged it hung.
         while True:
-            snapshot = self._status._next(HEARTBEAT_PERIOD_S)
+            snapshot = self._status._next(self._period_s)
             try:
                 self._store.set(
                     self._key, self._seal.seal(snapshot.model_dump_json(exclude_none=True))

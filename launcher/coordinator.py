@@ -76,6 +76,7 @@ class Coordinator(RunningMixin):
         on_settled: Callable[[dict], None] | None = None,
         on_publish: Callable[[int], None] | None = None,
         seal: Seal | None = None,
+        restarts_left: Callable[[], int | None] = lambda: None,
     ) -> None:
         self.store = store
         # The job token's signature on every control message (planner.seal.Seal).
@@ -114,6 +115,7 @@ class Coordinator(RunningMixin):
             attempt=attempt,
             naive_migration=migration_schedule == "naive",
             on_done=on_planned,
+            restarts_left=restarts_left,
         )
         self.view = WorkerStoreView(attempt, "", 0, hosted=lambda: store, seal=self.seal)
         self._statuses: dict[int, WorkerStatus] = {}

@@ -102,8 +102,11 @@ def serve(sock: socket.socket, extra: list[str] = ()) -> ChildSpec | None:  # ty
     import threading
 
     for name in (*PRELOAD, *extra):
+        module, _, attr = name.partition(":")  # module:name, what `from module import name` loads
         try:
-            importlib.import_module(name)
+            loaded = importlib.import_module(module)
+            if attr:
+                getattr(loaded, attr)
         except BaseException as exc:  # noqa: BLE001 - the child imports its own (and says why)
             print(f"preload: {name} not imported ({type(exc).__name__}: {exc})", flush=True)
             continue

@@ -181,6 +181,8 @@ class Leader:
                 on_settled=self._mirror if self.control.elected else None,
                 on_publish=self._note_generation if self.control.elected else None,
                 seal=agent.seal,
+                # a restart the launcher may no longer make is not a plan
+                restarts_left=lambda: a.max_restarts - agent.restarts_used,
             )
             if self.takeover is not None:
                 snap = self.takeover["snapshot"]

@@ -38,7 +38,9 @@ class Planner:
         attempt: int,
         naive_migration: bool = False,
         on_done: Callable[[], None] | None = None,
+        restarts_left: Callable[[], int | None] = lambda: None,
     ) -> None:
+        self.restarts_left = restarts_left  # the launcher's budget, read at each decision
         self.model = model
         self.policy = policy
         self.naive_migration = naive_migration  # --migration-schedule naive
@@ -103,6 +105,7 @@ class Planner:
             spares=[r for r in start.failed if r not in self.gone],
             idle=list(start.idle),
             search=self.model.search(job),
+            restarts_left=self.restarts_left(),
         )
         return {"decision": decision, "job": job, "search_ms": (time.perf_counter() - t0) * 1e3}
 

@@ -7,8 +7,9 @@ to 2.3 s. The server imports, once, the packages the script imports at its top l
 
 Only installed third-party packages are taken: not the standard library (cheap, and
 already partly loaded), not the script's own modules (a file or folder beside it, whose
-import may do anything), not ours (chameleon_runtime reads the worker's environment when
-it loads; the server's is not the worker's), and only statements at module level (an
+import may do anything), not the launcher's own packages (chameleon_runtime and the
+planner are fine: what they read from the environment they read per worker), and only
+statements at module level (an
 import inside a function may be one the script never reaches). ``--preload`` adds
 modules by name or turns this off (``none``).
 """
@@ -20,7 +21,10 @@ import importlib.util
 import sys
 from pathlib import Path
 
-OURS = frozenset({"chameleon_runtime", "chameleon_cli", "launcher", "planner"})
+# The launcher's own packages (a worker forked from the server drops them: a script's
+# own ``launcher`` must import as in a fresh interpreter); chameleon_runtime and the
+# planner may be preloaded (what they read from the environment, they read per worker).
+OURS = frozenset({"chameleon_cli", "launcher"})
 
 
 def script_imports(script: Path) -> list[str]:
@@ -38,7 +42,11 @@ def script_imports(script: Path) -> list[str]:
                 names.extend(alias.name for alias in node.names)
             elif isinstance(node, ast.ImportFrom):
                 if node.level == 0 and node.module:
+                    # ``from transformers import GPT2LMHeadModel``: the name too, as
+                    # ``module:name`` (transformers loads its models lazily, on first use
+                    # of the name: in every restarted worker, unless the server has)
                     names.append(node.module)
+                    names.extend(f"{node.module}:{a.name}" for a in node.names if a.name != "*")
             elif isinstance(node, ast.Try):
                 visit(node.body)
             elif isinstance(node, ast.If):
@@ -58,7 +66,7 @@ def third_party(names: list[str], script_dir: Path) -> list[str]:
         local |= {p.name for p in script_dir.iterdir() if (p / "__init__.py").exists()}
     kept = []
     for name in names:
-        top = name.split(".", 1)[0]
+        top = name.split(":", 1)[0].split(".", 1)[0]
         if top in sys.stdlib_module_names or top in OURS or top in local:
             continue
         try:

@@ -188,6 +188,7 @@ def decide(
     idle: Sequence[int] = (),
     search: Search | None = None,
     clock: Callable[[], float] = time.perf_counter,
+    restarts_left: int | None = None,
 ) -> Decision:
     """Evaluate every policy for the loss of ``failed`` workers and pick one.
 
@@ -196,6 +197,8 @@ def decide(
     workers a restart may use (default: the cluster's spare nodes). ``since_checkpoint_s``
     is the work a restart would redo (default: half the checkpoint interval). ``search``
     may be one kept from earlier decisions of the same job (its templates are reused).
+    ``restarts_left``: how many restarts the launcher may still make (None: unbounded);
+    with none left a restart is not a candidate.
     ``idle`` are live workers the current plan leaves unused (left over by an earlier
     re-partition, or replacements that rejoined): they hold no state, and a re-partition
     or restart may use them.
@@ -218,6 +221,8 @@ def decide(
         search, current, failed, survivors, since_checkpoint_s=since, spares=spares, clock=clock
     )
     reroute, restart = options.reroute, options.restart
+    if restarts_left is not None and restarts_left <= 0:
+        restart = Candidate(Policy.RESTART, reason="no restarts left (--max-restarts)")
     reparallelize = max(options.reparallelize, key=lambda c: log_score(job, c, mtbf))
     search_s = options.search_s
     candidates = (reroute, reparallelize, restart)
