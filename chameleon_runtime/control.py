@@ -29,6 +29,7 @@ import torch.distributed as dist
 from pydantic import BaseModel
 
 from chameleon_runtime import storeaddr
+from chameleon_runtime.comm import Collective, Generation, settle
 from chameleon_runtime.liveness import FOREVER, Heartbeat, Interrupts, Status, Watcher, moved
 from planner.protocol import Aware, Keys, encode
 from planner.seal import TOKEN_ENV, Seal
@@ -258,6 +259,43 @@ class Control:
     def forget(self, keys: list[str]) -> None:
         for key in keys:
             self.store.delete_key(key)
+
+    def generation(
+        self,
+        generation: int,
+        members: list[int],
+        collectives: dict[tuple[int, ...], Collective],
+        wanted: list[tuple[int, ...]],
+        **kwargs: Any,
+    ) -> Generation:
+        """Generation ``generation``'s group over ``members`` (chameleon_runtime.comm), on
+        this worker's store, abortable by its interrupts; ``kwargs``: ``transport``,
+        ``adopt`` (a group carried over)."""
+        return Generation(
+            store=self.store,
+            prefix=self.keys.groups(generation),
+            generation=generation,
+            members=members,
+            me=self.rank,
+            interrupts=self.interrupts,
+            status=self.status,
+            collectives=collectives,
+            wanted=wanted,
+            **kwargs,
+        )
+
+    def close_settled(self) -> None:
+        """The end of a worker: its groups' threads end first (one still running when the
+        interpreter ends aborts the process), then the store's threads; a wait that
+        would not end is reported."""
+        stuck = settle(timeout_s=5.0)
+        self.close()
+        if stuck:
+            print(
+                f"chameleon_runtime: rank {self.rank} ends with blocked waits: {stuck}",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def close(self) -> None:
         """Stop both threads and wait for them (a thread inside a store call when the

@@ -40,10 +40,9 @@ from chameleon_runtime.comm import (
     Collective,
     CommError,
     Generation,
-    settle,
 )
 from chameleon_runtime.control import STORE_LOST, Control, Finished
-from chameleon_runtime.shard import pack_layers, unpack_layers
+from chameleon_runtime.shard import pack_layers, pack_optimizer_state, unpack_layers
 from planner.plan import Plan, pipelines_plan, split_evenly
 from planner.protocol import Applied, Finish, Joined, Ready
 from planner.wire import JobDescription, LayerCostWire, PlanMessage
@@ -155,17 +154,7 @@ class Membership:
             raise Aborted(f"generation {generation} aborted before its groups were built")
         for holders in list(self.collectives):  # a new generation builds its own (gloo)
             self.collectives.pop(holders).let_go(self.control_transport(), _RELEASE)
-        self.gen = Generation(
-            store=self.control.store,
-            prefix=self.control.keys.groups(generation),
-            generation=generation,
-            members=members,
-            me=self.rank,
-            interrupts=self.control.interrupts,
-            status=self.control.status,
-            collectives=self.collectives,
-            wanted=[tuple(members)],
-        )
+        self.gen = self.control.generation(generation, members, self.collectives, [tuple(members)])
         self.members = list(members)
 
     def control_transport(self) -> Any:
@@ -362,16 +351,7 @@ class Membership:
 
     def close(self) -> None:
         self._leave()
-        # The groups' threads end before the interpreter does (one still running then
-        # aborts the process: "terminate called without an active exception").
-        stuck = settle(timeout_s=5.0)
-        self.control.close()
-        if stuck:
-            print(
-                f"chameleon_runtime: rank {self.rank} ends with blocked waits: {stuck}",
-                file=sys.stderr,
-                flush=True,
-            )
+        self.control.close_settled()
 
 
 _RELEASE = __import__("datetime").timedelta(seconds=OP_TIMEOUT_S)
@@ -389,15 +369,7 @@ def export_state(
     names = list(model.state_dict().keys())
     tensors = [t.detach().cpu().contiguous() for t in model.state_dict().values()]
     opt = optimizer.state_dict()
-    state_items: list[list[Any]] = []
-    for index, state in opt["state"].items():
-        for key in sorted(state):
-            value = state[key]
-            if torch.is_tensor(value):
-                state_items.append([index, key, list(value.shape), str(value.dtype)])
-                tensors.append(value.detach().cpu().contiguous())
-            else:
-                state_items.append([index, key, None, value])
+    state_items = pack_optimizer_state(opt["state"].items(), tensors)
     header = {
         "layer": 0,
         "names": names,

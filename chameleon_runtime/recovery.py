@@ -171,18 +171,8 @@ class RecoveryMixin:
         for h in [h for h in self.collectives if h not in carried]:
             self.collectives.pop(h).let_go(self.transport, COLLECTIVE_RELEASE)
         t0 = time.perf_counter()
-        self.gen = Generation(
-            adopt=offer,
-            store=self.control.store,
-            prefix=self.control.keys.groups(generation),
-            generation=generation,
-            members=members,
-            me=self.rank,
-            interrupts=self.control.interrupts,
-            status=self.control.status,
-            transport=self.transport,
-            collectives=self.collectives,
-            wanted=wanted,
+        self.gen = self.control.generation(
+            generation, members, self.collectives, wanted, adopt=offer, transport=self.transport
         )
         self.groups_s = time.perf_counter() - t0
         self.meter.reset()  # a new layout: its own peak

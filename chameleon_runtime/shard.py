@@ -254,15 +254,7 @@ class Shard:
         """Header (JSON-able) and tensors: parameters, then optimizer state in a fixed order."""
         params = list(self.layers[i].parameters())
         tensors = [p.detach().cpu().contiguous() for p in params]
-        state_items: list[list[Any]] = []
-        for index, state in enumerate(self.optimizer_state(i)):
-            for key in sorted(state):
-                value = state[key]
-                if torch.is_tensor(value):
-                    state_items.append([index, key, list(value.shape), str(value.dtype)])
-                    tensors.append(value.detach().cpu().contiguous())
-                else:
-                    state_items.append([index, key, None, value])
+        state_items = pack_optimizer_state(enumerate(self.optimizer_state(i)), tensors)
         header = {
             "layer": i,
             "params": [[list(p.shape), str(p.dtype)] for p in params],
@@ -327,6 +319,23 @@ def _state_value(param: torch.Tensor, key: str, value: torch.Tensor) -> torch.Te
     if value.is_floating_point():
         return value.to(dtype=param.dtype, device=param.device)
     return value.to(device=param.device)
+
+
+def pack_optimizer_state(
+    states: Iterable[tuple[int, dict[str, Any]]], tensors: list[torch.Tensor]
+) -> list[list[Any]]:
+    """Per-parameter optimizer state as header items (``[index, key, shape, dtype]`` for a
+    tensor, appended to ``tensors``; ``[index, key, None, value]`` otherwise)."""
+    items: list[list[Any]] = []
+    for index, state in states:
+        for key in sorted(state):
+            value = state[key]
+            if torch.is_tensor(value):
+                items.append([index, key, list(value.shape), str(value.dtype)])
+                tensors.append(value.detach().cpu().contiguous())
+            else:
+                items.append([index, key, None, value])
+    return items
 
 
 def pack_layers(layers: list[tuple[dict, list[torch.Tensor]]]) -> tuple[torch.Tensor, int]:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import math
 import os
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -396,14 +395,7 @@ class Trainer(RecoveryMixin):
         self._leave()
         self._keep(None)
         self._let_go_of_collectives()
-        stuck = settle(timeout_s=5.0)
-        self.control.close()
-        if stuck:
-            print(
-                f"chameleon_runtime: rank {self.rank} ends with blocked waits: {stuck}",
-                file=sys.stderr,
-                flush=True,
-            )
+        self.control.close_settled()
 
     @property
     def loss_scale(self) -> float | None:
