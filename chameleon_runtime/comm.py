@@ -59,6 +59,9 @@ from chameleon_runtime.transport import GlooTransport, Transport
 
 BUILD_TIMEOUT_S = 30.0
 OP_TIMEOUT_S = 1800.0
+# How long a collective group let go of waits for its posted work before it is dropped
+# anyway: a backstop, as OP_TIMEOUT_S (a peer gone ends the wait long before).
+COLLECTIVE_RELEASE = timedelta(seconds=OP_TIMEOUT_S)
 
 
 class Aborted(RuntimeError):

@@ -183,8 +183,8 @@ class Control:
         fires once the rank has done N + 1 steps; the rank waits at that boundary until
         it has. Without it the kill landed wherever the agent's next look found the rank,
         which on a fast model was several steps (or the end of the run) later."""
-        if self.failpoints and f"step-{self.rank}-{step - 1}" in self.failpoints:
-            self.failpoint(f"step-{self.rank}-{step - 1}")
+        if self.failpoints:  # (none armed: no name built on every step)
+            self.failpoint(Keys.step_failpoint(self.rank, step - 1))
 
     def register(self, device: str) -> None:
         self.put(self.keys.aware(self.rank), Aware(pid=os.getpid(), device=device))

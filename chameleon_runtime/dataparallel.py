@@ -34,7 +34,6 @@ import contextlib
 import gc
 import os
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -314,9 +313,6 @@ class DataParallel(nn.Module):
             b.work = None
         self._armed = False
 
-    def parameters_in_buckets(self) -> Iterator[nn.Parameter]:
-        yield from self._params
-
 
 class ElasticOptimizer(torch.optim.Optimizer):
     """The user's optimizer, stepped once per global step: ``step()`` returns True when the
@@ -329,7 +325,6 @@ class ElasticOptimizer(torch.optim.Optimizer):
         # (torch.optim.Optimizer.__init__ is not called: the state is the inner one's)
         self.optimizer = optimizer
         self.model = model
-        self.committed_steps = 0
         self._clear = True  # the sums belong to a committed step: zero_grad may clear them
         self._last_commit = time.perf_counter()
         self._kept: list[Any] = []  # heal_with's objects
@@ -399,7 +394,6 @@ class ElasticOptimizer(torch.optim.Optimizer):
 
     def _apply(self, closure: Any = None) -> None:
         self.optimizer.step(closure) if closure is not None else self.optimizer.step()
-        self.committed_steps += 1
         self._clear = True
         elastic = self.model.elastic
         if elastic is not None:

@@ -26,23 +26,19 @@ with the launcher (planner.protocol), as the Trainer does, over groups of its ow
 from __future__ import annotations
 
 import os
-import random
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from chameleon_runtime.comm import (
-    OP_TIMEOUT_S,
-    Aborted,
-    Collective,
-    CommError,
-    Generation,
-)
+from chameleon_runtime.comm import COLLECTIVE_RELEASE, Aborted, Collective, CommError, Generation
 from chameleon_runtime.control import STORE_LOST, Control, Finished
+from chameleon_runtime.profile import host_cores, memory_per_worker, optimizer_bytes_per_param
 from chameleon_runtime.shard import pack_layers, pack_optimizer_state, unpack_layers
+from chameleon_runtime.transport import GlooTransport
 from planner.plan import Plan, pipelines_plan, split_evenly
 from planner.protocol import Applied, Finish, Joined, Ready
 from planner.wire import JobDescription, LayerCostWire, PlanMessage
@@ -71,7 +67,8 @@ def dp_plan(members: list[int], num_micro_batches: int) -> Plan:
 
 class Membership:
     """This worker's place in the job under chameleon run: the generation, its group,
-    and the recovery protocol. ``state`` gives what a heal sends: (model, optimizer)."""
+    and the recovery protocol. What a heal sends and installs the caller hands in
+    (``export``, ``install``: chameleon_runtime.dataparallel.ElasticOptimizer)."""
 
     def __init__(self, sampler: ElasticSampler, device: str) -> None:
         env = os.environ
@@ -89,9 +86,9 @@ class Membership:
         self.generation = 0
         self.applied = 0
         self.gen: Generation | None = None
+        self.transport = GlooTransport()  # CPU tensors over gloo, as the Trainer's default
         self.collectives: dict[tuple[int, ...], Collective] = {}
         self.members: list[int] = list(range(self.world_size))
-        self.recoveries = 0
         self.described = False
         self.joining = env.get("CHAMELEON_JOIN")
         self._progress = 0  # steps this process committed
@@ -115,10 +112,6 @@ class Membership:
         if self.described or self.rank != min(self.members):
             return
         self.described = True
-        name = type(optimizer).__name__.lower()
-        import psutil
-
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         description = JobDescription(
             model="DataParallel",
             layers=[
@@ -136,14 +129,14 @@ class Membership:
             micro_batch_size=self.sampler.micro_batch_size,
             param_bytes=4,
             grad_bytes=4,
-            optimizer_bytes=8 if "adam" in name else 4,
+            optimizer_bytes=optimizer_bytes_per_param(optimizer),
             dp=len(self.members),
             pp=1,
-            memory_limit_bytes=int(psutil.virtual_memory().total / max(1, local)),
+            memory_limit_bytes=memory_per_worker(),
             link_bandwidth_bytes_per_s=1e9,
             link_latency_s=1e-4,
             checkpoint_interval_steps=1,
-            host_cores=len(os.sched_getaffinity(0)) if self.device == "cpu" else 0,
+            host_cores=host_cores(self.device),
         )
         self.control.put_signed(self.control.keys.job, description)
 
@@ -152,15 +145,12 @@ class Membership:
         self.control.status.update(phase="groups", generation=generation)
         if build_agreement and not self.control.agree(generation, "groups", len(members)).held:
             raise Aborted(f"generation {generation} aborted before its groups were built")
-        for holders in list(self.collectives):  # a new generation builds its own (gloo)
-            self.collectives.pop(holders).let_go(self.control_transport(), _RELEASE)
-        self.gen = self.control.generation(generation, members, self.collectives, [tuple(members)])
+        # (the last generation's collectives were let go of when it was left: each
+        # generation builds its own)
+        self.gen = self.control.generation(
+            generation, members, self.collectives, [tuple(members)], transport=self.transport
+        )
         self.members = list(members)
-
-    def control_transport(self) -> Any:
-        from chameleon_runtime.transport import GlooTransport
-
-        return self.gen.transport if self.gen is not None else GlooTransport()
 
     # -- a step's collectives ----------------------------------------------------------------
 
@@ -226,9 +216,7 @@ class Membership:
                     raise
                 continue
             try:
-                resume, roll = self._apply(message, step, pending, export, install)
-                self.recoveries += 1
-                return resume, roll
+                return self._apply(message, step, pending, export, install)
             except (Aborted, CommError) as exc:
                 self._leave()
                 left, reason = message.generation, str(exc)
@@ -315,8 +303,6 @@ class Membership:
 
     def _idle(self) -> None:
         """A spare: until its generation is aborted (a plan is coming) or training ends."""
-        import threading
-
         event = threading.Event()
         with self.control.interrupts.watch(self.generation, event):
             event.wait()
@@ -327,9 +313,8 @@ class Membership:
         if self.gen is not None:
             self.gen.abandon()
             self.gen = None
-        transport = self.control_transport()
         while self.collectives:
-            self.collectives.popitem()[1].let_go(transport, _RELEASE)
+            self.collectives.popitem()[1].let_go(self.transport, COLLECTIVE_RELEASE)
 
     def _end(self) -> None:
         """Training ended while this worker waited: nothing left for it to do."""
@@ -352,14 +337,6 @@ class Membership:
     def close(self) -> None:
         self._leave()
         self.control.close_settled()
-
-
-_RELEASE = __import__("datetime").timedelta(seconds=OP_TIMEOUT_S)
-
-
-def rng_state() -> dict[str, Any]:
-    """The random state a healed replacement takes on (JSON-able, tensors apart)."""
-    return {"python": repr(random.getstate())}
 
 
 def export_state(

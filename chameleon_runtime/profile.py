@@ -378,27 +378,32 @@ def describe_job(trainer: Any, plan: Any, costs: list[LayerCostWire]) -> JobDesc
         # reducer); exact: float64 sums, exchanged as such (chameleon_runtime.shard), and
         # the float32 gradient of the pass in flight adds up to 4 more at the peak.
         grad_bytes=8 if trainer.exact else 4,
-        optimizer_bytes=_optimizer_bytes_per_param(trainer.shard),
+        optimizer_bytes=optimizer_bytes_per_param(trainer.shard.optimizer),
         dp=len(plan.pipelines),
         pp=trainer.pipeline_stages,
-        memory_limit_bytes=_memory_per_worker(),
+        memory_limit_bytes=memory_per_worker(),
         link_bandwidth_bytes_per_s=1e9,
         link_latency_s=1e-4,
         checkpoint_interval_steps=max(1, trainer.checkpoint_every),
         max_grad_norm=trainer.max_grad_norm,
         precision=trainer.precision,
-        host_cores=len(os.sched_getaffinity(0)) if trainer.device == "cpu" else 0,
+        host_cores=host_cores(trainer.device),
         exact=trainer.exact,
     )
 
 
-def _optimizer_bytes_per_param(shard: Shard) -> int:
+def optimizer_bytes_per_param(optimizer: torch.optim.Optimizer | None) -> int:
     """Adam keeps two fp32 moments per parameter; SGD with momentum one."""
-    name = type(shard.optimizer).__name__.lower() if shard.optimizer is not None else "adam"
+    name = type(optimizer).__name__.lower() if optimizer is not None else "adam"
     return 8 if "adam" in name else 4
 
 
-def _memory_per_worker() -> int:
+def host_cores(device: str) -> int:
+    """The cores a CPU job's workers share (workload.Cluster.host_cores); 0 on devices."""
+    return len(os.sched_getaffinity(0)) if device == "cpu" else 0
+
+
+def memory_per_worker() -> int:
     limit = os.environ.get("CHAMELEON_MEMORY_LIMIT_BYTES")
     if limit:
         return int(limit)

@@ -42,12 +42,18 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from datetime import timedelta
 from typing import TYPE_CHECKING
 
 import torch
 
-from chameleon_runtime.comm import OP_TIMEOUT_S, Aborted, Collective, CommError, Generation, Kept
+from chameleon_runtime.comm import (
+    COLLECTIVE_RELEASE,
+    Aborted,
+    Collective,
+    CommError,
+    Generation,
+    Kept,
+)
 from chameleon_runtime.control import STORE_LOST, Finished
 from chameleon_runtime.memory import Meter
 from chameleon_runtime.reducer import Reducer
@@ -57,10 +63,6 @@ from chameleon_runtime.transport import Transport
 from planner.program import Allreduce, WorkerProgram, worker_program
 from planner.protocol import Applied, GroupOffer, Joined, Ready, holders_key
 from planner.wire import PlanMessage, TransferWire
-
-# How long a collective group let go of waits for its posted work before it is dropped
-# anyway: a backstop, as comm.OP_TIMEOUT_S (a peer gone ends the wait long before).
-COLLECTIVE_RELEASE = timedelta(seconds=OP_TIMEOUT_S)
 
 if TYPE_CHECKING:
     from chameleon_runtime.control import Control

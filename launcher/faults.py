@@ -35,7 +35,7 @@ import re
 from dataclasses import dataclass, replace
 from enum import StrEnum
 
-from planner.protocol import RecoveryPhase, WorkerStatus
+from planner.protocol import Keys, RecoveryPhase, WorkerStatus
 
 PHASES = ("collect", "plan", "confirm", "groups", "migrate")
 _WORKER_PHASES = ("groups", "migrate")  # reported by the rank itself, within confirm
@@ -50,11 +50,6 @@ class FaultKind(StrEnum):
 
 ANY = -1  # rank=any: a working rank of this node in the fault's phase, picked at random
 _WORKING = ("train", "checkpoint", "ready", "groups", "migrate")  # not starting, idle, done
-
-
-def step_failpoint(rank: int, step: int) -> str:
-    """The failpoint a step fault arms in its rank (chameleon_runtime.control)."""
-    return f"step-{rank}-{step}"
 
 
 @dataclass(frozen=True)
@@ -233,7 +228,7 @@ class Injector:
         # A step fault of a named rank waits for it at that step's end; one of any rank
         # (a rank drawn when it fires) or after a delay does not.
         steps = {
-            step_failpoint(f.rank, f.step)
+            Keys.step_failpoint(f.rank, f.step)
             for f in self.pending
             if f.step is not None and f.rank != ANY and not f.after_ms
         }

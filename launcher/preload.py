@@ -9,9 +9,8 @@ Only installed third-party packages are taken: not the standard library (cheap, 
 already partly loaded), not the script's own modules (a file or folder beside it, whose
 import may do anything), not the launcher's own packages (chameleon_runtime and the
 planner are fine: what they read from the environment they read per worker), and only
-statements at module level (an
-import inside a function may be one the script never reaches). ``--preload`` adds
-modules by name or turns this off (``none``).
+statements at module level (an import inside a function may be one the script never
+reaches). ``--preload`` adds modules by name or turns this off (``none``).
 """
 
 from __future__ import annotations

@@ -228,6 +228,12 @@ class Keys:
     def respawn(self, rank: int) -> str:
         return f"{self.prefix}respawn/{rank}"
 
+    @staticmethod
+    def step_failpoint(rank: int, step: int) -> str:
+        """The failpoint a ``step=N`` fault of ``rank`` arms in it: the worker waits there
+        once it has done step N (chameleon_runtime.control, launcher/faults.py)."""
+        return f"step-{rank}-{step}"
+
     def failpoint(self, node: int, phase: str) -> str:
         """Set by a node's agent once its fault for ``phase`` has fired (fault injection)."""
         return f"{self.prefix}failpoint/{node}/{phase}"

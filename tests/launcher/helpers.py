@@ -52,6 +52,17 @@ def start(*args: str, cwd: Path, log: Path, env: dict[str, str] | None = None) -
     )  # fmt: skip
 
 
+def leftovers(folder: Path) -> list:
+    """Processes whose command line names ``folder``: a run's workers still alive."""
+    import psutil
+
+    return [
+        p
+        for p in psutil.process_iter(["cmdline"])
+        if str(folder) in " ".join(p.info["cmdline"] or [])
+    ]
+
+
 def events(path: Path) -> list[dict]:
     if not path.exists():
         return []

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from tests.launcher.helpers import events, free_port, run, start, wait_for_event, write
+from tests.launcher.helpers import events, free_port, leftovers, run, start, wait_for_event, write
 
 DDP = """
     import os, sys, time, torch, torch.distributed as dist
@@ -219,7 +219,6 @@ def test_a_lost_node_recovered_in_place_lets_the_job_end(tmp_path):
     # Two agents of two runtime workers each; node 1's agent is SIGKILLed mid-run (its
     # workers die with it). Node 0 recovers in place, trains to the end with the weights
     # of a failure-free run, and exits 0 (before: its launcher never ended).
-    import psutil
 
     from tests.runtime.test_liveness import MLP, run_mlp
     from tests.runtime.test_recovery import dumps
@@ -258,11 +257,7 @@ def test_a_lost_node_recovered_in_place_lets_the_job_end(tmp_path):
     assert [e["attempt"] for e in evs if e["event"] == "workers_started"] == [0]  # in place
     finish = [e for e in evs if e["event"] == "decision" and e["action"] == "finish"]
     assert finish and finish[-1]["exit_code"] == 0
-    leftovers = [
-        p for p in psutil.process_iter(["cmdline"])
-        if str(tmp_path) in " ".join(p.info["cmdline"] or [])
-    ]  # fmt: skip
-    assert leftovers == []
+    assert leftovers(tmp_path) == []
     checks, _losses = dumps(tmp_path)
     assert sorted(checks) == sorted(reference)
     for layer, values in checks.items():

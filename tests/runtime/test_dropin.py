@@ -14,10 +14,9 @@ import json
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 
-from tests.launcher.helpers import events, free_port, run, start
+from tests.launcher.helpers import events, free_port, leftovers, run, start
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = str(ROOT / "examples" / "train_hf.py")
@@ -38,10 +37,7 @@ def train(tmp: Path, name: str, *flags: str, workers: int = 4, steps: int = STEP
         cwd=out, timeout=240,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
-    leftovers = [
-        p for p in psutil.process_iter(["cmdline"]) if str(out) in " ".join(p.info["cmdline"] or [])
-    ]
-    assert leftovers == [], "workers outlived the launcher"
+    assert leftovers(out) == [], "workers outlived the launcher"
     return dumps(out), events(log)
 
 

@@ -5,10 +5,9 @@ a replacement whose start-up outlasts the heartbeat timeout is judged by its own
 import subprocess
 from pathlib import Path
 
-import psutil
 import pytest
 
-from tests.launcher.helpers import chameleon_cmd, env, events
+from tests.launcher.helpers import chameleon_cmd, env, events, leftovers
 from tests.runtime.test_recovery import dumps
 
 MLP = str(Path(__file__).resolve().parent / "mlp.py")
@@ -27,10 +26,7 @@ def run_mlp(tmp: Path, name: str, *flags: str, workers: int, steps: int, extra_e
         ),
         cwd=out, env={**env(), **(extra_env or {})}, capture_output=True, text=True, timeout=240,
     )  # fmt: skip
-    leftovers = [
-        p for p in psutil.process_iter(["cmdline"]) if str(out) in " ".join(p.info["cmdline"] or [])
-    ]
-    assert leftovers == [], "workers outlived the launcher"
+    assert leftovers(out) == [], "workers outlived the launcher"
     checks, _losses = dumps(out)
     return result, events(log), checks
 

@@ -14,10 +14,9 @@ import glob
 import json
 from pathlib import Path
 
-import psutil
 import pytest
 
-from tests.launcher.helpers import events, run
+from tests.launcher.helpers import events, leftovers, run
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = str(ROOT / "examples" / "train_gpt.py")
@@ -51,10 +50,7 @@ def train(
         cwd=out, timeout=240,
     )  # fmt: skip
     checks, losses = dumps(out)
-    leftovers = [
-        p for p in psutil.process_iter(["cmdline"]) if str(out) in " ".join(p.info["cmdline"] or [])
-    ]
-    assert leftovers == [], "workers outlived the launcher"
+    assert leftovers(out) == [], "workers outlived the launcher"
     assert result.returncode == 0, result.stderr[-3000:]
     return checks, losses, events(log)
 
