@@ -43,12 +43,14 @@ def decision_blocks(r: DecisionReport, *, cluster: str, model: str) -> list[Bloc
                 f"{c.throughput_vs_failure_free:.1%}" if c.throughput_vs_failure_free else "-",
                 memory,
                 fmt_s(c.transition_s),
+                _risk(c.risk_s, c.restart_share),
                 f"{c.score:.2f}" if c.score is not None else "-",
             ]
         )
     blocks.append(
         Table(
-            "Candidates (score = samples/s expected until the next failure)",
+            "Candidates (score = samples/s expected until the next failure, "
+            "less the risk its layout takes at the one after)",
             [
                 "policy",
                 "feasible",
@@ -57,6 +59,7 @@ def decision_blocks(r: DecisionReport, *, cluster: str, model: str) -> list[Bloc
                 "vs failure-free",
                 "peak memory / limit",
                 "transition",
+                "next-failure risk",
                 "score",
             ],
             rows,
@@ -95,6 +98,15 @@ def decision_blocks(r: DecisionReport, *, cluster: str, model: str) -> list[Bloc
             )
         )
     return blocks
+
+
+def _risk(risk_s: float | None, share: float | None) -> str:
+    """The risk term, with the share of next failures that would force a restart."""
+    if risk_s is None or share is None:
+        return "-"
+    if share == 0.0:
+        return "0 (every layer has a spare holder)"
+    return f"{fmt_s(risk_s)} ({share:.0%} of failures restart)"
 
 
 def layout_table(layout: LayoutOut, *, max_rows: int = 24) -> Table:

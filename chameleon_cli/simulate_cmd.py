@@ -65,6 +65,14 @@ def simulate(
             help="Comma-separated: adaptive,reroute,reparallelize,restart,redundant,oracle.",
         ),
     ] = "adaptive,reroute,reparallelize,restart,redundant,oracle",
+    calibration: Annotated[
+        Path | None,
+        typer.Option(
+            "--calibration",
+            help="A chameleon run --events log: replay on the costs that run measured "
+            "(its failure-free step, transitions and restart), not the config's alone.",
+        ),
+    ] = None,
     plot_to: Annotated[
         Path | None,
         typer.Option("--plot", help="Write throughput over time to this PNG (needs matplotlib)."),
@@ -91,6 +99,10 @@ def simulate(
     if plot_to is not None:
         require_matplotlib()
     job = load_job(config)
+    if calibration is not None:
+        from planner.calibration import from_events
+
+        job = from_events(calibration).apply(job)
     if trace is None:
         tr = traces.generated(
             job, duration_s=duration_s, seed=seed, mtbf_s=mtbf_s, repair_s=repair_s

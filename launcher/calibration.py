@@ -28,10 +28,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from planner.fit import fit_host, scaled, waiting
+from planner.fit import RunFit, fit_run
 from planner.protocol import WorkerStatus
 
-CALIBRATION_ROUNDS = 4
 # The model is fitted to each generation once its steps settle (a generation's first
 # steps pay for warm-up): chameleon_runtime.pace leaves 2 out and averages over 8.
 SETTLED_AFTER_STEPS = 6
@@ -72,10 +71,13 @@ class JobModel:
 
     # -- D, the mean time to the next failure (planner.failures) ---------------------------
 
-    def expose(self, now: float, devices: int, failures: int = 0) -> None:
-        """``failures`` ended the time since the last call; from now ``devices`` run."""
+    def expose(self, now: float, devices: int, failures: int = 0, node_failures: int = 0) -> None:
+        """``failures`` ended the time since the last call (``node_failures`` of them took
+        a whole node); from now ``devices`` run."""
         since, running = self._exposed if self._exposed is not None else (now, 0)
-        self.rate = self.rate.observe(devices=running, seconds=now - since, failures=failures)
+        self.rate = self.rate.observe(
+            devices=running, seconds=now - since, failures=failures, node_failures=node_failures
+        )
         self._exposed = (now, devices)
 
     def mtbf(self, devices: int) -> Any:
@@ -112,19 +114,8 @@ class JobModel:
             if measured is None:
                 return job
             self._fit(job, current, statuses, generation, measured)
-        job = scaled(job, self.factor)
-        if self.host is not None:
-            cores, overhead, wait, per_message, per_pass = self.host
-            cluster = replace(
-                job.cluster,
-                host_cores=cores,
-                worker_overhead_s=overhead,
-                message_cpu_s=per_message,
-                pass_cpu_s=per_pass,
-            )
-            job = replace(job, cluster=cluster)
-            job = waiting(job, wait)
-        return job
+        assert self.factor is not None
+        return RunFit(self.factor, self.host).apply(job)
 
     def expect_transition(self, generation: int, *, predicted_s: float, decision_s: float) -> None:
         """The plan of ``generation`` was chosen for an in-place transition of
@@ -143,6 +134,51 @@ class JobModel:
         ratio = min(4.0, max(0.25, max(0.0, measured_s - decision) / predicted))
         self.transition_factor = min(4.0, max(0.25, self.transition_factor * math.sqrt(ratio)))
         return self.transition_factor
+
+    # -- what a successor leader starts from (launcher/takeover.py) -------------------------
+
+    def snapshot(self) -> dict[str, Any]:
+        """What this model has learned from the run, as JSON: its fit, the transitions'
+        factor, the measured restart, and what it knows of failures."""
+        r = self.rate
+        return {
+            "factor": self.factor,
+            "host": list(self.host) if self.host is not None else None,
+            "wait_s": self.wait_s,
+            "measured_s": self.measured_s,
+            "fitted_generation": self.fitted_generation,
+            "transition_factor": self.transition_factor,
+            "restart_s": self.restart_s,
+            "failures": r.failures,
+            "node_failures": r.node_failures,
+            "exposure_device_s": r.exposure_device_s,
+        }
+
+    def restore(self, snap: dict[str, Any]) -> None:
+        """Start from a predecessor's ``snapshot``: a new leader's first plan is made on
+        the costs the old one had learned, not on the uncalibrated description."""
+        host = snap.get("host")
+        self.factor = snap.get("factor")
+        self.host = tuple(host) if host is not None else None  # type: ignore[assignment]
+        self.wait_s = float(snap.get("wait_s") or 0.0)
+        self.measured_s = snap.get("measured_s")
+        self.fitted_generation = int(snap.get("fitted_generation", -1))
+        self.transition_factor = float(snap.get("transition_factor") or 1.0)
+        if snap.get("restart_s") is not None:
+            self.restart_s = float(snap["restart_s"])
+        self.rate = replace(
+            self.rate,
+            failures=int(snap.get("failures", 0)),
+            node_failures=int(snap.get("node_failures", 0)),
+            exposure_device_s=float(snap.get("exposure_device_s", 0.0)),
+        )
+        self.emit(
+            "calibration_restored",
+            factor=self.factor,
+            transition_factor=self.transition_factor,
+            fitted_generation=self.fitted_generation,
+            failures=self.rate.failures,
+        )
 
     def refit(self) -> None:
         """Fit again at the next ``job`` (a new generation's steps have settled)."""
@@ -181,26 +217,16 @@ class JobModel:
         cpu = {w: s.mean_cpu_s or s.cpu_s for w, s in beats.items()}
         compute = {w: s.mean_compute_cpu_s or s.compute_cpu_s for w, s in beats.items()}
         passes = {w: s.mean_pass_cpu_s or s.pass_cpu_s or 0.0 for w, s in beats.items()}
-        fit = fit_host(job, current, measured, cpu, compute, pass_cpu_s=passes)
-        if fit is not None:
-            self.factor = fit.factor
-            # Keep what an earlier plan with more messages showed of waiting: a data
-            # parallel step that the host bounds says nothing about it.
-            wait = fit.wait_s if fit.wait_s is not None else self.wait_s
-            self.wait_s = wait
-            self.host = (fit.cores, fit.overhead_s, wait, fit.message_cpu_s, fit.pass_cpu_s)
-        else:
-            alone = replace(job, cluster=replace(job.cluster, host_cores=None))
-            k = 1.0
-            for _ in range(CALIBRATION_ROUNDS):
-                predicted = estimate(scaled(alone, k), current).step_s
-                if predicted <= 0:
-                    break
-                k *= measured / predicted
-            self.factor = k
+        # Keep what an earlier plan with more messages showed of waiting: a data parallel
+        # step that the host bounds says nothing about it.
+        fit, _ = fit_run(job, current, measured, cpu, compute, passes, wait_s=self.wait_s)
+        self.factor, self.host = fit.factor, fit.host
+        if fit.host is not None:
+            self.wait_s = fit.host[2]
         host = self.host
         self.emit(
             "calibrated",
+            generation=generation,
             measured_step_s=measured,
             estimated_step_s=estimate(job, current).step_s,
             factor=self.factor,

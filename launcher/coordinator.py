@@ -152,9 +152,16 @@ class Coordinator(RunningMixin):
             return
         # D learns from failures: one per node that lost workers (a node's workers
         # usually go together), over the devices that ran until now.
-        nodes = {r // max(1, self.model.workers_per_node) for r in ranks}
+        per_node = max(1, self.model.workers_per_node)
+        nodes = {r // per_node for r in ranks}
+        lost_nodes = {f.rank // per_node for f in new if f.kind is FailureKind.NODE_LOST}
         running = len(self.state.live) if self.state is not None else 0
-        self.model.expose(time.monotonic(), running - len(ranks), failures=len(nodes))
+        self.model.expose(
+            time.monotonic(),
+            running - len(ranks),
+            failures=len(nodes),
+            node_failures=len(lost_nodes),
+        )
         if self.state is not None and self.state.phase is rc.Phase.RUNNING:
             self._note_progress(self._snapshot(time.monotonic()))  # the step a restart loses
         cause = root_cause(new)

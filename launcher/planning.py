@@ -106,6 +106,7 @@ class Planner:
             idle=list(start.idle),
             search=self.model.search(job),
             restarts_left=self.restarts_left(),
+            node_share=self.model.rate.node_share(),
         )
         return {"decision": decision, "job": job, "search_ms": (time.perf_counter() - t0) * 1e3}
 
@@ -125,6 +126,7 @@ class Planner:
             "memory_limit_bytes": job.cluster.device_memory_bytes,
             "mtbf_s": decision.mtbf_s,
             "mtbf_source": decision.mtbf_source,
+            "node_share": decision.outlook.node_share,
             "restart_s": job.cluster.restart_s,
             "candidates": {
                 c.policy.value: {
@@ -133,6 +135,7 @@ class Planner:
                     "step_s": c.estimate.step_s if c.estimate else None,
                     "peak_memory_bytes": c.estimate.peak_memory_bytes if c.estimate else None,
                     "transition_s": c.transition.total_s if c.feasible else None,
+                    "risk_s": decision.risk_s(job, c) if c.feasible else None,
                     "score": decision.score(job, c) if c.feasible else None,
                 }
                 for c in decision.candidates

@@ -70,7 +70,10 @@ class RunningMixin:
         if self.model.description is not None and not self.rejoins.waiting:
             # (a replacement starting up competes for the host: no fit meanwhile)
             current = self.plans[state.generation].plan.to_plan()
+            fitted = self.model.fitted_generation
             self.model.settle(current, statuses, state.generation, top - self._gen_start)
+            if self.model.fitted_generation != fitted and self.on_settled is not None:
+                self._mirror_due = True  # a successor should plan on the new fit
         self._admit(statuses, top)
         self.progress.observe(statuses, now)
         stalls = self.progress.stalled(statuses, now)

@@ -4,8 +4,10 @@ The in-place coordinator's state lives in the leader's memory and in the worker 
 hosts, and both go with its node. So while the job trains, the leader mirrors into etcd
 what a successor needs to go on from the last settled generation (``snapshot``): that
 generation's plan and the first, which ranks are live and which are gone with their node,
-where the last recovery resumed, the job's description that the workers wrote, and how
-many failures were handled. Before publishing any plan it also writes the generation's
+where the last recovery resumed, the job's description that the workers wrote, how
+many failures were handled, and what the planner's model has learned (its fit to the
+measured steps, the transitions' factor, the failure posterior), so that the successor
+plans on the same costs. Before publishing any plan it also writes the generation's
 number, so that a successor never hands out a number a worker may have seen.
 
 The successor (launcher/agent.py ``_take_over``) serves a new worker store, publishes its
@@ -48,6 +50,8 @@ def snapshot(c: Coordinator) -> dict[str, Any] | None:
         "recovery": state.recovery,
         "failures": len(c.failures),
         "description": description.model_dump_json() if description is not None else None,
+        # the planner's costs as this run has learned them: a successor plans on them
+        "calibration": c.model.snapshot(),
     }
 
 
@@ -81,6 +85,8 @@ def resume(c: Coordinator, snap: dict[str, Any], known: list[Failure], next_gen:
     c._gen_start = int(snap["resume_step"])
     if snap.get("description"):
         c.model.description = JobDescription.model_validate_json(snap["description"])
+    if snap.get("calibration"):
+        c.model.restore(snap["calibration"])
     c.model.expose(time.monotonic(), len(plan.workers))
     c.emit(
         "taken_over",

@@ -26,6 +26,23 @@ from dataclasses import dataclass, replace
 # Llama 3 on 16,384 H100: 419 unexpected interruptions in 54 days.
 DEFAULT_DEVICE_MTBF_H = 54 * 24 * 16384 / 419
 PRIOR_PSEUDO_FAILURES = 1.0
+# Llama 3 405B's unexpected interruptions by cause (PAPER.md), and what each takes down: a
+# GPU its worker until repaired, a software fault the worker's process, network and host
+# faults the whole node. Drawn traces (planner.trace) and the risk a layout takes at the
+# next failure (planner.risk) both read it.
+CAUSES: tuple[tuple[str, float, str], ...] = (
+    ("gpu", 0.587, "device"),
+    ("software", 0.129, "process"),
+    ("network", 0.084, "node"),
+    ("host", 0.200, "node"),
+)
+
+
+def scope_shares() -> tuple[float, float]:
+    """(the share of failures that take one worker, the share that take its node)."""
+    total = sum(w for _, w, _ in CAUSES)
+    node = sum(w for _, w, scope in CAUSES if scope == "node") / total
+    return 1.0 - node, node
 
 
 @dataclass(frozen=True)
@@ -47,14 +64,26 @@ class FailureRate:
     pseudo_failures: float = PRIOR_PSEUDO_FAILURES
     failures: int = 0
     exposure_device_s: float = 0.0  # device-seconds observed
+    node_failures: int = 0  # of ``failures``, those that took a whole node
 
-    def observe(self, *, devices: int, seconds: float, failures: int = 0) -> FailureRate:
-        """``devices`` ran for ``seconds`` and ``failures`` failures ended it."""
+    def observe(
+        self, *, devices: int, seconds: float, failures: int = 0, node_failures: int = 0
+    ) -> FailureRate:
+        """``devices`` ran for ``seconds`` and ``failures`` failures ended it, of which
+        ``node_failures`` took a whole node."""
         return replace(
             self,
             failures=self.failures + failures,
+            node_failures=self.node_failures + node_failures,
             exposure_device_s=self.exposure_device_s + max(0.0, seconds) * max(0, devices),
         )
+
+    def node_share(self) -> float:
+        """The share of failures that take a whole node: Llama 3's cause mix (CAUSES) as a
+        prior worth ``pseudo_failures`` failures, updated by the failures seen (a job whose
+        failures are all single devices soon stops fearing for its nodes)."""
+        a = self.pseudo_failures
+        return (a * scope_shares()[1] + self.node_failures) / (a + self.failures)
 
     def device_rate_per_s(self) -> float:
         a = self.pseudo_failures

@@ -34,7 +34,9 @@ from planner.load import busiest_host, scaled, waiting
 from planner.plan import Plan
 from planner.workload import Job
 
-__all__ = ["HostFit", "fit_host", "fit_wait", "scaled", "waiting"]
+__all__ = ["HostFit", "RunFit", "fit_host", "fit_run", "fit_wait", "scaled", "waiting"]
+
+CALIBRATION_ROUNDS = 4
 
 
 def fit_wait(job: Job, plan: Plan, measured: float, rounds: int = 30) -> float | None:
@@ -178,3 +180,59 @@ def _overhead(
     slope = max(0.0, slope)
     base = max(0.0, mean_y - slope * mean_x)
     return base, slope
+
+
+@dataclass(frozen=True)
+class RunFit:
+    """A running job's model fitted to one generation's measured step: by the launcher on
+    every generation (launcher/calibration.py), and by ``chameleon simulate --calibration``
+    on the measurements a run logged, so that a replay runs on the run's costs.
+
+    ``host``: (cores, overhead per worker, message wait, CPU per message, CPU per pass)
+    where the workers share a host's cores; None where each has a device (one factor on
+    every layer's time, iterated to the fixed point: communication does not scale)."""
+
+    factor: float
+    host: tuple[float, float, float, float, float] | None = None
+
+    def apply(self, job: Job) -> Job:
+        fitted = scaled(job, self.factor)
+        if self.host is None:
+            return fitted
+        cores, overhead, wait, per_message, per_pass = self.host
+        cluster = replace(
+            fitted.cluster,
+            host_cores=cores,
+            worker_overhead_s=overhead,
+            message_cpu_s=per_message,
+            pass_cpu_s=per_pass,
+        )
+        return waiting(replace(fitted, cluster=cluster), wait)
+
+
+def fit_run(
+    job: Job,
+    plan: Plan,
+    measured_step_s: float,
+    cpu_s: Mapping[int, float],
+    compute_cpu_s: Mapping[int, float],
+    pass_cpu_s: Mapping[int, float],
+    *,
+    wait_s: float = 0.0,
+) -> tuple[RunFit, HostFit | None]:
+    """``job`` fitted to ``plan``'s measured step (and the fit on a shared host, if any).
+    ``wait_s``: the message wait an earlier fit found, kept where this plan's messages
+    cannot tell it (a data parallel step the host bounds says nothing of waiting)."""
+    fit = fit_host(job, plan, measured_step_s, cpu_s, compute_cpu_s, pass_cpu_s=pass_cpu_s)
+    if fit is not None:
+        wait = fit.wait_s if fit.wait_s is not None else wait_s
+        host = (fit.cores, fit.overhead_s, wait, fit.message_cpu_s, fit.pass_cpu_s)
+        return RunFit(fit.factor, host), fit
+    alone = replace(job, cluster=replace(job.cluster, host_cores=None))
+    k = 1.0
+    for _ in range(CALIBRATION_ROUNDS):
+        predicted = estimate(scaled(alone, k), plan).step_s
+        if predicted <= 0:
+            break
+        k *= measured_step_s / predicted
+    return RunFit(k), None

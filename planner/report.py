@@ -9,6 +9,7 @@ from pydantic import BaseModel
 from planner.migration import Migration
 from planner.plan import Plan
 from planner.policy import Candidate
+from planner.risk import exposure
 from planner.selection import Decision
 from planner.workload import Job
 
@@ -68,6 +69,10 @@ class CandidateOut(BaseModel):
     memory_limit_bytes: int
     transition_s: float | None
     transition: TransitionOut | None
+    # The next failure's expected cost beyond an in-place recovery (planner.risk), and
+    # the share of next failures that would force a restart with this layout.
+    risk_s: float | None
+    restart_share: float | None
     score: float | None
     migration: MigrationOut
 
@@ -160,6 +165,12 @@ def _candidate_out(job: Job, decision: Decision, c: Candidate) -> CandidateOut:
         )
         if feasible
         else None,
+        risk_s=decision.risk_s(job, c) if feasible else None,
+        restart_share=(
+            exposure(job, c.plan).fatal_share(decision.outlook.node_share)
+            if feasible and c.plan
+            else None
+        ),
         score=decision.score(job, c) if feasible else None,
         migration=migration_out(c.migration),
     )

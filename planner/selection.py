@@ -9,8 +9,17 @@ otherwise, so it expects B / t_step * E[max(0, T - t_transition)] = B / t_step *
 exp(-t_transition / D) samples before the next failure; over E[T] = D that is the score.
 PAPER.md's (D - t_transition) / D is its first-order form, which goes negative when the
 transition outlasts D and then prefers the slower step; this one never does. As D -> 0
-the cheapest transition wins, as D -> infinity the fastest step (docs/planner.md). The
-highest score wins; ties go to the least disruptive policy (reroute, then reparallelize,
+the cheapest transition wins, as D -> infinity the fastest step (docs/planner.md).
+
+That alone sees one failure ahead. A candidate also leaves a layout for the failure after
+it: one that keeps a single holder of some layer turns the next loss of that worker (or
+its node) into a checkpoint restart. ``planner.risk`` prices that as the next failure's
+expected cost beyond an in-place recovery, ``risk_s``, charged as a transition is:
+
+    score(p) = (B / t_step(p)) * exp(-(t_transition(p) + risk_s(p)) / D)
+
+so a faster layout that a single loss would wreck wins only when failures are rare enough
+for its speed to pay for the restart it risks. The highest score wins; ties go to the least disruptive policy (reroute, then reparallelize,
 then restart). ``decide`` is the planner's single entry point: pure but for the clock it
 is handed, which times the search because search time is part of the transition.
 """
@@ -21,7 +30,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import astuple as dataclass_astuple
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from planner.estimate import Estimate
 from planner.migration import Migration
@@ -34,18 +43,58 @@ from planner.policy import (
     reroute_candidate,
     restart_candidate,
 )
+from planner.risk import risk_s
 from planner.search import Proposal, Search
 from planner.workload import Job
 
 _PREFERENCE = {Policy.REROUTE: 0, Policy.REPARALLELIZE: 1, Policy.RESTART: 2}
 
 
-def score(*, global_batch: float, step_s: float, transition_s: float, mtbf_s: float) -> float:
-    """Expected samples per second until the next failure (module doc)."""
-    return (global_batch / step_s) * math.exp(-transition_s / mtbf_s)
+def score(
+    *,
+    global_batch: float,
+    step_s: float,
+    transition_s: float,
+    mtbf_s: float,
+    risk_s: float = 0.0,
+) -> float:
+    """Expected samples per second until the next failure, less the next failure's risk
+    (module doc)."""
+    return (global_batch / step_s) * math.exp(-(transition_s + risk_s) / mtbf_s)
 
 
-def candidate_score(job: Job, candidate: Candidate, mtbf_s: float) -> float:
+@dataclass(frozen=True)
+class Outlook:
+    """What the planner expects of the failures to come: D; the work since the last
+    checkpoint now (None: half the interval); the share of failures that take a whole
+    node (None: Llama 3's mix; planner.failures.FailureRate.node_share learns it)."""
+
+    mtbf_s: float
+    since_checkpoint_s: float | None = None
+    node_share: float | None = None
+
+
+def candidate_risk_s(job: Job, candidate: Candidate, outlook: Outlook) -> float:
+    """``planner.risk.risk_s`` of the layout ``candidate`` leaves (a restart starts the
+    checkpoint interval again)."""
+    if not candidate.feasible or candidate.plan is None:
+        return 0.0
+    if candidate.policy is Policy.RESTART:
+        since = 0.0
+    elif outlook.since_checkpoint_s is None:
+        since = job.training.checkpoint_interval_s / 2
+    else:
+        since = outlook.since_checkpoint_s
+    return risk_s(
+        job,
+        candidate.plan,
+        mtbf_s=outlook.mtbf_s,
+        since_checkpoint_s=since,
+        node_share=outlook.node_share,
+    )
+
+
+def candidate_score(job: Job, candidate: Candidate, outlook: Outlook) -> float:
     if not candidate.feasible:
         return float("-inf")
     assert candidate.estimate is not None
@@ -53,25 +102,45 @@ def candidate_score(job: Job, candidate: Candidate, mtbf_s: float) -> float:
         global_batch=job.training.global_batch_size,
         step_s=candidate.estimate.step_s,
         transition_s=candidate.transition.total_s,
-        mtbf_s=mtbf_s,
+        mtbf_s=outlook.mtbf_s,
+        risk_s=candidate_risk_s(job, candidate, outlook),
     )
 
 
-def log_score(job: Job, candidate: Candidate, mtbf_s: float) -> float:
+def log_score(job: Job, candidate: Candidate, outlook: Outlook) -> float:
     """The log of ``candidate_score``, which orders candidates the same way: at a D far
     below every transition the scores themselves underflow to 0 and would all tie."""
     if not candidate.feasible:
         return float("-inf")
     assert candidate.estimate is not None
     rate = job.training.global_batch_size / candidate.estimate.step_s
-    return math.log(rate) - candidate.transition.total_s / mtbf_s
+    risk = candidate_risk_s(job, candidate, outlook)
+    return math.log(rate) - (candidate.transition.total_s + risk) / outlook.mtbf_s
 
 
-def choose(job: Job, candidates: Sequence[Candidate], mtbf_s: float) -> Candidate | None:
+def choose(job: Job, candidates: Sequence[Candidate], outlook: Outlook) -> Candidate | None:
     feasible = [c for c in candidates if c.feasible]
     if not feasible:
         return None
-    return max(feasible, key=lambda c: (log_score(job, c, mtbf_s), -_PREFERENCE[c.policy]))
+    return max(feasible, key=lambda c: (log_score(job, c, outlook), -_PREFERENCE[c.policy]))
+
+
+def restart_variants(restart: Candidate, repartitions: Sequence[Candidate]) -> list[Candidate]:
+    """A restart may start on any layout the search proposed over the live workers, not
+    only the fastest (``planner.policy.restart_candidate``): restarting into a layout
+    that one more loss would wreck can score below a slightly slower one that keeps a
+    copy of every layer (planner.risk). Each costs the restart's transition."""
+    if not restart.feasible:  # no restarts left, or no layout fits
+        return [restart]
+    variants = [restart]
+    for c in repartitions:
+        if c.feasible and c.plan is not None and c.plan != restart.plan:
+            label = f"{len(c.plan.workers)} live workers: {c.label}"
+            variants.append(
+                replace(c, policy=Policy.RESTART, transition=restart.transition,
+                        migration=restart.migration, label=label)
+            )  # fmt: skip
+    return variants
 
 
 @dataclass(frozen=True)
@@ -170,9 +239,14 @@ class Decision:
     mtbf_source: str
     search_s: float  # the reparallelize plan search
     decision_s: float  # every policy evaluated and one chosen
+    outlook: Outlook  # D and what else the scores saw of the failures to come
 
     def score(self, job: Job, candidate: Candidate) -> float:
-        return candidate_score(job, candidate, self.mtbf_s)
+        return candidate_score(job, candidate, self.outlook)
+
+    def risk_s(self, job: Job, candidate: Candidate) -> float:
+        """What the layout ``candidate`` leaves risks at the next failure (planner.risk)."""
+        return candidate_risk_s(job, candidate, self.outlook)
 
 
 def decide(
@@ -189,6 +263,7 @@ def decide(
     search: Search | None = None,
     clock: Callable[[], float] = time.perf_counter,
     restarts_left: int | None = None,
+    node_share: float | None = None,
 ) -> Decision:
     """Evaluate every policy for the loss of ``failed`` workers and pick one.
 
@@ -198,7 +273,8 @@ def decide(
     is the work a restart would redo (default: half the checkpoint interval). ``search``
     may be one kept from earlier decisions of the same job (its templates are reused).
     ``restarts_left``: how many restarts the launcher may still make (None: unbounded);
-    with none left a restart is not a candidate.
+    with none left a restart is not a candidate. ``node_share``: of failures, the share
+    that take a whole node (default: Llama 3's mix; the run's posterior where it has one).
     ``idle`` are live workers the current plan leaves unused (left over by an earlier
     re-partition, or replacements that rejoined): they hold no state, and a re-partition
     or restart may use them.
@@ -223,11 +299,15 @@ def decide(
     reroute, restart = options.reroute, options.restart
     if restarts_left is not None and restarts_left <= 0:
         restart = Candidate(Policy.RESTART, reason="no restarts left (--max-restarts)")
-    reparallelize = max(options.reparallelize, key=lambda c: log_score(job, c, mtbf))
+    outlook = Outlook(mtbf, since, node_share)
+    restart = max(
+        restart_variants(restart, options.reparallelize), key=lambda c: log_score(job, c, outlook)
+    )
+    reparallelize = max(options.reparallelize, key=lambda c: log_score(job, c, outlook))
     search_s = options.search_s
     candidates = (reroute, reparallelize, restart)
     if policy is None:
-        chosen = choose(job, candidates, mtbf)
+        chosen = choose(job, candidates, outlook)
     else:
         forced = next(c for c in candidates if c.policy is policy)
         chosen = forced if forced.feasible else None
@@ -240,4 +320,5 @@ def decide(
         mtbf_source=mtbf_source,
         search_s=search_s,
         decision_s=clock() - started,
+        outlook=outlook,
     )

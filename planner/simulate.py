@@ -47,7 +47,7 @@ from planner.layout import initial_plan
 from planner.plan import Plan
 from planner.policy import Candidate, Policy, Transition
 from planner.search import Search
-from planner.selection import choose, log_score
+from planner.selection import Outlook, choose, log_score, restart_variants
 from planner.symmetry import Question
 from planner.trace import Event, Trace
 from planner.workload import Job
@@ -204,6 +204,7 @@ class Simulator:
                 devices=len(in_use) * self.job.tp,
                 seconds=event.t_s - state.observed_s,
                 failures=1 if hit else 0,
+                node_failures=1 if hit and event.takes_node(self.job) else 0,
             )
         state = replace(
             state,
@@ -244,6 +245,13 @@ class Simulator:
         assert state.rate is not None and state.plan is not None
         return state.rate.mtbf(len(state.plan.workers) * self.job.tp).seconds
 
+    def outlook(self, state: State) -> Outlook:
+        """What adaptive's choice sees of the failures to come, as chameleon run does:
+        D and the share of failures that take a node, both learned; the checkpoint's
+        phase."""
+        assert state.rate is not None
+        return Outlook(self.mtbf_s(state), self.since_checkpoint_s(state), state.rate.node_share())
+
     def choices(self, state: State, lost: Sequence[int], policy: str) -> list[Choice]:
         """The recoveries ``policy`` may pick for ``lost`` (several only for the oracle),
         empty when none is feasible."""
@@ -265,11 +273,15 @@ class Simulator:
             return Choice(c, c.estimate.step_s)
 
         if policy == "adaptive":
-            d = self.mtbf_s(state)
+            outlook = self.outlook(state)
+            repartitions = self.answers.reparallelize(q)
+            best_rp = max(repartitions, key=lambda c: log_score(self.job, c, outlook), default=None)
             restart = fallback()
-            best_rp = max(
-                self.answers.reparallelize(q), key=lambda c: log_score(self.job, c, d), default=None
-            )
+            if restart:  # on the layout that scores best, risk included
+                since, slowdown = self.since_checkpoint_s(state), state.slowdown
+                variants = restart_variants(self.answers.restart(q), repartitions)
+                best = max(variants, key=lambda c: log_score(self.job, c, outlook))
+                restart = [r for r in [self._restart(best, since, slowdown)] if r]
             pool = [
                 c
                 for c in (
@@ -279,7 +291,7 @@ class Simulator:
                 )
                 if c
             ]
-            chosen = choose(self.job, pool, d)
+            chosen = choose(self.job, pool, outlook)
             if chosen is None:
                 return []
             return restart if chosen.policy is Policy.RESTART else [plain(chosen)]

@@ -28,15 +28,11 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from planner.errors import ConfigError
+from planner.failures import CAUSES
 from planner.workload import Job
 
-# Llama 3 405B's unexpected interruptions by cause (PAPER.md), and what each takes down.
-CAUSES: tuple[tuple[str, float, str], ...] = (
-    ("gpu", 0.587, "device"),
-    ("software", 0.129, "process"),
-    ("network", 0.084, "node"),
-    ("host", 0.200, "node"),
-)
+_SCOPE = {name: scope for name, _, scope in CAUSES}
+
 PROCESS_RESTART_S = 60.0  # a crashed process's worker is usable again after this
 OOBLECK_INTERVALS_S = {"10m": 600.0, "30m": 1800.0, "1h": 3600.0, "3h": 10800.0, "6h": 21600.0}
 
@@ -47,6 +43,18 @@ class Event:
     kind: Literal["fail", "repair"]
     workers: tuple[int, ...]
     cause: str = ""
+
+    def takes_node(self, job: Job) -> bool:
+        """Whether this failure took a whole node: by its cause where it names one of
+        CAUSES, else when it took every worker of a node that has several."""
+        if self.cause in _SCOPE:
+            return _SCOPE[self.cause] == "node"
+        lost = set(self.workers)
+        nodes = {job.node_of(w) for w in lost}
+        return any(
+            len(on) > 1 and set(on) <= lost
+            for on in ([w for w in job.workers_on_node(n) if w < job.num_workers] for n in nodes)
+        )
 
 
 @dataclass(frozen=True)

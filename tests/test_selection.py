@@ -8,7 +8,7 @@ import pytest
 from planner.estimate import Estimate
 from planner.layout import initial_plan
 from planner.policy import Candidate, Policy, Transition
-from planner.selection import choose, decide, score
+from planner.selection import Outlook, choose, decide, score
 from tests.synthetic import uniform_job
 
 
@@ -65,11 +65,11 @@ def test_choose_applies_the_worked_example_to_candidates():
 
     candidates = [candidate(Policy.REROUTE, 2.0, 0.0), candidate(Policy.REPARALLELIZE, 1.0, 10.0)]
     flip = 10 / math.log(2)
-    assert choose(job, candidates, mtbf_s=flip - 0.5).policy is Policy.REROUTE
-    assert choose(job, candidates, mtbf_s=flip + 0.5).policy is Policy.REPARALLELIZE
+    assert choose(job, candidates, Outlook(flip - 0.5)).policy is Policy.REROUTE
+    assert choose(job, candidates, Outlook(flip + 0.5)).policy is Policy.REPARALLELIZE
     # A tie goes to the least disruptive policy.
     tied = [candidate(Policy.REPARALLELIZE, 2.0, 0.0), candidate(Policy.REROUTE, 2.0, 0.0)]
-    assert choose(job, tied, mtbf_s=1.0).policy is Policy.REROUTE
+    assert choose(job, tied, Outlook(1.0)).policy is Policy.REROUTE
 
 
 def test_decision_flips_with_mtbf_on_a_real_plan():
