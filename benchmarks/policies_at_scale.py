@@ -4,8 +4,8 @@
         [--traces oobleck-10m,...,llama3] [--duration 24h] [--llama3-duration 54d]
         [--seed 0] [--oracle-max-workers 256]
 
-For each config (by default the paper's setting, 32 Ascend 910B with a 13B GPT, and the
-1,024 and 16,384 H100 configs) and each trace (Oobleck's five, and failures drawn from
+For each config (by default the CPU test bed's three, the paper's setting, 32 Ascend 910B
+with a 13B GPT, and the 1,024 and 16,384 H100 configs) and each trace (Oobleck's five, and failures drawn from
 Llama 3's statistics with 2 h repairs: planner.trace), one ``chameleon simulate`` run of
 every policy (planner.outcome.simulate, the command's own code). It prints:
 
@@ -23,7 +23,8 @@ every policy (planner.outcome.simulate, the command's own code). It prints:
   Oobleck's, 1.355x ReCycle's, within 11% of failure-free after recovery.
 
 Exits 1 if adaptive's throughput is below any single baseline's on any trace (below by
-more than 1e-9 of it: float noise is not a loss).
+more than 1e-9 of it: float noise is not a loss), or below 0.98 of the oracle's where the
+oracle runs.
 """
 
 from __future__ import annotations
@@ -41,13 +42,21 @@ from planner.outcome import SimulationReport, simulate
 from planner.workload import Job
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
-DEFAULT_CONFIGS = ("ascend910b_32_gpt13b", "h100_1024_llama70b", "h100_16384_llama405b")
+DEFAULT_CONFIGS = (
+    "cpu_testbed",
+    "cpu_testbed_profiled",
+    "cpu_testbed_dropin",
+    "ascend910b_32_gpt13b",
+    "h100_1024_llama70b",
+    "h100_16384_llama405b",
+)
 OOBLECK = tuple(f"oobleck-{k}" for k in traces.OOBLECK_INTERVALS_S)
 DEFAULT_TRACES = (*OOBLECK, "llama3")
 BASELINES = ("reroute", "reparallelize", "restart", "redundant")
 PAPER = {"reparallelize": 1.229, "reroute": 1.355}  # adaptive over it, on its setting
 PAPER_POST = 0.89  # post-recovery over failure-free, at least
 TOLERANCE = 1e-9
+ORACLE_SHARE = 0.98  # adaptive's throughput over the oracle's, at least
 
 
 def _duration(text: str) -> float:
@@ -84,6 +93,8 @@ def row(config: str, name: str, r: SimulationReport, with_oracle: bool) -> tuple
     over = {b: _ratio(a.throughput, r.outcome(b).throughput) for b in BASELINES}
     losses = [b for b in BASELINES if a.throughput < r.outcome(b).throughput * (1 - TOLERANCE)]
     oracle = _ratio(a.throughput, r.outcome("oracle").throughput) if with_oracle else None
+    if oracle is not None and oracle < ORACLE_SHARE:
+        losses.append(f"oracle ({oracle:.3f})")
     cells = [
         f"{config:22}",
         f"{name:12}",

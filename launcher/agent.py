@@ -110,6 +110,7 @@ class Agent(JoiningMixin, SuccessionMixin):
         # --config: the cluster's figures that workers cannot measure (device memory,
         # links, restart cost), read now so that a bad file fails before any worker starts.
         self.planner_cluster = None
+        self.faults_fired: set[int] = set()  # id() of --inject-fault specs that fired
         # D's prior (planner.failures): --mtbf, else the config's, else Llama 3's rate.
         self.failure_rate = FailureRate(DEFAULT_DEVICE_MTBF_H * 3600)
         if args.config:
@@ -247,6 +248,7 @@ class Agent(JoiningMixin, SuccessionMixin):
             self.command,
             console=self.console,
             faults=a.faults,
+            faults_fired=self.faults_fired,
             emit=self.events.emit,
             base_env=dict(os.environ),
             view=WorkerStoreView(

@@ -20,7 +20,10 @@ Phases: ``collect`` (survivors answer the abort), ``plan`` (the planner works), 
 (the plan is applied), and within it, as the rank itself reports them, ``groups`` (it has
 not built the new generation's group yet: building it, or about to) and ``migrate`` (it
 moves layers). ``attempt=N`` (default 0) picks
-the restart attempt, so a restarted job is not killed again. Step and phase faults need
+the restart attempt, so a restarted job is not killed again; ``attempt=any`` fires once in
+the whole run, in whichever attempt reaches its moment first (a soak's schedule goes on
+after a restart: a step fault at step N fires once the restarted job passes N, if it
+has not fired before). Step and phase faults need
 workers that report (scripts using chameleon_runtime). For ``groups`` and ``migrate`` the
 workers of the fault's node pause on entering the phase until the fault has fired (at
 most 2 s): a migration of a few milliseconds would otherwise often end unseen. A step
@@ -76,7 +79,11 @@ class FaultSpec:
             if self.after_ms:
                 when += f" + {self.after_ms:g} ms"
         who = "any rank" if self.rank == ANY else f"rank {self.rank}"
-        return f"{self.kind.value} {who} {when} (attempt {self.attempt})"
+        attempt = "any attempt" if self.attempt == ANY else f"attempt {self.attempt}"
+        return f"{self.kind.value} {who} {when} ({attempt})"
+
+    def in_attempt(self, attempt: int) -> bool:
+        return self.attempt in (attempt, ANY)
 
 
 _SPEC = re.compile(r"^(kill|hang|exit):(.+)$")
@@ -121,11 +128,11 @@ def parse_fault(text: str) -> FaultSpec:
             phase=fields.get("phase"),
             after_ms=float(fields.get("after_ms", "0")),
             code=int(fields.get("code", "1")),
-            attempt=int(fields.get("attempt", "0")),
+            attempt=ANY if fields.get("attempt") == "any" else int(fields.get("attempt", "0")),
         )
     except ValueError:
         raise ValueError(
-            f"rank (or any), step, recovery, code and attempt must be integers, at and after_ms "
+            f"rank and attempt (or any), step, recovery and code must be integers, at and after_ms "
             "numbers, "
             f"in {text!r}"
         ) from None
@@ -146,9 +153,14 @@ class Injector:
     """Which of a node's faults are due now. A phase fault is armed when its phase is
     first seen and fires ``after_ms`` later, whatever the phase is by then."""
 
-    def __init__(self, faults: list[FaultSpec], ranks: list[int]) -> None:
+    def __init__(
+        self, faults: list[FaultSpec], ranks: list[int], fired: set[int] | None = None
+    ) -> None:
         self.pending = list(faults)
         self.ranks = ranks  # this node's
+        # id() of each fault that fired, shared by the agent's rounds: one of any attempt
+        # fires once in the whole run
+        self.fired = fired if fired is not None else set()
         self._armed: dict[int, tuple[float, int]] = {}  # id(spec) -> when armed, on which rank
         self._rng = random.Random(0)  # rank=any picks: seeded, so a run repeats
 
@@ -191,6 +203,7 @@ class Injector:
             if now - armed_at >= spec.after_ms / 1e3:
                 self.pending.remove(spec)
                 del self._armed[id(spec)]
+                self.fired.add(id(spec))
                 due.append(replace(spec, rank=rank))
         return due
 

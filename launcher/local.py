@@ -62,7 +62,11 @@ class LocalGroup(InjectionMixin):
         view: WorkerStoreView | None = None,
         reaper: Reaper | None = None,
         forkserver: ForkServer | None = None,
+        faults_fired: set[int] | None = None,
     ) -> None:
+        """``faults_fired``: id() of the faults that fired in earlier rounds (the agent's,
+        shared: one for any attempt fires once in the run)."""
+        faults_fired = faults_fired if faults_fired is not None else set()
         self.s = settings
         self.command = command
         self.console = console
@@ -84,9 +88,12 @@ class LocalGroup(InjectionMixin):
             [
                 f
                 for f in faults
-                if f.attempt == settings.attempt and (f.rank == ANY or self._is_local(f.rank))
+                if f.in_attempt(settings.attempt)
+                and id(f) not in faults_fired
+                and (f.rank == ANY or self._is_local(f.rank))
             ],
             ranks,
+            faults_fired,
         )
         self._failpoints = set(self._injector.failpoints())  # armed in the workers
         self._fault_times: dict[int, float] = {}

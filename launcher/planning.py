@@ -147,7 +147,12 @@ class Planner:
         chosen = decision.chosen
         if chosen is None or chosen.plan is None or chosen.policy is Policy.RESTART:
             self.emit("plan_chosen", policy="restart", **basis)
-            why = "the planner chose restart" if chosen else "no in-place policy is feasible"
+            in_place = any(
+                c.feasible for c in decision.candidates if c.policy is not Policy.RESTART
+            )
+            # (a restart chosen over a feasible in-place recovery says so: the soak and
+            # the timeline tell a forced restart from a chosen one)
+            why = "the planner chose restart" if in_place else "no in-place policy is feasible"
             return rc.Planned(start.generation, restart=True, reason=why), None
         migration = chosen.migration.naive() if self.naive_migration else chosen.migration
         message = PlanMessage.build(

@@ -166,3 +166,18 @@ def test_help_lists_torchrun_and_chameleon_flags():
         "--inject-fault",
     ):
         assert flag in text
+
+
+def test_a_fault_of_any_attempt_fires_once_in_the_run():
+    """A soak's schedule goes on after a restart: a fault for any attempt is pending in
+    every round until it has fired, then in none (the agent's rounds share ``fired``)."""
+    spec = parse_fault("kill:rank=1,step=40,attempt=any")
+    assert spec.in_attempt(0) and spec.in_attempt(3) and "any attempt" in spec.describe()
+    assert not parse_fault("kill:rank=1,step=40").in_attempt(1)
+    fired: set[int] = set()
+    first = Injector([spec], ranks=[0, 1], fired=fired)
+    assert first.due(0.0, since_start_s=0, status={1: _status("train", 30)}, phase=None) == []
+    # restarted before step 40: the next round's injector still has it, and fires it
+    second = Injector([f for f in [spec] if id(f) not in fired], ranks=[0, 1], fired=fired)
+    assert second.due(0.0, since_start_s=0, status={1: _status("train", 41)}, phase=None) == [spec]
+    assert [f for f in [spec] if id(f) not in fired] == []  # a third round has none
