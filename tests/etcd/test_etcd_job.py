@@ -116,6 +116,12 @@ def test_losing_the_first_nodes_agent_on_etcd_the_others_finish_with_the_same_we
     # In place: the survivors' workers of the first round trained to the end.
     assert [e["attempt"] for e in evs if e["event"] == "workers_started"] == [0, 0]
     assert [e for e in evs if e["event"] == "recovered"]
+    # The successor plans on the costs its predecessor had fitted to the measured steps
+    # (the mirror carries the model), not on the uncalibrated description.
+    fitted = [e for e in events(tmp_path / f"n{leader}.jsonl") if e["event"] == "calibrated"]
+    restored = [e for e in evs if e["event"] == "calibration_restored"]
+    assert fitted and restored, "the successor planned without its predecessor's calibration"
+    assert restored[0]["factor"] == pytest.approx(fitted[-1]["factor"])
     after = [e["t"] for e in evs if e["event"] == "step" and e["t"] > killed_at]
     print(f"node 0 lost -> first good step on the survivors: {min(after) - killed_at:.2f} s")
 

