@@ -4,9 +4,10 @@
 
 The example tiny GPT (examples/train_gpt.py, made smaller: 2-stage pipelines) trains on
 ``--workers`` CPU workers under ``chameleon run``, planned as the shared 2-core host it
-runs on (configs/cpu_testbed.toml), with replacements rejoining and a schedule of faults
-drawn from ``--seed``, each for any attempt (``attempt=any``: a fault not reached before a
-restart fires after it):
+runs on (configs/cpu_testbed.toml) and told the soak's failure rate (``--mtbf``: the
+failure-free run's time over the faults scheduled), with replacements rejoining and a
+schedule of faults drawn from ``--seed``, each for any attempt (``attempt=any``: a fault
+not reached before a restart fires after it):
 
 - at steps about ``--gap`` apart (time for a replacement to start and be taken back in, as
   on a cluster whose failures are hours apart): kill -9 (60%), SIGSTOP (20%, a hang the
@@ -79,13 +80,22 @@ def schedule(seed: int, faults: int, gap: int) -> tuple[list[str], int]:
     return specs, 30 + at_steps * gap + gap
 
 
-def train(work: Path, name: str, args: argparse.Namespace, faults: list[str], steps: int) -> dict:
-    """One run; its events, dumps and whether it wedged."""
+def train(
+    work: Path,
+    name: str,
+    args: argparse.Namespace,
+    faults: list[str],
+    steps: int,
+    mtbf_s: float | None = None,
+) -> dict:
+    """One run; its events, dumps and whether it wedged. ``mtbf_s``: the soak's failure
+    rate, told to the planner (--mtbf)."""
     out = work / name
     out.mkdir()
     log = out / "events.jsonl"
     flags = [x for spec in faults for x in ("--inject-fault", spec)]
     flags += ["--config", str(ROOT / "configs" / "cpu_testbed.toml")]
+    flags += ["--mtbf", f"{mtbf_s:.3f}s"] if mtbf_s else []
     cmd = [
         sys.executable, "-m", "chameleon_cli.app", "run", "--plain", "--standalone",
         "--nproc-per-node", str(args.workers), "--max-restarts", "3", "--max-rejoins", "50",
@@ -224,9 +234,15 @@ def main() -> int:
         if reference["code"] != 0:
             print(f"the failure-free run failed (exit {reference['code']})", file=sys.stderr)
             return 2
-        run = train(work, "chaos", args, specs, steps)
+        # The planner is told the soak's failure rate, as a cluster's config tells it its
+        # fleet's: a fault every few seconds. Learned from the test bed's prior (one
+        # failure per 2 device-hours), D would stay in minutes for most of the run, and
+        # layouts that one kill turns into a restart would look worth their speed.
+        mtbf_s = reference["wall_s"] / len(specs)
+        run = train(work, "chaos", args, specs, steps, mtbf_s)
         result = report(run, reference)
     result["seed"], result["steps"], result["scheduled"] = args.seed, steps, specs
+    result["mtbf_s"] = round(mtbf_s, 3)
     result["exact"], result["tolerance"] = args.exact, args.tolerance
     ok = (
         not result["wedged"]

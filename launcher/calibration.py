@@ -271,8 +271,8 @@ class JobModel:
     ) -> tuple[float, float, float, str] | None:
         """(step now, step with every live worker, transition, label) when moving to the
         best layout over every live worker pays before the next failure, else None."""
-        from launcher.rejoin import worth_growing
         from planner.policy import reparallelize_candidates
+        from planner.selection import worth_growing
 
         search = self.search(job)
         proposals = search.propose(current, alive)[:1]

@@ -18,10 +18,6 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from planner.selection import score
-
-# Grow only when the expected throughput until the next failure improves by this much.
-GROW_MARGIN = 0.01
 # Steps after which the workers' step means (chameleon_runtime.pace: 2 warm-up steps, a
 # window of 8) cover only steps run after a replacement's start-up, which competed for
 # the host: the layout with it is judged then.
@@ -87,13 +83,3 @@ class Rejoins:
             return []
         joined, self.joined = self.joined, []
         return joined
-
-
-def worth_growing(*, current_s: float, grown_s: float, transition_s: float, mtbf_s: float) -> bool:
-    """Samples per second until the next failure, staying versus moving: moving costs the
-    transition once, then runs at the grown step time."""
-    if grown_s <= 0 or current_s <= 0:
-        return False
-    stay = score(global_batch=1.0, step_s=current_s, transition_s=0.0, mtbf_s=mtbf_s)
-    grow = score(global_batch=1.0, step_s=grown_s, transition_s=transition_s, mtbf_s=mtbf_s)
-    return grow > stay * (1 + GROW_MARGIN)

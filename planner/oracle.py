@@ -5,7 +5,9 @@ its state then (its plan, when it trains again, which workers are down, idle or 
 where its checkpoints fall), not on how it got there, so runs that reach the same state
 are merged and only the one with the most samples so far is kept. At each failure every
 surviving state branches into every feasible recovery (the reroute, each re-partition the
-search proposes, the restart); between failures they only train.
+search proposes, the restart); at each repair into staying and taking the repaired
+workers in (as the growing policies would, when it pays: planner.simulate.GROWS);
+between events they only train.
 
 Merging alone keeps the search exact. The number of distinct states can still grow with
 every failure, so at most ``beam`` are carried, ranked by what they could reach at best
@@ -67,24 +69,29 @@ def oracle(sim: Simulator, trace: Trace, *, beam: int = BEAM) -> OracleRun:
     followers = {p: sim.start(p) for p in FOLLOW}
     most, pruned = 1, False
     for event in trace.events:
-        if event.kind == "repair":
-            states = [sim.repair(s, event) for s in states]
-            followers = {p: sim.repair(s, event) for p, s in followers.items()}
-            continue
         merged: dict[tuple, State] = {}
         for state in states:
-            state, lost = sim.hit(state, event)
-            branches = [state]
-            if lost:
-                choices = sim.choices(state, lost, "oracle")
-                branches = [sim.recover(state, c) for c in choices] or [sim.recover(state, None)]
+            if event.kind == "repair":
+                # workers back: stay, or take them in as the growing policies would
+                branches = [sim.repair(state, event), sim.repair(state, event, "adaptive")]
+            else:
+                state, lost = sim.hit(state, event)
+                branches = [state]
+                if lost:
+                    choices = sim.choices(state, lost, "oracle")
+                    branches = [sim.recover(state, c) for c in choices] or [
+                        sim.recover(state, None)
+                    ]
             for b in branches:
                 _keep(merged, b)
         for p, state in followers.items():
-            state, lost = sim.hit(state, event)
-            if lost:
-                choices = sim.choices(state, lost, p)
-                state = sim.recover(state, choices[0] if choices else None)
+            if event.kind == "repair":
+                state = sim.repair(state, event, p)
+            else:
+                state, lost = sim.hit(state, event)
+                if lost:
+                    choices = sim.choices(state, lost, p)
+                    state = sim.recover(state, choices[0] if choices else None)
             followers[p] = state
             _keep(merged, state)
         ranked = sorted(

@@ -63,6 +63,22 @@ def score(
     return (global_batch / step_s) * math.exp(-(transition_s + risk_s) / mtbf_s)
 
 
+# Grow only when the expected throughput until the next failure improves by this much.
+GROW_MARGIN = 0.01
+
+
+def worth_growing(*, current_s: float, grown_s: float, transition_s: float, mtbf_s: float) -> bool:
+    """Whether to take workers back in (replacements that rejoined, repaired nodes):
+    samples per second until the next failure, staying versus moving, where moving costs
+    the transition once, then runs at the grown step time. ``chameleon run`` judges a
+    growth so (launcher/calibration.py), and ``chameleon simulate`` at a repair."""
+    if grown_s <= 0 or current_s <= 0:
+        return False
+    stay = score(global_batch=1.0, step_s=current_s, transition_s=0.0, mtbf_s=mtbf_s)
+    grow = score(global_batch=1.0, step_s=grown_s, transition_s=transition_s, mtbf_s=mtbf_s)
+    return grow > stay * (1 + GROW_MARGIN)
+
+
 @dataclass(frozen=True)
 class Outlook:
     """What the planner expects of the failures to come: D; the work since the last

@@ -30,8 +30,10 @@ Every failure also costs the cluster's ``detection_s`` (until it is seen), and a
 recovery the half step it interrupted, on average. Checkpoints are written every
 ``checkpoint_interval_s`` of wall time from the last (re)start; a restart redoes the time since the last one. A failure during a transition
 abandons it: the new decision starts from the plan being moved to. Repaired workers
-return idle; a later re-partition or restart may use them (no policy scales up on a
-repair alone). A job with no feasible recovery stops training until workers are back to
+return idle; a later re-partition or restart may use them, and the policies that grow
+(``GROWS``: adaptive, as chameleon run takes rejoined workers in, and Oobleck's) move to
+the fastest layout over every live worker at once when that pays before the next
+failure (``Simulator.grow``; the oracle follows adaptive's growths). A job with no feasible recovery stops training until workers are back to
 run it; then it restarts from its last checkpoint, as torchrun or a requeueing scheduler
 would.
 """
@@ -47,12 +49,17 @@ from planner.layout import initial_plan
 from planner.plan import Plan
 from planner.policy import Candidate, Policy, Transition
 from planner.search import Search
-from planner.selection import Outlook, choose, log_score, restart_variants
+from planner.selection import Outlook, choose, log_score, restart_variants, worth_growing
 from planner.symmetry import Question
 from planner.trace import Event, Trace
 from planner.workload import Job
 
 POLICIES = ("adaptive", "reroute", "reparallelize", "restart", "redundant", "oracle")
+# Policies that take repaired workers back in when it pays: chameleon run (its rejoined
+# replacements and nodes) and Oobleck (which re-instantiates pipelines on nodes that
+# return). ReCycle keeps its layout, torchrun restarts only on a failure, Bamboo keeps
+# its redundancy's layout.
+GROWS = ("adaptive", "reparallelize")
 # Bamboo's redundant computation, as a share of a failure-free step. An assumption (the
 # figure depends on the model and the bubbles it fills), stated in docs/simulate.md.
 REDUNDANT_OVERHEAD = 0.25
@@ -73,6 +80,7 @@ class Totals:
     post_rate_s: float = 0.0  # ... weighted by its rate over failure-free
     in_place: int = 0  # failures recovered without a restart
     restarts: int = 0
+    growths: int = 0  # repaired workers taken back in (``Simulator.grow``)
     stopped: bool = False  # no feasible recovery: the job stopped
     stopped_s: float = 0.0
 
@@ -216,7 +224,9 @@ class Simulator:
         )
         return state, hit
 
-    def repair(self, state: State, event: Event) -> State:
+    def repair(self, state: State, event: Event, policy: str | None = None) -> State:
+        """Workers back; a stopped job relaunched on them; one that ``policy`` grows
+        (``GROWS``) takes them in when that pays (``grow``)."""
         state = self.advance(state, event.t_s)
         back = frozenset(event.workers) & state.down
         in_plan = set(state.plan.workers) if state.plan is not None else set()
@@ -227,7 +237,43 @@ class Simulator:
             idle=state.idle | job_workers,
             spares=state.spares | {w for w in back if w >= self.job.num_workers},
         )
-        return self.relaunch(state) if state.plan is None else state
+        if state.plan is None:
+            return self.relaunch(state)
+        return self.grow(state) if policy in GROWS and job_workers else state
+
+    def grow(self, state: State) -> State:
+        """The fastest layout over every live worker, when moving there pays before the
+        next failure (``planner.selection.worth_growing``): what ``chameleon run`` does
+        when replacements rejoin (launcher/calibration.py), and Oobleck when nodes come
+        back. Not a recovery: no detection, no step interrupted. Only while training."""
+        if not self.training(state) or not state.idle or state.rate is None:
+            return state
+        assert state.plan is not None
+        q = self.answers.question(state.plan, (), state.idle, state.spares)
+        best = min(self.answers.reparallelize(q), key=lambda c: c.estimate.step_s, default=None)  # type: ignore[union-attr]
+        if best is None or best.estimate is None or best.plan is None:
+            return state
+        best = q.answer(best)
+        step = best.estimate.step_s * state.slowdown
+        if not worth_growing(
+            current_s=state.step_s,
+            grown_s=step,
+            transition_s=best.transition.total_s,
+            mtbf_s=self.mtbf_s(state),
+        ):
+            return state
+        assert best.plan is not None
+        t, used = state.t_s, set(best.plan.workers)
+        resume = t + best.transition.total_s
+        return replace(
+            state,
+            plan=best.plan,
+            step_s=step,
+            resume_s=resume,
+            idle=frozenset((state.idle | set(state.plan.workers)) - used),
+            totals=replace(state.totals, growths=state.totals.growths + 1),
+            points=((resume, self.rate_of(step)), ((t, 0.0), state.points)),
+        )
 
     def relaunch(self, state: State) -> State:
         """A stopped job started again from its last checkpoint once workers are back to
@@ -382,7 +428,7 @@ class Simulator:
         state = self.start(policy)
         for event in trace.events:
             if event.kind == "repair":
-                state = self.repair(state, event)
+                state = self.repair(state, event, policy)
                 continue
             state, lost = self.hit(state, event)
             if lost:

@@ -13,7 +13,7 @@ from torch.distributed import TCPStore
 
 from launcher.calibration import JobModel
 from launcher.coordinator import Coordinator
-from launcher.rejoin import Rejoins, worth_growing
+from launcher.rejoin import Rejoins
 from launcher.supervisor import Failure, FailureKind
 from launcher.watch import Timeouts as WatchTimeouts
 from planner.config import load_job
@@ -30,6 +30,7 @@ from planner.protocol import (
     WorkerStatus,
     encode,
 )
+from planner.selection import worth_growing
 from planner.wire import JobDescription, PlanMessage
 from tests.launcher.helpers import free_port
 
