@@ -169,6 +169,17 @@ class Kept:
             self.unsettled += delta
 
 
+def _failed(work: Any) -> bool:
+    """Whether a completed collective ended in an error. Before torch 2.12 a failed
+    work's ``exception()`` cannot hand its C++ exception to Python and raises TypeError
+    ("Unregistered type: std::exception_ptr"): that too says it failed (seen on torch
+    2.11, where it ended every recovery that kept a group)."""
+    try:
+        return work.exception() is not None
+    except TypeError:
+        return True
+
+
 @dataclass(eq=False)
 class Collective:
     """A group over the holders of some of a ring's buckets, built for generation
@@ -184,7 +195,7 @@ class Collective:
         """Every collective posted on it ended well. Then every holder posted the same
         ones (an all-reduce ends only once all its holders posted it), and when every
         holder says so, nothing is left posted in the group (module doc)."""
-        if all(w.is_completed() and w.exception() is None for w in self.posted):
+        if all(w.is_completed() and not _failed(w) for w in self.posted):
             self.posted.clear()
             return True
         return False

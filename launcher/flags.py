@@ -146,7 +146,7 @@ def parser() -> _Parser:
         action="append",
         default=[],
         help="kill|hang|exit:rank=R,at=SECONDS|step=N|phase=collect|plan|groups|migrate|confirm"
-        "[,recovery=N][,after_ms=MS][,code=C][,attempt=A] (repeatable)",
+        "[,recovery=N][,after_ms=MS][,code=C][,attempt=A|any] (repeatable)",
     )
     add(
         *_both("--max-rejoins"),

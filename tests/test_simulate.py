@@ -229,3 +229,19 @@ def test_a_restart_takes_the_fastest_plan_over_every_live_worker(ascend):
     assert kept.estimate.step_s > 1.5 * best.estimate.step_s  # one pipeline on a spare
     assert c.plan == best.plan and c.estimate.step_s == best.estimate.step_s
     assert "live workers" in c.label
+
+
+def test_the_growing_policies_take_repaired_workers_back_in_when_it_pays(sim):
+    """chameleon run takes rejoined workers in when the grown layout pays before the next
+    failure (worth_growing); Oobleck re-instantiates on nodes that return; ReCycle and
+    torchrun keep their layout until the next failure."""
+    events = (Event(HOUR, "fail", (3,)), Event(3 * HOUR, "repair", (3,)))
+    tr = Trace("fail and repair", 12 * HOUR, events, "test")
+    for policy in ("adaptive", "reparallelize"):
+        end = sim.run(tr, policy)
+        assert end.totals.growths == 1, policy
+        assert 3 in end.plan.workers and end.step_s == pytest.approx(sim.step0_s, rel=0.02)
+        assert end.totals.in_place == 1  # a growth is not a recovery
+    for policy in ("reroute", "restart"):
+        end = sim.run(tr, policy)
+        assert end.totals.growths == 0, policy
