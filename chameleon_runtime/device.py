@@ -4,10 +4,11 @@
 - ``cuda``: the GPU of this worker's ``LOCAL_RANK`` (modulo the GPUs visible, so several
   ranks may share one), bound with ``torch.cuda.set_device``;
 - ``npu``: an Ascend NPU through ``torch_npu``, imported only when asked for;
-- ``auto``: cpu. It will pick a visible accelerator once the accelerator path has run on
-  one: everything the runtime allocates follows the device and the transports stage or
-  carry device tensors (chameleon_runtime.transport), but no GPU has run it yet (issue
-  11), so an accelerator is used only when asked for by name.
+- ``auto``: a visible GPU (as ``cuda``), else an NPU torch_npu sees (as ``npu``), else
+  cpu. The accelerator path has run on one: on an H100 with torch 2.11 the GPU tests
+  (ranks sharing the GPU through gloo staging, a kill recovered in place with the
+  failure-free weights, a single-rank NCCL run) and the README demo passed
+  (docs/benchmarks.md).
 
 A device that cannot be had is a ``DeviceError`` whose message is one line naming what is
 missing, never a traceback from deep inside a step.
@@ -44,7 +45,9 @@ def resolve_device(name: str, local_rank: int = 0) -> str:
     """The device string this worker computes on, or DeviceError."""
     if name not in DEVICES:
         raise DeviceError(f"unknown device {name!r}: choose one of {', '.join(DEVICES)}")
-    if name in ("auto", "cpu"):
+    if name == "auto":
+        name = "cuda" if _cuda_count() else "npu" if _npu_count() else "cpu"
+    if name == "cpu":
         return "cpu"
     if name == "cuda":
         count = _cuda_count()

@@ -89,7 +89,7 @@ class Trainer(RecoveryMixin):
         checkpoint_dir, checkpoint_every: atomic checkpoints every N steps (0: never).
         device: "cpu", "cuda", "npu" or "auto" (chameleon_runtime.device: a worker uses its
             LOCAL_RANK's accelerator; one that cannot be had is a DeviceError naming what is
-            missing; auto is cpu until the accelerator path has run on one).
+            missing; auto: a visible GPU, else an NPU, else the CPU).
         transport: "gloo" (accelerator tensors staged through pinned host memory, so
             several ranks may share one GPU) or "native" (NCCL on cuda, HCCL on npu):
             chameleon_runtime.transport.

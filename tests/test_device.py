@@ -20,9 +20,17 @@ NO_GPU = not torch.cuda.is_available()
 NO_TORCH_NPU = importlib.util.find_spec("torch_npu") is None
 
 
-def test_cpu_and_auto_train_on_cpu():
+def test_cpu_trains_on_cpu_and_auto_on_what_is_visible(monkeypatch):
+    import chameleon_runtime.device as device
+
     assert resolve_device("cpu") == "cpu"
+    monkeypatch.setattr(device, "_cuda_count", lambda: 0)
+    monkeypatch.setattr(device, "_npu_count", lambda: None)
     assert resolve_device("auto", local_rank=3) == "cpu"
+    monkeypatch.setattr(device, "_npu_count", lambda: 2)
+    assert resolve_device("auto", local_rank=3) == "npu:1"
+    monkeypatch.setattr(device, "_cuda_count", lambda: 1)  # ranks share the one GPU
+    assert resolve_device("auto", local_rank=3) == "cuda:0"
 
 
 def test_the_transport_is_gloo_on_cpu_and_named_otherwise():
