@@ -24,6 +24,7 @@ from pathlib import Path
 
 from launcher.args import RunArgs
 from launcher.events import EventLog
+from launcher.faults import FaultLedger
 from launcher.joining import RESTART_GRACE_S, JoiningMixin
 from launcher.leader import Leader
 from launcher.local import LocalGroup
@@ -110,7 +111,7 @@ class Agent(JoiningMixin, SuccessionMixin):
         # --config: the cluster's figures that workers cannot measure (device memory,
         # links, restart cost), read now so that a bad file fails before any worker starts.
         self.planner_cluster = None
-        self.faults_fired: set[int] = set()  # id() of --inject-fault specs that fired
+        self.fault_ledger = FaultLedger()  # what --inject-fault did in earlier rounds
         # D's prior (planner.failures): --mtbf, else the config's, else Llama 3's rate.
         self.failure_rate = FailureRate(DEFAULT_DEVICE_MTBF_H * 3600)
         if args.config:
@@ -248,7 +249,7 @@ class Agent(JoiningMixin, SuccessionMixin):
             self.command,
             console=self.console,
             faults=a.faults,
-            faults_fired=self.faults_fired,
+            fault_ledger=self.fault_ledger,
             emit=self.events.emit,
             base_env=dict(os.environ),
             view=WorkerStoreView(

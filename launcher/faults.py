@@ -23,7 +23,8 @@ moves layers). ``attempt=N`` (default 0) picks
 the restart attempt, so a restarted job is not killed again; ``attempt=any`` fires once in
 the whole run, in whichever attempt reaches its moment first (a soak's schedule goes on
 after a restart: a step fault at step N fires once the restarted job passes N, if it
-has not fired before). Step and phase faults need
+has not fired before; ``recovery=N`` is the run's N-th in-place recovery, counted across
+restarts). Step and phase faults need
 workers that report (scripts using chameleon_runtime). For ``groups`` and ``migrate`` the
 workers of the fault's node pause on entering the phase until the fault has fired (at
 most 2 s): a migration of a few milliseconds would otherwise often end unseen. A step
@@ -35,7 +36,7 @@ from __future__ import annotations
 
 import random
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
 from planner.protocol import Keys, RecoveryPhase, WorkerStatus
@@ -149,18 +150,35 @@ def parse_fault(text: str) -> FaultSpec:
     return spec
 
 
+@dataclass
+class FaultLedger:
+    """What an agent's rounds share of fault injection: the faults that fired (id() of
+    each spec: one of any attempt fires once in the run), and the most in-place
+    recoveries each attempt reached (a phase fault of any attempt counts recoveries over
+    the whole run: ``recovery=12`` is the run's twelfth, whatever restarts came between)."""
+
+    fired: set[int] = field(default_factory=set)
+    recoveries: dict[int, int] = field(default_factory=dict)
+
+    def recoveries_before(self, attempt: int) -> int:
+        return sum(n for a, n in self.recoveries.items() if a < attempt)
+
+
 class Injector:
     """Which of a node's faults are due now. A phase fault is armed when its phase is
     first seen and fires ``after_ms`` later, whatever the phase is by then."""
 
     def __init__(
-        self, faults: list[FaultSpec], ranks: list[int], fired: set[int] | None = None
+        self,
+        faults: list[FaultSpec],
+        ranks: list[int],
+        ledger: FaultLedger | None = None,
+        attempt: int = 0,
     ) -> None:
         self.pending = list(faults)
         self.ranks = ranks  # this node's
-        # id() of each fault that fired, shared by the agent's rounds: one of any attempt
-        # fires once in the whole run
-        self.fired = fired if fired is not None else set()
+        self.ledger = ledger if ledger is not None else FaultLedger()
+        self.attempt = attempt
         self._armed: dict[int, tuple[float, int]] = {}  # id(spec) -> when armed, on which rank
         self._rng = random.Random(0)  # rank=any picks: seeded, so a run repeats
 
@@ -178,6 +196,10 @@ class Injector:
         # A spare's step stands still; a fault at step N of a rank the plan left spare
         # fires when the job (its node's working ranks) passes N, as a user would expect.
         job_step = max((s.step for s in status.values() if s.phase in _WORKING), default=None)
+        reached = self.ledger.recoveries
+        if phase is not None and phase.recovery > reached.get(self.attempt, 0):
+            reached[self.attempt] = phase.recovery
+        before = self.ledger.recoveries_before(self.attempt)
         for spec in list(self.pending):
             candidates = (
                 [spec.rank]
@@ -191,10 +213,11 @@ class Injector:
                 ]
             )
             if id(spec) not in self._armed:
+                offset = before if spec.attempt == ANY else 0
                 hits = [
                     r
                     for r in candidates
-                    if self._hit(spec, since_start_s, status.get(r), phase, job_step)
+                    if self._hit(spec, since_start_s, status.get(r), phase, job_step, offset)
                 ]
                 if not hits:
                     continue
@@ -203,7 +226,7 @@ class Injector:
             if now - armed_at >= spec.after_ms / 1e3:
                 self.pending.remove(spec)
                 del self._armed[id(spec)]
-                self.fired.add(id(spec))
+                self.ledger.fired.add(id(spec))
                 due.append(replace(spec, rank=rank))
         return due
 
@@ -214,6 +237,7 @@ class Injector:
         status: WorkerStatus | None,
         phase: RecoveryPhase | None,
         job_step: int | None = None,
+        recoveries_before: int = 0,
     ) -> bool:
         if spec.at_s is not None:
             hit = since_start_s >= spec.at_s
@@ -222,7 +246,7 @@ class Injector:
             step = job_step if spare else status.step if status is not None else None
             hit = step is not None and step > spec.step
         else:
-            hit = phase is not None and phase.recovery == (spec.recovery or 1)
+            hit = phase is not None and recoveries_before + phase.recovery == (spec.recovery or 1)
             if spec.phase in _WORKER_PHASES:
                 hit = hit and phase.phase == "confirm" and status is not None
                 # A rank lost before its group is built fails the group building, as one

@@ -20,7 +20,7 @@ from pathlib import Path
 import psutil
 
 from launcher.environment import WorkerIdentity, worker_env
-from launcher.faults import ANY, FaultSpec, Injector
+from launcher.faults import ANY, FaultLedger, FaultSpec, Injector
 from launcher.injection import InjectionMixin
 from launcher.rootcause import ErrorReport, from_stderr, read_error_file
 from launcher.settings import RoundSettings
@@ -62,11 +62,11 @@ class LocalGroup(InjectionMixin):
         view: WorkerStoreView | None = None,
         reaper: Reaper | None = None,
         forkserver: ForkServer | None = None,
-        faults_fired: set[int] | None = None,
+        fault_ledger: FaultLedger | None = None,
     ) -> None:
-        """``faults_fired``: id() of the faults that fired in earlier rounds (the agent's,
-        shared: one for any attempt fires once in the run)."""
-        faults_fired = faults_fired if faults_fired is not None else set()
+        """``fault_ledger``: what the agent's earlier rounds injected and reached
+        (launcher.faults.FaultLedger)."""
+        ledger = fault_ledger if fault_ledger is not None else FaultLedger()
         self.s = settings
         self.command = command
         self.console = console
@@ -89,11 +89,12 @@ class LocalGroup(InjectionMixin):
                 f
                 for f in faults
                 if f.in_attempt(settings.attempt)
-                and id(f) not in faults_fired
+                and id(f) not in ledger.fired
                 and (f.rank == ANY or self._is_local(f.rank))
             ],
             ranks,
-            faults_fired,
+            ledger,
+            settings.attempt,
         )
         self._failpoints = set(self._injector.failpoints())  # armed in the workers
         self._fault_times: dict[int, float] = {}

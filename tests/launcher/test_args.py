@@ -3,7 +3,7 @@
 import pytest
 
 from launcher.args import ArgsError, parse_run_args, run_help
-from launcher.faults import FaultKind, Injector, parse_fault
+from launcher.faults import FaultKind, FaultLedger, Injector, parse_fault
 from planner.protocol import RecoveryPhase, WorkerStatus
 
 
@@ -174,10 +174,26 @@ def test_a_fault_of_any_attempt_fires_once_in_the_run():
     spec = parse_fault("kill:rank=1,step=40,attempt=any")
     assert spec.in_attempt(0) and spec.in_attempt(3) and "any attempt" in spec.describe()
     assert not parse_fault("kill:rank=1,step=40").in_attempt(1)
-    fired: set[int] = set()
-    first = Injector([spec], ranks=[0, 1], fired=fired)
+    ledger = FaultLedger()
+    first = Injector([spec], ranks=[0, 1], ledger=ledger, attempt=0)
     assert first.due(0.0, since_start_s=0, status={1: _status("train", 30)}, phase=None) == []
     # restarted before step 40: the next round's injector still has it, and fires it
-    second = Injector([f for f in [spec] if id(f) not in fired], ranks=[0, 1], fired=fired)
+    pending = [f for f in [spec] if id(f) not in ledger.fired]
+    second = Injector(pending, ranks=[0, 1], ledger=ledger, attempt=1)
     assert second.due(0.0, since_start_s=0, status={1: _status("train", 41)}, phase=None) == [spec]
-    assert [f for f in [spec] if id(f) not in fired] == []  # a third round has none
+    assert [f for f in [spec] if id(f) not in ledger.fired] == []  # a third round has none
+
+
+def test_a_phase_fault_of_any_attempt_counts_recoveries_across_restarts():
+    """recovery=3 of any attempt is the run's third: after an attempt that recovered twice
+    and restarted, the next attempt's first recovery."""
+    spec = parse_fault("kill:rank=1,recovery=3,attempt=any")
+    ledger = FaultLedger()
+    first = Injector([spec], ranks=[0, 1], ledger=ledger, attempt=0)
+    for n in (1, 2):
+        assert first.due(0.0, since_start_s=0, status={1: _status("train", 5)},
+                         phase=_phase("plan", recovery=n)) == []  # fmt: skip
+    second = Injector([spec], ranks=[0, 1], ledger=ledger, attempt=1)
+    due = second.due(0.0, since_start_s=0, status={1: _status("train", 5)},
+                     phase=_phase("plan", recovery=1))  # fmt: skip
+    assert due == [spec] and ledger.recoveries == {0: 2, 1: 1}
