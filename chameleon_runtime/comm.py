@@ -170,14 +170,16 @@ class Kept:
 
 
 def _failed(work: Any) -> bool:
-    """Whether a completed collective ended in an error. Before torch 2.12 a failed
-    work's ``exception()`` cannot hand its C++ exception to Python and raises TypeError
-    ("Unregistered type: std::exception_ptr"): that too says it failed (seen on torch
-    2.11, where it ended every recovery that kept a group)."""
+    """Whether a completed collective ended in an error: waiting on it raises that error
+    at once. (Work.exception() and is_success() print a deprecation warning in every
+    worker on torch 2.13, and on torch 2.11 a failed work's exception() raises TypeError,
+    "Unregistered type: std::exception_ptr", which ended every in-place recovery that kept
+    a group: seen on an H100.)"""
     try:
-        return work.exception() is not None
-    except TypeError:
+        work.wait()
+    except Exception:
         return True
+    return False
 
 
 @dataclass(eq=False)
