@@ -322,12 +322,11 @@ class Simulator:
             outlook = self.outlook(state)
             repartitions = self.answers.reparallelize(q)
             best_rp = max(repartitions, key=lambda c: log_score(self.job, c, outlook), default=None)
-            restart = fallback()
-            if restart:  # on the layout that scores best, risk included
-                since, slowdown = self.since_checkpoint_s(state), state.slowdown
-                variants = restart_variants(self.answers.restart(q), repartitions)
-                best = max(variants, key=lambda c: log_score(self.job, c, outlook))
-                restart = [r for r in [self._restart(best, since, slowdown)] if r]
+            # a restart on the layout that scores best, risk included
+            variants = restart_variants(self.answers.restart(q), repartitions)
+            best = max(variants, key=lambda c: log_score(self.job, c, outlook))
+            chosen_restart = self._restart(best, self.since_checkpoint_s(state), state.slowdown)
+            restart = [chosen_restart] if chosen_restart is not None else []
             pool = [
                 c
                 for c in (
