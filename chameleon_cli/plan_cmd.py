@@ -82,6 +82,12 @@ def plan(
     since_s = duration_flag(since_checkpoint, "--since-checkpoint")
     ranks = _ranks(fail or [])
     job = load_job(config)
+    if not fail and not fail_node:
+        # candidates are recoveries: without a failure there is nothing to recover from
+        raise typer.BadParameter(
+            "name the failure to plan for: --fail RANKS or --fail-node NODE",
+            param_hint="--fail",
+        )
     current = initial_plan(job)
     lost = failed_workers(job, ranks=ranks, nodes=fail_node or [])
     all_ranks = sorted({r for w in lost for r in job.ranks_of(w)})

@@ -119,6 +119,10 @@ def parse_fault(text: str) -> FaultSpec:
         raise ValueError(f"phase must be one of {', '.join(PHASES)}, in {text!r}")
     if "after_ms" in fields and not ("phase" in fields or "recovery" in fields):
         raise ValueError(f"after_ms goes with phase= or recovery=, in {text!r}")
+    # ANY is -1 inside; a user's -1 is a mistake, not a way to say "any"
+    for key in ("rank", "attempt"):
+        if fields.get(key, "0").lstrip().startswith("-"):
+            raise ValueError(f"{key} must be 0 or more, or any, in {text!r}")
     try:
         spec = FaultSpec(
             kind=FaultKind(match.group(1)),

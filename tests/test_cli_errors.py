@@ -26,6 +26,10 @@ def one_line(result, code: int, *needles: str) -> None:
         ([], "a command is needed"),
         (["run"], "no training script given"),
         (["profile"], "--out TABLE.json and a training script"),
+        (
+            ["plan", "--dry-run", "-c", "configs/cpu_testbed.toml"],
+            "name the failure to plan for: --fail RANKS or --fail-node NODE",
+        ),
     ],
 )
 def test_a_command_without_its_arguments_is_a_usage_error(args, needle):
@@ -48,6 +52,14 @@ def test_help_asked_for_is_not_an_error():
         (
             ["--nnodes", "2", "--nproc-per-node", "2", "--inject-fault", "kill:rank=4,at=1"],
             ["rank 4 is not in this job", "0..3"],
+        ),
+        (
+            ["--nproc-per-node", "2", "--inject-fault", "kill:rank=-1,step=3"],
+            ["rank must be 0 or more, or any"],
+        ),
+        (
+            ["--inject-fault", "kill:rank=0,step=3,attempt=-2"],
+            ["attempt must be 0 or more, or any"],
         ),
         (["--master-port", "99999"], ["--master-port 99999 is not a port"]),
         (["--master-port", "-1"], ["--master-port -1 is not a port"]),
