@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 from chameleon_cli.errors import UserError
@@ -78,10 +77,12 @@ def simulation_blocks(r: SimulationReport) -> list[Block]:
 
 def require_matplotlib() -> None:
     """Checked before simulating, so a missing extra costs no wait."""
-    if importlib.util.find_spec("matplotlib") is None:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
         raise UserError(
             "--plot needs matplotlib: pip install matplotlib (chameleon-ft's plot extra)"
-        )
+        ) from None
 
 
 def plot(r: SimulationReport, path: Path) -> None:

@@ -12,8 +12,8 @@ fi
 if ! "$PYTHON" -c "import numpy" >/dev/null 2>&1; then
     "$PYTHON" -m pip install --quiet numpy
 fi
-# hf: examples/train_hf.py and its tests (transformers, pinned)
-"$PYTHON" -m pip install --quiet -e '.[dev,hf]'
+# hf: examples/train_hf.py and its tests (transformers, pinned); plot: simulate --plot
+"$PYTHON" -m pip install --quiet -e '.[dev,hf,plot]'
 # --rdzv-backend etcd is tested against a real 3-member etcd cluster (tests/etcd): the
 # server comes from Debian's etcd-server package (etcd 3.4), put on PATH as /usr/bin/etcd.
 if ! command -v etcd >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
