@@ -46,6 +46,7 @@ import contextlib
 import ctypes
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -82,6 +83,10 @@ class _Helper:
     def __init__(self, name: str) -> None:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self.busy_with: str | None = None  # what it is blocked on, for diagnostics
+        # Draining an abandoned generation: its messages may never complete (two peers
+        # each sending to the other when the step was aborted, neither receiving), and
+        # that is harmless at exit (``settle``).
+        self.releasing = False
         self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
         with _LIVE_LOCK:
             _LIVE.add(self)
@@ -111,18 +116,23 @@ class _Helper:
         self._jobs.put(None)
 
 
-def settle(timeout_s: float) -> list[str]:
-    """Wait up to ``timeout_s`` for released generations' helpers to finish; what is
-    still blocked is returned and kept alive past interpreter exit (a group destroyed
-    while a thread of it still runs aborts the process)."""
+def settle(timeout_s: float, release_s: float = 1.0) -> list[str]:
+    """Wait up to ``timeout_s`` in all for generations' helpers to finish (at most
+    ``release_s`` of it for drains of abandoned generations); what is still blocked is
+    kept alive past interpreter exit (a group destroyed while a thread of it still runs
+    aborts the process). Returns what those still blocked wait on, less the drains: a
+    message of an aborted step that its peer never received (the peer left that
+    generation too) ends only with the process, which is expected and harmless."""
     with _LIVE_LOCK:
         helpers = list(_LIVE)
-    for helper in helpers:
-        helper.thread.join(timeout=timeout_s)
+    start = time.monotonic()
+    for helper in sorted(helpers, key=lambda h: h.releasing):  # drains last
+        budget = release_s if helper.releasing else timeout_s
+        helper.thread.join(timeout=max(0.0, start + min(budget, timeout_s) - time.monotonic()))
     stuck = [h for h in helpers if h.thread.is_alive()]
     for helper in stuck:
         ctypes.pythonapi.Py_IncRef(ctypes.py_object(helper))
-    return [h.busy_with or "?" for h in stuck]
+    return [h.busy_with or "?" for h in stuck if not h.releasing]
 
 
 @dataclass(eq=False)
@@ -468,6 +478,7 @@ class Generation:
         helper = self._helper
 
         def release() -> None:
+            helper.releasing = True
             for work, tensor, peer in pending:
                 # Completed, or failed because the peer is gone or released its end first:
                 # over either way. (What it waits on, for settle's report.)

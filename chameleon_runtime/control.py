@@ -286,13 +286,14 @@ class Control:
 
     def close_settled(self) -> None:
         """The end of a worker: its groups' threads end first (one still running when the
-        interpreter ends aborts the process), then the store's threads; a wait that
-        would not end is reported."""
+        interpreter ends aborts the process), then the store's threads; a transfer of
+        a live generation that would not end is reported (a peer stopped answering)."""
         stuck = settle(timeout_s=5.0)
         self.close()
         if stuck:
             print(
-                f"chameleon_runtime: rank {self.rank} ends with blocked waits: {stuck}",
+                f"chameleon_runtime: rank {self.rank} exits with {len(stuck)} transfer(s) "
+                f"unfinished, a peer not answering: {'; '.join(stuck)}",
                 file=sys.stderr,
                 flush=True,
             )
