@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Annotated
 
@@ -59,12 +60,14 @@ def simulate(
     ] = "2h",
     seed: Annotated[int, typer.Option("--seed", help="Seed of drawn traces.")] = 0,
     policies: Annotated[
-        str,
+        str | None,
         typer.Option(
             "--policies",
-            help="Comma-separated: adaptive,reroute,reparallelize,restart,redundant,oracle.",
+            help="Comma-separated: adaptive,reroute,reparallelize,restart,redundant,oracle. "
+            "Default: all, the oracle only on jobs of at most 256 workers (past that it "
+            "takes minutes per trace: name it to run it).",
         ),
-    ] = "adaptive,reroute,reparallelize,restart,redundant,oracle",
+    ] = None,
     calibration: Annotated[
         Path | None,
         typer.Option(
@@ -82,12 +85,19 @@ def simulate(
 ) -> None:
     """Replay failures through every recovery policy and compare whole runs."""
     from chameleon_cli.errors import UserError
-    from chameleon_cli.simulate_view import plot, require_matplotlib, simulation_blocks
+    from chameleon_cli.simulate_view import (
+        SimulationProgress,
+        plot,
+        require_matplotlib,
+        simulation_blocks,
+    )
     from planner import trace as traces
     from planner.config import load_job
+    from planner.oracle import MAX_WORKERS_BY_DEFAULT
     from planner.outcome import simulate as run_all
+    from planner.simulate import POLICIES
 
-    names = _policies(policies)
+    names = _policies(policies) if policies is not None else list(POLICIES)
     duration_s = duration_flag(duration, "--duration")
     assert duration_s is not None
     mtbf_s = duration_flag(mtbf, "--mtbf")
@@ -117,7 +127,19 @@ def simulate(
                 f"--trace: {trace} is neither a file nor a built-in trace ({', '.join(BUILTIN)})"
             )
         tr = traces.load(path, job, duration_s=duration_s)
-    report = run_all(job, tr, names, config=str(config))
+    if policies is None and job.num_workers > MAX_WORKERS_BY_DEFAULT:
+        names.remove("oracle")
+        print(
+            f"chameleon: the oracle is left out on {job.num_workers:,} workers (it runs by "
+            f"default up to {MAX_WORKERS_BY_DEFAULT}; here it can take tens of minutes): "
+            f"--policies {','.join(POLICIES)} runs it",
+            file=sys.stderr,
+        )
+    if sys.stderr.isatty() and not plain:
+        with SimulationProgress(names, tr.duration_s, tr.failures) as bar:
+            report = run_all(job, tr, names, config=str(config), progress=bar)
+    else:
+        report = run_all(job, tr, names, config=str(config))
     Output(choose_mode(json=json_out, plain=plain)).show(simulation_blocks(report), report)
     if plot_to is not None:
         plot(report, plot_to)

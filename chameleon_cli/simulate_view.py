@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from chameleon_cli.errors import UserError
@@ -114,3 +115,50 @@ def plot(r: SimulationReport, path: Path) -> None:
         raise UserError(f"--plot: cannot write {path}: {exc.strerror or exc}") from None
     finally:
         plt.close(fig)
+
+
+class SimulationProgress:
+    """A rich progress bar on stderr while policies replay a trace: one line per policy,
+    its simulated time over the trace's length and the failures it has been through.
+    Redrawn at most ten times a second, however fast the events come."""
+
+    def __init__(self, policies: list[str], duration_s: float, failures: int) -> None:
+        from rich.console import Console
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self.duration_s, self.failures = duration_s, failures
+        self._progress = Progress(
+            TextColumn("{task.description:14}"),
+            BarColumn(),
+            TextColumn("{task.fields[at]:>9} of {task.fields[length]}"),
+            TextColumn("{task.fields[done]:>6}/{task.fields[total_failures]} failures"),
+            TimeElapsedColumn(),
+            console=Console(file=sys.stderr),
+            transient=True,
+            refresh_per_second=10,
+        )
+        length = fmt_s(duration_s)
+        self._tasks = {
+            p: self._progress.add_task(
+                p,
+                total=duration_s,
+                at=fmt_s(0.0),
+                length=length,
+                done=0,
+                total_failures=failures,
+                start=False,
+            )  # fmt: skip
+            for p in policies
+        }
+
+    def __enter__(self) -> SimulationProgress:
+        self._progress.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._progress.__exit__(*exc)
+
+    def __call__(self, policy: str, t_s: float, failures: int) -> None:
+        task = self._tasks[policy]
+        self._progress.start_task(task)
+        self._progress.update(task, completed=t_s, at=fmt_s(t_s), done=failures)

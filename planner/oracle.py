@@ -19,6 +19,7 @@ always carried beside the beam, so the oracle is never below any of them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from planner.simulate import Simulator, State
@@ -26,6 +27,11 @@ from planner.trace import Trace
 
 BEAM = 12
 FOLLOW = ("adaptive", "reroute", "restart")
+# Past this many workers the oracle is not run unless asked for: each failure asks the
+# search for every branch's re-partitions, and on 2,048 workers (the 16,384-GPU config)
+# that is about 70 new questions per failure, 528 s for a 54-day trace where every other
+# policy together took under a minute.
+MAX_WORKERS_BY_DEFAULT = 256
 
 
 @dataclass(frozen=True)
@@ -64,10 +70,17 @@ def _bound(sim: Simulator, state: State, duration_s: float) -> float:
     )
 
 
-def oracle(sim: Simulator, trace: Trace, *, beam: int = BEAM) -> OracleRun:
+def oracle(
+    sim: Simulator,
+    trace: Trace,
+    *,
+    beam: int = BEAM,
+    on_event: Callable[[float, int], None] | None = None,
+) -> OracleRun:
+    """``on_event(t_s, failures so far)`` after each event (a progress bar's)."""
     states = [sim.start("oracle")]
     followers = {p: sim.start(p) for p in FOLLOW}
-    most, pruned = 1, False
+    most, pruned, failures = 1, False, 0
     for event in trace.events:
         merged: dict[tuple, State] = {}
         for state in states:
@@ -103,6 +116,9 @@ def oracle(sim: Simulator, trace: Trace, *, beam: int = BEAM) -> OracleRun:
         kept_keys = {_key(s) for s in kept}
         kept += [s for s in followers.values() if _key(s) not in kept_keys]
         states = kept
+        failures += event.kind != "repair"
+        if on_event is not None:
+            on_event(event.t_s, failures)
     finished = [sim.advance(s, trace.duration_s) for s in states]
     best = max(finished, key=lambda s: s.totals.samples)
     return OracleRun(best=best, states_max=most, pruned=pruned)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import gc
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
 from pydantic import BaseModel
@@ -130,14 +130,23 @@ def simulate(
     *,
     config: str = "",
     sim: Simulator | None = None,
+    progress: Callable[[str, float, int], None] | None = None,
 ) -> SimulationReport:
+    """Every policy in ``policies`` over ``trace``; ``progress(policy, t_s, failures so
+    far)`` after each event of each run (``chameleon simulate``'s progress bar)."""
     started = time.perf_counter()
     sim = sim or Simulator(job)
     outcomes = []
+
+    def reporter(policy: str) -> Callable[[float, int], None] | None:
+        if progress is None:
+            return None
+        return lambda t_s, failures: progress(policy, t_s, failures)
+
     with _cycle_collector_paused():
         for policy in policies:
             if policy == "oracle":
-                run = oracle(sim, trace)
+                run = oracle(sim, trace, on_event=reporter(policy))
                 note = (
                     f"best of {run.states_max} states at most; beam cut some (a lower bound)"
                     if run.pruned
@@ -145,7 +154,10 @@ def simulate(
                 )
                 outcomes.append(outcome(sim, policy, run.best, trace.duration_s, note))
             else:
-                outcomes.append(outcome(sim, policy, sim.run(trace, policy), trace.duration_s))
+                state = sim.run(trace, policy, on_event=reporter(policy))
+                outcomes.append(outcome(sim, policy, state, trace.duration_s))
+            if progress is not None:  # the rest of the trace, after its last event
+                progress(policy, trace.duration_s, trace.failures)
     return SimulationReport(
         config=config,
         trace=trace.name,

@@ -40,7 +40,7 @@ would.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from planner.answers import Answers
@@ -422,15 +422,24 @@ class Simulator:
             ),
         )
 
-    def run(self, trace: Trace, policy: str) -> State:
-        """One policy over ``trace`` (not the oracle: planner.oracle)."""
-        state = self.start(policy)
+    def run(
+        self,
+        trace: Trace,
+        policy: str,
+        on_event: Callable[[float, int], None] | None = None,
+    ) -> State:
+        """One policy over ``trace`` (not the oracle: planner.oracle); ``on_event(t_s,
+        failures so far)`` after each event (a progress bar's)."""
+        state, failures = self.start(policy), 0
         for event in trace.events:
             if event.kind == "repair":
                 state = self.repair(state, event, policy)
-                continue
-            state, lost = self.hit(state, event)
-            if lost:
-                options = self.choices(state, lost, policy)
-                state = self.recover(state, options[0] if options else None)
+            else:
+                failures += 1
+                state, lost = self.hit(state, event)
+                if lost:
+                    options = self.choices(state, lost, policy)
+                    state = self.recover(state, options[0] if options else None)
+            if on_event is not None:
+                on_event(event.t_s, failures)
         return self.advance(state, trace.duration_s)

@@ -96,3 +96,18 @@ def test_plot_writes_a_png(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     assert out.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_oracle_is_left_out_past_256_workers_unless_named():
+    big = str(ROOT / "configs" / "h100_16384_llama405b.toml")
+    result = chameleon("simulate", "--config", big, "--duration", "2h", "--json")
+    assert result.returncode == 0, result.stderr
+    policies = [o["policy"] for o in json.loads(result.stdout)["outcomes"]]
+    assert "oracle" not in policies and "adaptive" in policies
+    (line,) = result.stderr.strip().splitlines()
+    assert "the oracle is left out on 2,048 workers" in line and "--policies" in line
+    named = chameleon(
+        "simulate", "--config", big, "--duration", "1h", "--policies", "adaptive,oracle", "--json"
+    )
+    assert named.returncode == 0 and named.stderr == ""
+    assert [o["policy"] for o in json.loads(named.stdout)["outcomes"]] == ["adaptive", "oracle"]

@@ -245,3 +245,22 @@ def test_the_growing_policies_take_repaired_workers_back_in_when_it_pays(sim):
     for policy in ("reroute", "restart"):
         end = sim.run(tr, policy)
         assert end.totals.growths == 0, policy
+
+
+def test_progress_follows_every_policy_through_the_trace(ascend, sim):
+    # what chameleon simulate's progress bar is fed: each policy's simulated time, never
+    # going back, and its failures so far, ending at the trace's length and count
+    tr = traces.oobleck(ascend, 3600.0, duration_s=6 * 3600.0)
+    seen: dict[str, list[tuple[float, int]]] = {}
+    simulate(
+        ascend, tr, ["adaptive", "restart", "oracle"], sim=sim,
+        progress=lambda p, t, n: seen.setdefault(p, []).append((t, n)),
+    )  # fmt: skip
+    assert sorted(seen) == ["adaptive", "oracle", "restart"]
+    for points in seen.values():
+        assert len(points) == len(tr.events) + 1
+        assert points == sorted(points)
+        assert points[-1] == (tr.duration_s, tr.failures)
+        assert [n for _t, n in points[:-1]] == [
+            sum(e.kind != "repair" for e in tr.events[: i + 1]) for i in range(len(tr.events))
+        ]
