@@ -106,6 +106,8 @@ def _risk(risk_s: float | None, share: float | None) -> str:
         return "-"
     if share == 0.0:
         return "0 (every layer has a spare holder)"
+    if share < 0.005:
+        return f"{fmt_s(risk_s)} (<1% of failures restart)"
     return f"{fmt_s(risk_s)} ({share:.0%} of failures restart)"
 
 

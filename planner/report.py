@@ -9,7 +9,7 @@ from pydantic import BaseModel
 from planner.migration import Migration
 from planner.plan import Plan
 from planner.policy import Candidate
-from planner.risk import exposure
+from planner.risk import exposure, windows
 from planner.selection import Decision
 from planner.workload import Job
 
@@ -70,7 +70,8 @@ class CandidateOut(BaseModel):
     transition_s: float | None
     transition: TransitionOut | None
     # The next failure's expected cost beyond an in-place recovery (planner.risk), and
-    # the share of next failures that would force a restart with this layout.
+    # the share of next failures that would force a restart with this layout (by
+    # themselves, or by a failure inside their recovery).
     risk_s: float | None
     restart_share: float | None
     score: float | None
@@ -168,6 +169,9 @@ def _candidate_out(job: Job, decision: Decision, c: Candidate) -> CandidateOut:
         risk_s=decision.risk_s(job, c) if feasible else None,
         restart_share=(
             exposure(job, c.plan).fatal_share(decision.outlook.node_share)
+            + windows(job, c.plan).follow_on_share(
+                decision.outlook.mtbf_s, decision.outlook.node_share
+            )
             if feasible and c.plan
             else None
         ),

@@ -24,6 +24,22 @@ recovery every layout pays alike,
 where the work since the checkpoint is that of a Poisson arrival of mean D on checkpoints
 every ``checkpoint_interval_s``, from where the interval stands (``expected_redo_s``).
 planner.selection charges it as it charges a transition: exp(-(transition + risk) / D).
+
+One failure further: a failure that arrives while the recovery from the next one is still
+under way (before the lost worker's layers have a second holder again) is fatal when it
+takes the worker left holding them alone. With two replicas of every stage, a layout
+that no single failure can wreck, each worker's loss leaves its partner the sole holder
+until a spare has received the stage; on a cluster with D in hours that window is a
+moment, but where failures come seconds apart (a soak, a failing rack) it is a real
+share of them. For each worker w of the W, lost with probability 1/W, the window is
+detection plus a recovery that copies w's stage to a new holder (its messages, a new
+group, the copy; times the run's measured transition factor), T_w, and a second failure lands in it
+with probability 1 - e^(-T_w / D); it is fatal when it hits one of w's partners (layers
+whose two holders were w and one other) among the W - 1 left:
+
+    follow_on = (1 - node_share) * sum_w (1/W) * (1 - e^(-T_w / D)) * partners_w / (W - 1)
+
+charged as ``fatal`` is, at the same restart's cost (``risk_s``).
 """
 
 from __future__ import annotations
@@ -32,8 +48,12 @@ import bisect
 import math
 from dataclasses import dataclass
 
+from planner.cost import CostModel
 from planner.failures import scope_shares
+from planner.matching import Transfer
+from planner.migration import transfer_s
 from planner.plan import Plan
+from planner.transition import build_s, protocol
 from planner.workload import Job
 
 
@@ -103,6 +123,61 @@ def _exposure(job: Job, plan: Plan) -> Exposure:
     return Exposure(len(plan.stages), sole_holders, tuple(fatal_nodes), on_fatal_nodes)
 
 
+@dataclass(frozen=True)
+class Windows:
+    """Per worker of a plan whose loss would leave some layer with one holder: how long
+    until its layers have a second holder again, and how many workers are left sole
+    holders meanwhile (module doc, "one failure further")."""
+
+    workers: int
+    windows: tuple[tuple[float, int], ...]  # (T_w seconds, partners_w)
+
+    def follow_on_share(self, mtbf_s: float, node_share: float | None = None) -> float:
+        """The share of next failures followed, inside their recovery, by a fatal one."""
+        if not self.windows or self.workers < 2 or mtbf_s <= 0:
+            return 0.0
+        node = scope_shares()[1] if node_share is None else node_share
+        total = sum(-math.expm1(-t / mtbf_s) * n for t, n in self.windows)
+        return min(1.0, (1 - node) * total / (self.workers * (self.workers - 1)))
+
+
+def windows(job: Job, plan: Plan) -> Windows:
+    key = ("windows", job.cluster.detection_s, job.cluster.transition_factor)
+    cached = plan.derived.get(key)
+    if cached is None:
+        cached = plan.derived[key] = _windows(job, plan)
+    return cached  # type: ignore[return-value]
+
+
+def _windows(job: Job, plan: Plan) -> Windows:
+    holders: dict[int, list[int]] = {}
+    for i, s in enumerate(plan.stages):
+        for layer in range(s.first_layer, s.end_layer):
+            holders.setdefault(layer, []).append(i)
+    pairs = {layer: h for layer, h in holders.items() if len(h) == 2}
+    if not pairs:
+        return Windows(len(plan.stages), ())
+    partners: dict[int, set[int]] = {}
+    for a, b in pairs.values():
+        partners.setdefault(a, set()).add(b)
+        partners.setdefault(b, set()).add(a)
+    costs = CostModel(job)
+    c = job.cluster
+    # A recovery that moves layers, its messages over the plan's workers (the same for
+    # every w: computed once), then a new pair's group and the copy of w's stage.
+    messages = protocol(job, plan, survivors=plan.workers, current=plan, moved=True).total_s
+    out = []
+    for i, others in partners.items():
+        s = plan.stages[i]
+        src = plan.stages[min(others)].worker
+        copy = Transfer(src, s.worker, s.first_layer, s.end_layer,
+                        costs.moved_bytes(s.first_layer, s.end_layer))  # fmt: skip
+        work = messages + build_s(job, [frozenset({src, s.worker})]) + transfer_s(costs, copy)
+        window = c.detection_s + c.transition_factor * work
+        out.append((window, len({plan.stages[o].worker for o in others})))
+    return Windows(len(plan.stages), tuple(out))
+
+
 def expected_redo_s(*, since_s: float, interval_s: float, mtbf_s: float) -> float:
     """E[work since the last checkpoint] at a failure arriving after T ~ Exp(mean D), with
     checkpoints every ``interval_s`` and ``since_s`` of the interval gone now.
@@ -136,6 +211,7 @@ def risk_s(
     (module doc). ``since_checkpoint_s``: the work since the checkpoint as the plan starts
     training (0 after a restart); ``node_share``: of failures, those that take a node."""
     fatal = exposure(job, plan).fatal_share(node_share)
+    fatal += windows(job, plan).follow_on_share(mtbf_s, node_share)
     if fatal == 0.0:
         return 0.0
     redo = expected_redo_s(

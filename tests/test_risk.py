@@ -1,5 +1,6 @@
 """The risk a layout takes at the next failure (planner.risk), and the choice it changes."""
 
+import math
 import random
 from pathlib import Path
 
@@ -8,9 +9,10 @@ import pytest
 from planner.config import load_job
 from planner.failures import FailureRate, scope_shares
 from planner.layout import initial_plan
+from planner.plan import pipelines_plan
 from planner.policy import Policy
 from planner.reroute import reroute_plan
-from planner.risk import expected_redo_s, exposure, risk_s
+from planner.risk import expected_redo_s, exposure, risk_s, windows
 from planner.search import Search
 from planner.selection import decide, score
 from planner.trace import Event
@@ -23,10 +25,52 @@ def testbed():
     return load_job(CONFIGS / "cpu_testbed.toml")  # 2 pipelines of 4, one per node
 
 
-def test_two_replicas_on_two_nodes_risk_nothing(testbed):
+def test_two_replicas_on_two_nodes_risk_nothing_at_the_next_failure(testbed):
     e = exposure(testbed, initial_plan(testbed))
     assert (e.fatal_share(), e.sole_holders, e.fatal_nodes) == (0.0, (), ())
-    assert risk_s(testbed, initial_plan(testbed), mtbf_s=900, since_checkpoint_s=0) == 0.0
+    # ... only a second failure inside the recovery from the first: with D = 15 min and a
+    # recovery window of well under a second, next to nothing (a thousandth of a second)
+    assert 0 < risk_s(testbed, initial_plan(testbed), mtbf_s=900, since_checkpoint_s=0) < 1e-3
+
+
+def _restart_cost(job, d, since):
+    redo = expected_redo_s(since_s=since, interval_s=job.training.checkpoint_interval_s, mtbf_s=d)
+    return job.cluster.detection_s + job.cluster.restart_s + redo
+
+
+def test_a_failure_inside_the_recovery_from_the_next_one_is_charged(testbed):
+    # Two replicas of every stage: losing any worker leaves its partner (same stage, the
+    # other pipeline) the sole holder until a spare has the stage again. Each of the 8
+    # workers has one partner, and its window is detection plus copying its stage.
+    plan = initial_plan(testbed)
+    w = windows(testbed, plan)
+    assert w.workers == 8 and len(w.windows) == 8
+    assert all(n == 1 and t > testbed.cluster.detection_s for t, n in w.windows)
+    d = 2.5  # a soak's failure rate: one every few seconds
+    device = 1 - scope_shares()[1]
+    want = device * sum(-math.expm1(-t / d) for t, _n in w.windows) / (8 * 7)
+    assert w.follow_on_share(d) == pytest.approx(want)
+    assert risk_s(testbed, plan, mtbf_s=d, since_checkpoint_s=0) == pytest.approx(
+        want * _restart_cost(testbed, d, 0)
+    )
+
+    # Data parallel, spread over both nodes (no node holds every replica): two whole
+    # replicas are partners; with a third nobody is left alone by one loss, and there is
+    # nothing to charge.
+    def replicas(n):
+        return pipelines_plan(
+            num_layers=plan.num_layers, num_micro_batches=plan.num_micro_batches,
+            pipelines=[[w] for w in (0, 4, 1)[:n]], boundaries=[[0, plan.num_layers]] * n,
+            micro_batch_counts=[plan.num_micro_batches // n] * (n - 1)
+            + [plan.num_micro_batches - plan.num_micro_batches // n * (n - 1)],
+        )  # fmt: skip
+
+    assert [n for _t, n in windows(testbed, replicas(2)).windows] == [1, 1]
+    assert windows(testbed, replicas(2)).follow_on_share(d) > 0.05  # one in twenty
+    assert windows(testbed, replicas(3)).follow_on_share(d) == 0.0
+    assert risk_s(testbed, replicas(3), mtbf_s=d, since_checkpoint_s=0) == 0.0
+    # The window grows the share with the failure rate, and it vanishes as D grows.
+    assert w.follow_on_share(1.0) > w.follow_on_share(d) > w.follow_on_share(3600.0) > 0
 
 
 def test_a_rerouted_stage_has_one_holder_left_and_its_node_with_it(testbed):
@@ -48,7 +92,8 @@ def test_a_rerouted_stage_has_one_holder_left_and_its_node_with_it(testbed):
     # Its cost: the share of failures that restart, times a restart and the work redone.
     d = 600.0
     redo = expected_redo_s(since_s=5.0, interval_s=30.0, mtbf_s=d)
-    want = e.fatal_share() * (testbed.cluster.detection_s + testbed.cluster.restart_s + redo)
+    share = e.fatal_share() + windows(testbed, rerouted).follow_on_share(d)
+    want = share * (testbed.cluster.detection_s + testbed.cluster.restart_s + redo)
     assert risk_s(testbed, rerouted, mtbf_s=d, since_checkpoint_s=5.0) == pytest.approx(want)
 
 
