@@ -269,27 +269,23 @@ class JobModel:
     def growth(
         self, job: Any, current: Any, alive: list[int]
     ) -> tuple[float, float, float, str] | None:
-        """(step now, step with every live worker, transition, label) when moving to the
-        best layout over every live worker pays before the next failure, else None."""
+        """(step now, step after, transition, label) when moving to the best-scoring
+        layout over every live worker, risk included, pays before the next failure
+        (planner.selection.growth_choice, as chameleon simulate grows), else None."""
         from planner.policy import reparallelize_candidates
-        from planner.selection import worth_growing
+        from planner.selection import Outlook, growth_choice
 
         search = self.search(job)
-        proposals = search.propose(current, alive)[:1]
+        proposals = search.propose(current, alive)
         if not proposals:
             return None
-        (best,) = reparallelize_candidates(
+        candidates = reparallelize_candidates(
             search, proposals, current, alive, failed=(), search_s=0.0
         )
-        if best.estimate is None or best.plan is None:
-            return None
         current_s = search.estimate(current).step_s
-        if not worth_growing(
-            current_s=current_s,
-            grown_s=best.estimate.step_s,
-            transition_s=best.transition.total_s,
-            mtbf_s=self.mtbf(len(alive)).seconds,
-        ):
+        outlook = Outlook(self.mtbf(len(alive)).seconds, None, self.rate.node_share())
+        best = growth_choice(job, current, current_s, candidates, outlook)
+        if best is None:
             return None
         return current_s, best.estimate.step_s, best.transition.total_s, best.label
 

@@ -298,8 +298,25 @@ class Coordinator(RunningMixin):
             self.kill(list(action.ranks), action.reason, self.state.timeouts.collect_s)
         elif isinstance(action, rc.Restart):
             self._fatal = action.reason
+            # what each survivor reported: why no in-place recovery was left, for a user
+            # (and a developer) reading the log
+            reports = self.state.reports if self.state is not None else {}
             self.emit(
-                "abandoned", attempt=self.attempt, reason=action.reason, reached_step=action.reached
+                "abandoned",
+                attempt=self.attempt,
+                reason=action.reason,
+                reached_step=action.reached,
+                reports={
+                    str(r): {
+                        "step": v.step,
+                        "applied": v.applied,
+                        "after": v.after,
+                        "held": [min(v.held), max(v.held) + 1] if v.held else [],
+                        "pending": v.pending,
+                        "reason": v.reason,
+                    }  # fmt: skip
+                    for r, v in sorted(reports.items())
+                },
             )
         elif isinstance(action, rc.Recovered):
             self._recovered(action)

@@ -67,16 +67,81 @@ def score(
 GROW_MARGIN = 0.01
 
 
-def worth_growing(*, current_s: float, grown_s: float, transition_s: float, mtbf_s: float) -> bool:
+def worth_growing(
+    *,
+    current_s: float,
+    grown_s: float,
+    transition_s: float,
+    mtbf_s: float,
+    current_risk_s: float = 0.0,
+    grown_risk_s: float = 0.0,
+) -> bool:
     """Whether to take workers back in (replacements that rejoined, repaired nodes):
     samples per second until the next failure, staying versus moving, where moving costs
-    the transition once, then runs at the grown step time. ``chameleon run`` judges a
-    growth so (launcher/calibration.py), and ``chameleon simulate`` at a repair."""
+    the transition once, then runs at the grown step time; each side also pays the risk
+    its layout takes at the next failure (planner.risk), so a growth never trades a
+    third replica for a faster step the next failure would make a restart. ``chameleon
+    run`` judges a growth so (launcher/calibration.py), and ``chameleon simulate`` at a
+    repair."""
     if grown_s <= 0 or current_s <= 0:
         return False
-    stay = score(global_batch=1.0, step_s=current_s, transition_s=0.0, mtbf_s=mtbf_s)
-    grow = score(global_batch=1.0, step_s=grown_s, transition_s=transition_s, mtbf_s=mtbf_s)
+    stay = score(
+        global_batch=1.0, step_s=current_s, transition_s=0.0, mtbf_s=mtbf_s, risk_s=current_risk_s
+    )
+    grow = score(
+        global_batch=1.0,
+        step_s=grown_s,
+        transition_s=transition_s,
+        mtbf_s=mtbf_s,
+        risk_s=grown_risk_s,
+    )
     return grow > stay * (1 + GROW_MARGIN)
+
+
+def growth_choice(
+    job: Job,
+    current: Plan,
+    current_s: float,
+    candidates: Sequence[Candidate],
+    outlook: Outlook,
+    *,
+    risk: bool = True,
+) -> Candidate | None:
+    """The layout to grow into, of ``candidates`` (re-partitions over every live worker):
+    the best-scoring one, risk included, when moving there beats staying on ``current``
+    (its step ``current_s``; ``worth_growing``); None to stay. ``risk=False``: scored on
+    speed and transition alone (Oobleck's growth, in the simulator)."""
+    feasible = [c for c in candidates if c.feasible and c.estimate is not None and c.plan]
+    if not risk:
+        best = min(feasible, key=lambda c: c.estimate.step_s, default=None)  # type: ignore[union-attr]
+        if best is None:
+            return None
+        assert best.estimate is not None
+        grown = worth_growing(
+            current_s=current_s,
+            grown_s=best.estimate.step_s,
+            transition_s=best.transition.total_s,
+            mtbf_s=outlook.mtbf_s,
+        )
+        return best if grown else None
+    best = max(feasible, key=lambda c: log_score(job, c, outlook), default=None)
+    if best is None:
+        return None
+    since = outlook.since_checkpoint_s
+    since = job.training.checkpoint_interval_s / 2 if since is None else since
+    current_risk = risk_s(
+        job, current, mtbf_s=outlook.mtbf_s, since_checkpoint_s=since, node_share=outlook.node_share
+    )
+    assert best.estimate is not None
+    grown = worth_growing(
+        current_s=current_s,
+        grown_s=best.estimate.step_s,
+        transition_s=best.transition.total_s,
+        mtbf_s=outlook.mtbf_s,
+        current_risk_s=current_risk,
+        grown_risk_s=candidate_risk_s(job, best, outlook),
+    )
+    return best if grown else None
 
 
 @dataclass(frozen=True)

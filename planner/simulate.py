@@ -49,7 +49,13 @@ from planner.layout import initial_plan
 from planner.plan import Plan
 from planner.policy import Candidate, Policy, Transition
 from planner.search import Search
-from planner.selection import Outlook, choose, log_score, restart_variants, worth_growing
+from planner.selection import (
+    Outlook,
+    choose,
+    growth_choice,
+    log_score,
+    restart_variants,
+)
 from planner.symmetry import Question
 from planner.trace import Event, Trace
 from planner.workload import Job
@@ -239,29 +245,28 @@ class Simulator:
         )
         if state.plan is None:
             return self.relaunch(state)
-        return self.grow(state) if policy in GROWS and job_workers else state
+        return self.grow(state, policy) if policy in GROWS and job_workers else state
 
-    def grow(self, state: State) -> State:
-        """The fastest layout over every live worker, when moving there pays before the
-        next failure (``planner.selection.worth_growing``): what ``chameleon run`` does
-        when replacements rejoin (launcher/calibration.py), and Oobleck when nodes come
-        back. Not a recovery: no detection, no step interrupted. Only while training."""
+    def grow(self, state: State, policy: str = "adaptive") -> State:
+        """Adaptive: the best-scoring layout over every live worker, risk included, when
+        moving there pays before the next failure (``planner.selection.growth_choice``),
+        as ``chameleon run`` does when replacements rejoin (launcher/calibration.py).
+        Oobleck (``reparallelize``) when nodes come back: the fastest layout, risk-blind,
+        when it pays. Not a recovery: no detection, no step interrupted. Only while
+        training."""
         if not self.training(state) or not state.idle or state.rate is None:
             return state
         assert state.plan is not None
         q = self.answers.question(state.plan, (), state.idle, state.spares)
-        best = min(self.answers.reparallelize(q), key=lambda c: c.estimate.step_s, default=None)  # type: ignore[union-attr]
-        if best is None or best.estimate is None or best.plan is None:
+        options = [q.answer(c) for c in self.answers.reparallelize(q)]
+        outlook = self.outlook(state)
+        best = growth_choice(
+            self.job, state.plan, state.step_s / state.slowdown, options, outlook,
+            risk=policy == "adaptive",
+        )  # fmt: skip
+        if best is None or best.estimate is None:
             return state
-        best = q.answer(best)
         step = best.estimate.step_s * state.slowdown
-        if not worth_growing(
-            current_s=state.step_s,
-            grown_s=step,
-            transition_s=best.transition.total_s,
-            mtbf_s=self.mtbf_s(state),
-        ):
-            return state
         assert best.plan is not None
         t, used = state.t_s, set(best.plan.workers)
         resume = t + best.transition.total_s
