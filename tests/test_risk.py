@@ -165,3 +165,15 @@ def test_a_failure_takes_a_node_by_its_cause_or_by_what_it_took(testbed):
     assert not Event(1.0, "fail", node0, "gpu").takes_node(testbed)
     assert Event(1.0, "fail", node0).takes_node(testbed)
     assert not Event(1.0, "fail", node0[:2]).takes_node(testbed)
+
+
+def test_a_growth_pays_for_the_risk_of_the_layout_it_moves_to():
+    # 10% faster steps for a 0.5 s move are worth it at D = 60 s, with no risk on either
+    # side; not when the faster layout risks a restart that costs 30 s at one failure
+    # in five (6 s expected), and again when staying risks as much as growing.
+    from planner.selection import worth_growing
+
+    fast = dict(current_s=1.0, grown_s=0.9, transition_s=0.5, mtbf_s=60.0)
+    assert worth_growing(**fast)
+    assert not worth_growing(**fast, grown_risk_s=6.0)
+    assert worth_growing(**fast, current_risk_s=6.0, grown_risk_s=6.0)
