@@ -4,8 +4,8 @@
 
 Profiles the example tiny GPT once (``chameleon profile``, 8 workers measuring at once),
 then runs it under ``chameleon run --config <that profile>`` and compares what the planner
-predicts from that one cost table (``planner.estimate``, ``planner.transition``,
-``planner.migration`` on the profiled config, never fitted to the run) with what the run
+predicts from that one cost table (``planner.estimator.estimate``, ``planner.estimator.transition``,
+``planner.plans.migration`` on the profiled config, never fitted to the run) with what the run
 measured:
 
 - step time (median) and peak memory (the largest worker's tensors, ``peak_bytes`` of
@@ -164,7 +164,7 @@ def run(
 
 
 def to_plan(plan_json: dict):  # noqa: ANN201
-    from planner.wire import PlanWire
+    from planner.plans.planjson import PlanWire
 
     return PlanWire.model_validate(plan_json).to_plan()
 
@@ -172,7 +172,7 @@ def to_plan(plan_json: dict):  # noqa: ANN201
 def layout_rows(
     job, name: str, plan_json: dict, run_: Run, generation: int, skip: int
 ) -> list[Row]:  # noqa: ANN001
-    from planner.estimate import estimate
+    from planner.estimator.estimate import estimate
 
     est = estimate(job, to_plan(plan_json))
     return [
@@ -184,9 +184,9 @@ def layout_rows(
 def transition_rows(job, policy: str, run_: Run) -> tuple[list[Row], str]:  # noqa: ANN001
     """Predicted against measured transition of the run's first recovery, and a line of
     what is not predicted (detection, the first step's extra time)."""
-    from planner.cost import CostModel
-    from planner.migration import holdings_of, plan_migration
-    from planner.transition import groups_s, plan_phase_s, protocol
+    from planner.estimator.transition import groups_s, plan_phase_s, protocol
+    from planner.job.cost import CostModel
+    from planner.plans.migration import holdings_of, plan_migration
 
     chosen, done = run_.first("plan_chosen"), run_.first("recovered")
     failure = run_.first("failure")
@@ -276,7 +276,7 @@ def one_round(
 
 def exact_job(job):  # noqa: ANN001, ANN201
     """``job`` as Trainer(exact=True) runs it: an exchange program and float64 sums
-    (planner.wire.JobDescription.to_job says the same of a live job)."""
+    (chameleon_runtime.protocol.wire.JobDescription.to_job says the same of a live job)."""
     from dataclasses import replace
 
     return replace(
@@ -355,14 +355,14 @@ def main() -> int:
 
 def print_migration(job, migrations: dict) -> None:  # noqa: ANN001
     """The same re-partition's migration under both schedules, measured and modelled."""
-    from planner.cost import CostModel
-    from planner.migration import holdings_of, plan_migration
+    from planner.job.cost import CostModel
+    from planner.plans.migration import holdings_of, plan_migration
 
     ours_s, chosen = migrations["matched"]
     naive_s, naive_chosen = migrations["naive"]
     # The model's two schedules of the plan the matched run chose, from generation 0's
     # layout (the same 2x4 in both runs).
-    from planner.layout import initial_plan
+    from planner.plans.layout import initial_plan
 
     current = initial_plan(job)
     survivors = [w for w in current.workers if w not in chosen["failed"]]

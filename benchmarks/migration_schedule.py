@@ -14,10 +14,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from planner.choice.policy import Policy
+from planner.choice.selection import decide
 from planner.config import load_job
-from planner.layout import failed_workers, initial_plan
-from planner.policy import Policy
-from planner.selection import decide
+from planner.plans.layout import failed_workers, initial_plan
 
 ROOT = Path(__file__).resolve().parent.parent
 

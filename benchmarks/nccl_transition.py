@@ -2,7 +2,7 @@
 
     python benchmarks/nccl_transition.py [--rounds 5] [--mib 64]
 
-The planner's transition model charges a generation's new groups (planner.transition:
+The planner's transition model charges a generation's new groups (planner.estimator.transition:
 ``pg_init_base_s`` + ``pg_init_per_worker_s`` per member); on NCCL those figures were
 estimates. This measures, on one GPU, the runtime's own path
 (chameleon_runtime.transport.NativeTransport): a ProcessGroupNCCL made on a TCPStore,

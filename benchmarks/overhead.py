@@ -250,7 +250,7 @@ def worker_plain(args: argparse.Namespace) -> None:
     from torch import nn
 
     from chameleon_runtime.shard import build_layer
-    from planner.partition import balanced_split
+    from planner.plans.partition import balanced_split
 
     torch.set_num_threads(1)
     layer, num_layers, loss_fn, data = _model(int(args.hidden))

@@ -16,11 +16,11 @@ import argparse
 import time
 from pathlib import Path
 
+from planner.choice.selection import decide
 from planner.config import load_job
-from planner.layout import initial_plan
-from planner.reference import exhaustive
-from planner.search import Search
-from planner.selection import decide
+from planner.plans.layout import initial_plan
+from planner.search.layouts import Search
+from planner.search.reference import exhaustive
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 CASES = [

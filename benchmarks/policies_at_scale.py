@@ -6,8 +6,8 @@
 
 For each config (by default the CPU test bed's three, the paper's setting, 32 Ascend 910B
 with a 13B GPT, and the 1,024 and 16,384 H100 configs) and each trace (Oobleck's five, and failures drawn from
-Llama 3's statistics with 2 h repairs: planner.trace), one ``chameleon simulate`` run of
-every policy (planner.outcome.simulate, the command's own code). It prints:
+Llama 3's statistics with 2 h repairs: planner.simulation.trace), one ``chameleon simulate`` run of
+every policy (planner.simulation.outcome.simulate, the command's own code). It prints:
 
 - adaptive's throughput over failure-free, and over each baseline's (reroute: ReCycle,
   reparallelize: Oobleck, restart: torchrun, redundant: Bamboo), and over the oracle's
@@ -36,10 +36,10 @@ import time
 from pathlib import Path
 
 from launcher.args import parse_duration_s
-from planner import trace as traces
 from planner.config import load_job
-from planner.outcome import SimulationReport, simulate
-from planner.workload import Job
+from planner.job.workload import Job
+from planner.simulation import trace as traces
+from planner.simulation.outcome import SimulationReport, simulate
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 DEFAULT_CONFIGS = (

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import typer
 
-from planner.errors import ConfigError
-from planner.layout import LayoutError
+from planner.job.errors import ConfigError
+from planner.plans.layout import LayoutError
 
 OK = 0
 USER_ERROR = 1

@@ -67,12 +67,12 @@ def plan(
 ) -> None:
     """Show every recovery candidate for a failure and the one the planner picks."""
     from chameleon_cli.plan_view import decision_blocks
+    from planner.choice.policy import Policy
+    from planner.choice.report import report
+    from planner.choice.selection import decide
     from planner.config import load_job
-    from planner.layout import failed_workers, initial_plan
-    from planner.policy import Policy
-    from planner.report import report
-    from planner.search import Search
-    from planner.selection import decide
+    from planner.plans.layout import failed_workers, initial_plan
+    from planner.search.layouts import Search
 
     if not dry_run:
         raise typer.BadParameter(

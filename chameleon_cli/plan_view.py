@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from chameleon_cli.output import Block, Fields, Table
 from chameleon_cli.units import fmt_bytes, fmt_ranges, fmt_s
-from planner.report import DecisionReport, LayoutOut
+from planner.choice.report import DecisionReport, LayoutOut
 
 
 def decision_blocks(r: DecisionReport, *, cluster: str, model: str) -> list[Block]:

@@ -15,7 +15,7 @@ BUILTIN = ("oobleck-10m", "oobleck-30m", "oobleck-1h", "oobleck-3h", "oobleck-6h
 
 
 def _policies(text: str) -> list[str]:
-    from planner.simulate import POLICIES
+    from planner.simulation.simulate import POLICIES
 
     names = [p.strip() for p in text.split(",") if p.strip()]
     bad = [p for p in names if p not in POLICIES]
@@ -91,11 +91,11 @@ def simulate(
         require_matplotlib,
         simulation_blocks,
     )
-    from planner import trace as traces
     from planner.config import load_job
-    from planner.oracle import MAX_WORKERS_BY_DEFAULT
-    from planner.outcome import simulate as run_all
-    from planner.simulate import POLICIES
+    from planner.simulation import trace as traces
+    from planner.simulation.oracle import MAX_WORKERS_BY_DEFAULT
+    from planner.simulation.outcome import simulate as run_all
+    from planner.simulation.simulate import POLICIES
 
     names = _policies(policies) if policies is not None else list(POLICIES)
     duration_s = duration_flag(duration, "--duration")
@@ -110,7 +110,7 @@ def simulate(
         require_matplotlib()
     job = load_job(config)
     if calibration is not None:
-        from planner.calibration import from_events
+        from planner.simulation.calibration import from_events
 
         job = from_events(calibration).apply(job)
     if trace is None:

@@ -8,7 +8,7 @@ from pathlib import Path
 from chameleon_cli.errors import UserError
 from chameleon_cli.output import Block, Fields, Table
 from chameleon_cli.units import fmt_s
-from planner.outcome import SimulationReport
+from planner.simulation.outcome import SimulationReport
 
 
 def simulation_blocks(r: SimulationReport) -> list[Block]:

@@ -17,11 +17,31 @@ A plain torchrun script gets hang detection from ``cr.heartbeat()`` once a step 
 See docs/runtime.md for the full API and examples/train_gpt.py for a complete script.
 """
 
-from chameleon_runtime.dataparallel import DataParallel, ElasticOptimizer
-from chameleon_runtime.device import DeviceError
-from chameleon_runtime.sampler import ElasticSampler
-from chameleon_runtime.scriptbeat import heartbeat, section
-from chameleon_runtime.trainer import FitResult, StepInfo, Trainer
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+# Imported on first use, not here: the launcher imports chameleon_runtime.protocol, and
+# importing this package must not import torch for it (a second or more at every start).
+_EXPORTS = {
+    "DataParallel": "chameleon_runtime.dataparallel",
+    "DeviceError": "chameleon_runtime.device",
+    "ElasticOptimizer": "chameleon_runtime.dataparallel",
+    "ElasticSampler": "chameleon_runtime.sampler",
+    "FitResult": "chameleon_runtime.trainer",
+    "StepInfo": "chameleon_runtime.trainer",
+    "Trainer": "chameleon_runtime.trainer",
+    "heartbeat": "chameleon_runtime.scriptbeat",
+    "section": "chameleon_runtime.scriptbeat",
+}
+
+if TYPE_CHECKING:
+    from chameleon_runtime.dataparallel import DataParallel, ElasticOptimizer
+    from chameleon_runtime.device import DeviceError
+    from chameleon_runtime.sampler import ElasticSampler
+    from chameleon_runtime.scriptbeat import heartbeat, section
+    from chameleon_runtime.trainer import FitResult, StepInfo, Trainer
 
 __all__ = [
     "DataParallel",
@@ -34,3 +54,12 @@ __all__ = [
     "heartbeat",
     "section",
 ]
+
+
+def __getattr__(name: str) -> object:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'chameleon_runtime' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

@@ -1,7 +1,7 @@
 """Communication for one plan generation: one process group over the generation's
 members, built straight on the store (no default group), point-to-point transfers matched
 by their order (no tags: chameleon_runtime.transport), a group per set of workers that
-all-reduce a bucket together (a ring program's collectives: planner.program), and waits
+all-reduce a bucket together (a ring program's collectives: planner.plans.program), and waits
 that an abort ends at once.
 
 Why every blocking call runs on a helper thread: gloo cannot interrupt a blocked wait or

@@ -1,5 +1,5 @@
 """The worker's side of the control channel: the store the launcher hosts for this attempt
-(MASTER_ADDR:MASTER_PORT), spoken through ``planner.protocol``.
+(MASTER_ADDR:MASTER_PORT), spoken through ``chameleon_runtime.protocol.messages``.
 
 Waits block in the store (``TCPStore.wait``) instead of polling it. The one wait that the
 launcher's abort must be able to end, an all-or-none agreement, is ended by the watcher
@@ -31,9 +31,9 @@ from pydantic import BaseModel
 from chameleon_runtime import storeaddr
 from chameleon_runtime.comm import Collective, Generation, settle
 from chameleon_runtime.liveness import FOREVER, Heartbeat, Interrupts, Status, Watcher, moved
-from planner.protocol import Aware, Keys, encode
-from planner.seal import TOKEN_ENV, Seal
-from planner.wire import PlanMessage
+from chameleon_runtime.protocol.messages import Aware, Keys, encode
+from chameleon_runtime.protocol.seal import TOKEN_ENV, Seal
+from chameleon_runtime.protocol.wire import PlanMessage
 
 
 # The phases where an injected fault waits for the worker (Control.failpoint), and for
@@ -96,7 +96,7 @@ class Control:
         # A replacement started after the store moved begins at the file's epoch.
         now = storeaddr.read()
         self.epoch = now.epoch if now is not None and (now.addr, now.port) == (addr, port) else 0
-        # Control messages are signed with the job token (planner.seal.Seal); what is
+        # Control messages are signed with the job token (chameleon_runtime.protocol.seal.Seal); what is
         # unsigned or signed with another is ignored, and said once on stderr.
         self.seal = Seal(
             os.environ.get(TOKEN_ENV),

@@ -1,7 +1,7 @@
 """The drop-in data-parallel API under ``chameleon run``: in-place recovery for an
 ordinary loop (chameleon_runtime.dataparallel). Under torchrun the drop-in API sums on
 the default process group, as DDP; under chameleon run it speaks the runtime's protocol
-with the launcher (planner.protocol), as the Trainer does, over groups of its own:
+with the launcher (chameleon_runtime.protocol.messages), as the Trainer does, over groups of its own:
 
 - The job is one stage (the whole model, "layer" 0) held by every member; the plan's
   workers are the members, and the sampler deals each step's micro-batches among them.
@@ -37,11 +37,11 @@ import torch
 from chameleon_runtime.comm import COLLECTIVE_RELEASE, Aborted, Collective, CommError, Generation
 from chameleon_runtime.control import STORE_LOST, Control, Finished
 from chameleon_runtime.profile import host_cores, memory_per_worker, optimizer_bytes_per_param
+from chameleon_runtime.protocol.messages import Applied, Finish, Joined, Ready
+from chameleon_runtime.protocol.wire import JobDescription, LayerCostWire, PlanMessage
 from chameleon_runtime.shard import pack_layers, pack_optimizer_state, unpack_layers
 from chameleon_runtime.transport import GlooTransport
-from planner.plan import Plan, pipelines_plan, split_evenly
-from planner.protocol import Applied, Finish, Joined, Ready
-from planner.wire import JobDescription, LayerCostWire, PlanMessage
+from planner.plans.plan import Plan, pipelines_plan, split_evenly
 
 if TYPE_CHECKING:
     from chameleon_runtime.sampler import ElasticSampler

@@ -26,8 +26,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from chameleon_runtime.protocol.wire import LayerCostWire
 from chameleon_runtime.shard import LayerFactory, Shard, build_layer
-from planner.wire import LayerCostWire
 
 
 def probe(

@@ -29,7 +29,7 @@ from typing import Any
 import torch.distributed as dist
 
 from chameleon_runtime import storeaddr
-from planner.protocol import (
+from chameleon_runtime.protocol.messages import (
     MAILBOX,
     Abort,
     Exit,
@@ -39,7 +39,7 @@ from planner.protocol import (
     WaitingOn,
     WorkerStatus,
 )
-from planner.seal import Seal
+from chameleon_runtime.protocol.seal import Seal
 
 
 # The launcher sets the period from its --heartbeat-timeout (launcher/watch.py).

@@ -15,7 +15,7 @@ backward is state, not activation).
 - buffers: whatever else the step holds at the sample (a bucket's exchange buffers).
 
 The step samples after every pass and inside the exchange; the peak is the largest
-sample. ``planner.cost.CostModel.memory_bytes`` predicts the same quantity.
+sample. ``planner.job.cost.CostModel.memory_bytes`` predicts the same quantity.
 
 Only the first ``METERED_STEPS`` steps of a layout are measured: every step of a layout
 runs the same program on same-shaped tensors, so its peak is reached by then (the

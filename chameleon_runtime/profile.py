@@ -23,8 +23,8 @@ from typing import Any
 import torch
 
 from chameleon_runtime.layercost import measure, probe
+from chameleon_runtime.protocol.wire import JobDescription, LayerCostWire
 from chameleon_runtime.shard import Shard
-from planner.wire import JobDescription, LayerCostWire
 
 
 def link_cost(
@@ -109,7 +109,7 @@ def measure_steps(trainer: Any, steps: int) -> dict[str, float]:
     return this worker's medians over all but the first few: wall time per step, the
     process's CPU per step, and the CPU its layers' passes took. What a step costs beyond
     the layers (Python, messages, the store) shows only in such steps, and the planner
-    fits it from them (planner.fit)."""
+    fits it from them (planner.estimator.fit)."""
     from chameleon_runtime.step import run_step
 
     plan = trainer.initial_plan()
@@ -181,9 +181,9 @@ def measure_chain(gen: Any, shard: Shard, me: int, world: int, layer: int, reps:
     sending it on once it has it, so one transfer runs at a time while the others wait
     blocked, as in a migration scheduled one at a time. The median over ``reps`` (after
     a warm-up) of the whole chain as the first worker sees it; the planner fits the
-    hand-off a transfer costs beyond its modelled parts to it (planner.migration)."""
+    hand-off a transfer costs beyond its modelled parts to it (planner.plans.migration)."""
+    from chameleon_runtime.protocol.wire import TransferWire
     from chameleon_runtime.recovery import move_layers
-    from planner.wire import TransferWire
 
     chain = [
         TransferWire(src=w, dst=(w + 1) % world, first_layer=layer, end_layer=layer + 1, round=w)
@@ -216,8 +216,8 @@ def measure_alone(trainer: Any, reps: int = 3) -> float:
 
 
 def _steps_measured(control: Any, world: int, plan: Any) -> Any:
-    from planner.costtable import StepsMeasured
-    from planner.wire import PlanWire
+    from planner.job.costtable import StepsMeasured
+    from planner.plans.planjson import PlanWire
 
     rows = {r: json.loads(control.wait(control.keys.profile(f"steps/{r}"))) for r in range(world)}
     return StepsMeasured(
@@ -235,7 +235,7 @@ def profile_job(trainer: Any, out: Path) -> None:
     included), workers 0 and 1 the link between them, all of them the store; rank 0 writes
     the per-layer medians as a cost table (atomically). ``trainer`` is connected."""
     from chameleon_runtime.comm import Generation
-    from planner.costtable import CostTable, LayerCost, LinkCost, MigrationMeasured
+    from planner.job.costtable import CostTable, LayerCost, LinkCost, MigrationMeasured
 
     control, rank, world = trainer.control, trainer.rank, trainer.world_size
     keys = control.keys
@@ -280,7 +280,7 @@ def profile_job(trainer: Any, out: Path) -> None:
     gen.abandon()
     # One worker computes a whole step alone while the others wait (blocked in the store,
     # not spinning): against the same work spread over every worker at once, it shows how
-    # much a pass's CPU grows with the processes sharing the cores (planner.fit).
+    # much a pass's CPU grows with the processes sharing the cores (planner.estimator.fit).
     if rank == 0:
         control.put(keys.profile("alone"), repr(measure_alone(trainer)))
     control.agree(0, "profile/alone", world)
@@ -337,7 +337,7 @@ def profile_job(trainer: Any, out: Path) -> None:
 def _pair_group_s(trainer: Any, control: Any, rank: int, world: int) -> float | None:
     """Time for ranks 0 and 1 to build a group of two (both there first), beside the
     whole world's: two sizes give the cost of a group per member (``_group_costs``);
-    a ring's recoveries build groups of a bucket's holders (planner.transition)."""
+    a ring's recoveries build groups of a bucket's holders (planner.estimator.transition)."""
     from datetime import timedelta
 
     import torch.distributed as dist

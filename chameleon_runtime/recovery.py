@@ -19,7 +19,7 @@ A plan is applied in four steps, each of which a new failure may interrupt:
    migration measured 29 ms instead of 42-46);
 4. ``Applied`` to the leader, and training goes on from the step the plan names.
 
-Groups are carried over, not rebuilt, when they can be (planner.transition charges the
+Groups are carried over, not rebuilt, when they can be (planner.estimator.transition charges the
 same): a gloo group whose member died still carries point-to-point traffic between the
 others, and everything the runtime sends is point to point. So a new generation whose
 members all belong to the group of the last generation this worker applied keeps that
@@ -56,17 +56,17 @@ from chameleon_runtime.comm import (
 )
 from chameleon_runtime.control import STORE_LOST, Finished
 from chameleon_runtime.memory import Meter
+from chameleon_runtime.protocol.messages import Applied, GroupOffer, Joined, Ready, holders_key
+from chameleon_runtime.protocol.wire import PlanMessage, TransferWire
 from chameleon_runtime.reducer import Reducer
 from chameleon_runtime.shard import Shard, pack_layers, unpack_layers
 from chameleon_runtime.step import apply_norm
 from chameleon_runtime.transport import Transport
-from planner.program import Allreduce, WorkerProgram, worker_program
-from planner.protocol import Applied, GroupOffer, Joined, Ready, holders_key
-from planner.wire import PlanMessage, TransferWire
+from planner.plans.program import Allreduce, WorkerProgram, worker_program
 
 if TYPE_CHECKING:
     from chameleon_runtime.control import Control
-    from planner.plan import Plan
+    from planner.plans.plan import Plan
 
 
 def move_layers(

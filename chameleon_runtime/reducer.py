@@ -1,5 +1,5 @@
 """A ring program's gradient sums for one worker: DDP's reducer, over the buckets the
-planner's program names (planner.program: ``allreduce="ring"``).
+planner's program names (planner.plans.program: ``allreduce="ring"``).
 
 - Each bucket's gradients live in flat buffers (one per dtype), and every parameter's
   ``.grad`` is a view into one (DDP's ``gradient_as_bucket_view``): autograd adds each
@@ -32,7 +32,7 @@ from torch import nn
 
 from chameleon_runtime.comm import Generation
 from chameleon_runtime.shard import Shard
-from planner.program import Bucket, WorkerProgram
+from planner.plans.program import Bucket, WorkerProgram
 
 
 class Reducer:

@@ -8,7 +8,7 @@ skipped and S halves; after ``growth_interval`` good steps in a row S doubles.
 
 Why every worker decides alike: the overflow check is on the global gradient norm, the
 squared norms every lowest holder reports before the commit and every worker reads after
-it (planner.program.TailKind.READ_NORM), so all workers see the same finite-or-not and
+it (planner.plans.program.TailKind.READ_NORM), so all workers see the same finite-or-not and
 skip the same steps, and their S stays the same.
 
 Why S travels with the layers: a worker that joins (a respawned rank, a spare brought

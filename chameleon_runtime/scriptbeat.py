@@ -10,7 +10,7 @@ long phases.
                 save_checkpoint()
 
 Under ``chameleon run`` each worker gets ``CHAMELEON_BEAT_FILE``, a small file of its own
-that these calls rewrite (a ``planner.protocol.ScriptBeat``: JSON padded to a fixed
+that these calls rewrite (a ``chameleon_runtime.protocol.messages.ScriptBeat``: JSON padded to a fixed
 size, written in place with one ``pwrite``); its agent reads it every quarter second (launcher/watch.py,
 ``ScriptBeats``). Once a worker has beaten, heartbeats that stop for ``--heartbeat-timeout``
 (or 10 times the slowest gap between its beats, when that is longer) mark it hung: it is
@@ -30,7 +30,7 @@ import os
 import time
 from collections.abc import Iterator
 
-from planner.protocol import ScriptBeat
+from chameleon_runtime.protocol.messages import ScriptBeat
 
 ENV = "CHAMELEON_BEAT_FILE"
 _MIN_GAP_S = 0.05  # beats closer than this are not written (a fast loop pays nothing)

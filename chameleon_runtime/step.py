@@ -1,4 +1,4 @@
-"""One training step of one worker: the program ``planner.program`` made for it, executed.
+"""One training step of one worker: the program ``planner.plans.program`` made for it, executed.
 
 Its passes, in order: a forward receives its input from ``prev`` (or reads the data),
 runs the worker's layers and sends the output to ``next`` (or computes the loss, scaled by
@@ -21,7 +21,7 @@ alike, whether the step is applied:
 - exchange: an all-or-none agreement in the store (chameleon_runtime.control), with the
   loss and the norms reported and read there;
 - ring: no store operation. Votes go up a binary tree of the plan's workers
-  (``planner.program.commit_tree``), each with its sender's subtree's loss share and
+  (``planner.plans.program.commit_tree``), each with its sender's subtree's loss share and
   squared gradient norm, point to point; the root, holding every vote, decides (yes when
   all voted, no when a drained step's zero vote is among them) and the decision goes
   back down with the sums: the step's loss and global norm. A worker that learned yes
@@ -60,10 +60,10 @@ from chameleon_runtime.comm import Aborted, CommError, Generation
 from chameleon_runtime.control import Control
 from chameleon_runtime.data import Batches
 from chameleon_runtime.memory import Meter
+from chameleon_runtime.protocol.messages import commit_name
 from chameleon_runtime.reducer import Reducer
 from chameleon_runtime.shard import Shard
-from planner.program import Bucket, Message, OpKind, TailKind, WorkerProgram, commit_tree
-from planner.protocol import commit_name
+from planner.plans.program import Bucket, Message, OpKind, TailKind, WorkerProgram, commit_tree
 
 Shape = tuple[torch.Size, torch.dtype]
 
@@ -161,7 +161,7 @@ class StepResult:
     # process's CPU time per step it splits a worker's load into compute and overhead.
     compute_cpu_s: float = 0.0
     # CPU time this thread spent in the pass loop beyond the layers: receiving, sending,
-    # stashing, the memory meter (the planner charges it per pass: planner.fit).
+    # stashing, the memory meter (the planner charges it per pass: planner.estimator.fit).
     pass_cpu_s: float = 0.0
     # Bytes this worker sent: its messages, and a ring all-reduce's share of its buckets.
     sent_bytes: int = 0

@@ -13,7 +13,7 @@ import time
 
 from pydantic import ValidationError
 
-from planner.protocol import STORE_FILE_ENV, STORE_WAIT_ENV, StoreAddress
+from chameleon_runtime.protocol.messages import STORE_FILE_ENV, STORE_WAIT_ENV, StoreAddress
 
 
 def read() -> StoreAddress | None:

@@ -40,17 +40,17 @@ from chameleon_runtime.layercost import measure, probe
 from chameleon_runtime.memory import Meter
 from chameleon_runtime.pace import Pace
 from chameleon_runtime.profile import describe_job, profile_job
+from chameleon_runtime.protocol.messages import Finish, checkpoint_name
+from chameleon_runtime.protocol.wire import LayerCostWire, PlanMessage
 from chameleon_runtime.recovery import RecoveryMixin
 from chameleon_runtime.reducer import Reducer
 from chameleon_runtime.scaler import INIT_SCALE
 from chameleon_runtime.shard import PRECISIONS, LayerFactory, OptimizerFactory, Shard
 from chameleon_runtime.step import CommitUnknown, run_step
 from chameleon_runtime.transport import transport_for
-from planner.partition import balanced_split
-from planner.plan import Plan, pipelines_plan, split_evenly
-from planner.program import Allreduce, WorkerProgram, reads_global_norm
-from planner.protocol import Finish, checkpoint_name
-from planner.wire import LayerCostWire, PlanMessage
+from planner.plans.partition import balanced_split
+from planner.plans.plan import Plan, pipelines_plan, split_evenly
+from planner.plans.program import Allreduce, WorkerProgram, reads_global_norm
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """How a generation's tensors travel between two workers: one interface, two transports.
 
 Messages carry no tags. Between two workers they are matched by the order they are
-posted in, on each side (``planner.program.WorkerProgram.messages`` for a step; rounds,
+posted in, on each side (``planner.plans.program.WorkerProgram.messages`` for a step; rounds,
 then transfers, for a migration), which is all NCCL and HCCL offer, and the gloo
 transport runs the same discipline so that CI exercises the ordering the accelerator
 backends depend on. gloo needs tags no more than NCCL does: its pairs deliver one

@@ -22,6 +22,7 @@ import uuid
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from chameleon_runtime.protocol.seal import TOKEN_ENV, Seal
 from launcher.args import RunArgs
 from launcher.events import EventLog
 from launcher.faults import FaultLedger
@@ -43,9 +44,8 @@ from launcher.warm import ForkServer
 from launcher.watch import Timeouts as WatchTimeouts
 from launcher.worker_store import WorkerStoreView
 from launcher.workers import Console, Reaper
-from planner.failures import DEFAULT_DEVICE_MTBF_H, FailureRate
-from planner.protocol import RECOVERY_POLL_S
-from planner.seal import TOKEN_ENV, Seal
+from planner.estimator.transition import RECOVERY_POLL_S
+from planner.job.failures import DEFAULT_DEVICE_MTBF_H, FailureRate
 
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 SYNC_PERIOD_S = 0.25
@@ -68,7 +68,7 @@ class Agent(JoiningMixin, SuccessionMixin):
         self.run_id = (
             args.rdzv_id if args.rdzv_id != "none" or not args.standalone else uuid.uuid4().hex[:12]
         )
-        # The job token signs every control message (planner.seal.Seal): given to every
+        # The job token signs every control message (chameleon_runtime.protocol.seal.Seal): given to every
         # agent of a multi-node job, made here for one node.
         token = args.rdzv_conf.get("token") or os.environ.get(TOKEN_ENV) or None
         if token is None and args.max_nodes == 1:
@@ -112,7 +112,7 @@ class Agent(JoiningMixin, SuccessionMixin):
         # links, restart cost), read now so that a bad file fails before any worker starts.
         self.planner_cluster = None
         self.fault_ledger = FaultLedger()  # what --inject-fault did in earlier rounds
-        # D's prior (planner.failures): --mtbf, else the config's, else Llama 3's rate.
+        # D's prior (planner.job.failures): --mtbf, else the config's, else Llama 3's rate.
         self.failure_rate = FailureRate(DEFAULT_DEVICE_MTBF_H * 3600)
         if args.config:
             from planner.config import load_job  # raises ConfigError, one line

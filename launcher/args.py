@@ -60,7 +60,7 @@ class RunArgs:
     config: str | None
     policy: str
     migration_schedule: str
-    mtbf_s: float | None  # None: learned (planner.failures)
+    mtbf_s: float | None  # None: learned (planner.job.failures)
     plain: bool
     warm_start: bool
     preload: str  # --preload (launcher/preload.py)

@@ -28,8 +28,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from planner.fit import RunFit, fit_run
-from planner.protocol import WorkerStatus
+from chameleon_runtime.protocol.messages import WorkerStatus
+from planner.estimator.fit import RunFit, fit_run
 
 # The model is fitted to each generation once its steps settle (a generation's first
 # steps pay for warm-up): chameleon_runtime.pace leaves 2 out and averages over 8.
@@ -48,20 +48,22 @@ def statistics_of(statuses: Mapping[int, WorkerStatus], worker: int) -> WorkerSt
 @dataclass
 class JobModel:
     emit: Callable[..., object]
-    rate: Any  # planner.failures.FailureRate: D's prior, updated by the failures seen
+    rate: Any  # planner.job.failures.FailureRate: D's prior, updated by the failures seen
     num_nodes: int
     workers_per_node: int
     nodes_per_host: int = 1
     restart_s: float | None = None  # a checkpoint restart: measured start-up (None: not yet)
-    cluster: Any = None  # planner.workload.Cluster from --config
-    description: Any = None  # planner.wire.JobDescription, once the workers published it
+    cluster: Any = None  # planner.job.workload.Cluster from --config
+    description: Any = (
+        None  # chameleon_runtime.protocol.wire.JobDescription, once the workers published it
+    )
     factor: float | None = None
-    # cores, overhead per worker, message wait, CPU per message, CPU per pass (planner.fit)
+    # cores, overhead per worker, message wait, CPU per message, CPU per pass (planner.estimator.fit)
     host: tuple[float, float, float, float, float] | None = None
     wait_s: float = 0.0  # the last message wait a fit could determine
     measured_s: float | None = None
     fitted_generation: int = -1
-    # Measured over modelled in-place transitions (planner.workload.Cluster), and what the
+    # Measured over modelled in-place transitions (planner.job.workload.Cluster), and what the
     # newest plan chosen was predicted to cost beside its decision: (generation,
     # predicted s, the decision's own s).
     transition_factor: float = 1.0
@@ -69,7 +71,7 @@ class JobModel:
     _search: Any = None
     _exposed: tuple[float, int] | None = None  # since when, on how many devices
 
-    # -- D, the mean time to the next failure (planner.failures) ---------------------------
+    # -- D, the mean time to the next failure (planner.job.failures) ---------------------------
 
     def expose(self, now: float, devices: int, failures: int = 0, node_failures: int = 0) -> None:
         """``failures`` ended the time since the last call (``node_failures`` of them took
@@ -81,7 +83,7 @@ class JobModel:
         self._exposed = (now, devices)
 
     def mtbf(self, devices: int) -> Any:
-        """D (a planner.failures.Mtbf) for ``devices`` devices, as of now."""
+        """D (a planner.job.failures.Mtbf) for ``devices`` devices, as of now."""
         return self.rate.mtbf(devices)
 
     def measured_step_s(
@@ -207,7 +209,7 @@ class JobModel:
         generation: int,
         measured: float,
     ) -> None:
-        from planner.estimate import estimate
+        from planner.estimator.estimate import estimate
 
         beats = {
             w: s
@@ -242,7 +244,7 @@ class JobModel:
         )
 
     def search(self, job: Any) -> Any:
-        from planner.search import Search
+        from planner.search.layouts import Search
 
         if self._search is None or self._search.job != job:
             self._search = Search(job).warm_up()
@@ -253,7 +255,7 @@ class JobModel:
         the one the script asked for: after a failure it may pick that layout, and the run
         then goes faster than before, which would otherwise look like a bug. (Changing the
         layout of a healthy job unasked is left to the user.)"""
-        from planner.estimate import estimate
+        from planner.estimator.estimate import estimate
 
         launched = estimate(job, current).step_s
         best = self.search(job).propose(current, current.workers)
@@ -271,9 +273,9 @@ class JobModel:
     ) -> tuple[float, float, float, str] | None:
         """(step now, step after, transition, label) when moving to the best-scoring
         layout over every live worker, risk included, pays before the next failure
-        (planner.selection.growth_choice, as chameleon simulate grows), else None."""
-        from planner.policy import reparallelize_candidates
-        from planner.selection import Outlook, growth_choice
+        (planner.choice.selection.growth_choice, as chameleon simulate grows), else None."""
+        from planner.choice.policy import reparallelize_candidates
+        from planner.choice.selection import Outlook, growth_choice
 
         search = self.search(job)
         proposals = search.propose(current, alive)

@@ -20,17 +20,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from launcher import recovery as rc
-from launcher import takeover
-from launcher.calibration import JobModel
-from launcher.planning import Planner
-from launcher.rejoin import Rejoins
-from launcher.running import RunningMixin
-from launcher.supervisor import Failure, FailureKind, root_cause, summary
-from launcher.watch import Progress
-from launcher.watch import Timeouts as WatchTimeouts
-from launcher.worker_store import WorkerStoreView
-from planner.protocol import (
+from chameleon_runtime.protocol.messages import (
     INBOX,
     Abort,
     Applied,
@@ -41,7 +31,17 @@ from planner.protocol import (
     WorkerStatus,
     encode,
 )
-from planner.seal import Seal
+from chameleon_runtime.protocol.seal import Seal
+from launcher import recovery as rc
+from launcher import takeover
+from launcher.calibration import JobModel
+from launcher.planning import Planner
+from launcher.rejoin import Rejoins
+from launcher.running import RunningMixin
+from launcher.supervisor import Failure, FailureKind, root_cause, summary
+from launcher.watch import Progress
+from launcher.watch import Timeouts as WatchTimeouts
+from launcher.worker_store import WorkerStoreView
 
 SNAPSHOT_PERIOD_S = 1.0
 REJOIN_SNAPSHOT_PERIOD_S = 0.1
@@ -79,7 +79,7 @@ class Coordinator(RunningMixin):
         restarts_left: Callable[[], int | None] = lambda: None,
     ) -> None:
         self.store = store
-        # The job token's signature on every control message (planner.seal.Seal).
+        # The job token's signature on every control message (chameleon_runtime.protocol.seal.Seal).
         self.seal = seal or Seal(None, "")
         self.keys = Keys(attempt)
         self.attempt = attempt
@@ -247,7 +247,7 @@ class Coordinator(RunningMixin):
 
     def _start(self) -> bool:
         """The state machine starts from generation 0, once its chief published it."""
-        from planner.wire import PlanMessage
+        from chameleon_runtime.protocol.wire import PlanMessage
 
         if not self.store.check([self.keys.plan(0)]):
             return False
@@ -427,7 +427,7 @@ class Coordinator(RunningMixin):
     def _described(self) -> bool:
         """Whether the model has the workers' description of the job (read once)."""
         if self.model.description is None and self.store.check([self.keys.job]):
-            from planner.wire import JobDescription
+            from chameleon_runtime.protocol.wire import JobDescription
 
             raw = self.seal.open(self.store.get(self.keys.job), self.keys.job)
             if raw is None:

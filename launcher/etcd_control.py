@@ -21,10 +21,10 @@ from __future__ import annotations
 import math
 import time
 
+from chameleon_runtime.protocol.seal import Seal
 from launcher.etcd import EtcdStore, _absent, _unchanged, parse_endpoints, put_request
 from launcher.rendezvous import ControlPlane, RendezvousError, node_key
 from launcher.store import StoreError
-from planner.seal import Seal
 
 # etcd refuses leases shorter than about 1.5 election timeouts; 2 s is safe at defaults.
 MIN_TTL_S = 2

@@ -39,7 +39,7 @@ import re
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
-from planner.protocol import Keys, RecoveryPhase, WorkerStatus
+from chameleon_runtime.protocol.messages import Keys, RecoveryPhase, WorkerStatus
 
 PHASES = ("collect", "plan", "confirm", "groups", "migrate")
 _WORKER_PHASES = ("groups", "migrate")  # reported by the rank itself, within confirm

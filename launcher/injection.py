@@ -13,10 +13,10 @@ from launcher.faults import FaultKind, FaultSpec
 from launcher.workers import Worker, signal_worker
 
 if TYPE_CHECKING:
+    from chameleon_runtime.protocol.messages import RecoveryPhase
     from launcher.faults import Injector
     from launcher.settings import RoundSettings
     from launcher.worker_store import WorkerStoreView
-    from planner.protocol import RecoveryPhase
 
 
 class InjectionMixin:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import psutil
 
+from chameleon_runtime.protocol.messages import BEAT_RECORD_BYTES, RecoveryPhase, ScriptBeat
 from launcher.environment import WorkerIdentity, worker_env
 from launcher.faults import ANY, FaultLedger, FaultSpec, Injector
 from launcher.injection import InjectionMixin
@@ -38,7 +39,6 @@ from launcher.workers import (
     start_worker,
     stop_workers,
 )
-from planner.protocol import BEAT_RECORD_BYTES, RecoveryPhase, ScriptBeat
 
 HANG_CHECK_PERIOD_S = 0.25  # psutil and heartbeat reads; crashes are polled every interval
 _BAD_STATUSES = {

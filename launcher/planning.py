@@ -3,7 +3,7 @@ that failures keep being seen while it works: a failure meanwhile makes the stat
 start another plan, and the answer to the abandoned one is simply not waited for.
 
 ``Planner.start`` fits the job to what the workers measured (launcher/calibration.py) and
-hands ``planner.selection.decide`` to the thread; ``Planner.answer`` turns a finished
+hands ``planner.choice.selection.decide`` to the thread; ``Planner.answer`` turns a finished
 decision into the state machine's ``Planned`` event and the ``PlanMessage`` to publish,
 and logs the choice (``decision``, ``plan_chosen`` with every candidate weighed).
 """
@@ -16,9 +16,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from chameleon_runtime.protocol.messages import WorkerStatus
 from launcher import recovery as rc
 from launcher.calibration import JobModel
-from planner.protocol import WorkerStatus
 
 
 @dataclass
@@ -84,8 +84,8 @@ class Planner:
     # -- on the planner's thread ----------------------------------------------------------
 
     def _decide(self, start: rc.StartPlanning, current: Any, job: Any) -> dict:
-        from planner.policy import Policy
-        from planner.selection import decide
+        from planner.choice.policy import Policy
+        from planner.choice.selection import decide
 
         forced = None if self.policy == "auto" else Policy(self.policy)
         if start.joining:
@@ -113,8 +113,8 @@ class Planner:
     # -- back on the coordinator's ----------------------------------------------------------
 
     def _answer(self, pending: _Pending, first: Any) -> tuple[rc.Planned, Any | None]:
-        from planner.policy import Policy
-        from planner.wire import PlanMessage
+        from chameleon_runtime.protocol.wire import PlanMessage
+        from planner.choice.policy import Policy
 
         start = pending.start
         try:

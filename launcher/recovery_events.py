@@ -32,14 +32,14 @@ class Phase(StrEnum):
 
 @dataclass(frozen=True)
 class Report:
-    """A worker's ``Ready`` (planner.protocol)."""
+    """A worker's ``Ready`` (chameleon_runtime.protocol.messages)."""
 
     after: int  # the generation it left
     applied: int  # the last generation it applied
     step: int | None  # the next step it would run; None for a spare
     held: tuple[int, ...]
     reason: str = ""
-    # A ring's commit (planner.protocol.Ready): posted for ``step`` and not seen to end;
+    # A ring's commit (chameleon_runtime.protocol.messages.Ready): posted for ``step`` and not seen to end;
     # what step - 1's commit summed.
     pending: bool = False
     committed: tuple[float, ...] | None = None
@@ -130,7 +130,7 @@ class StartPlanning:
     reached: int
     joining: tuple[int, ...] = ()
     # Step resume_step - 1 was committed without some survivors seeing it end: they apply
-    # it with these sums first (planner.wire.RollForwardWire).
+    # it with these sums first (chameleon_runtime.protocol.wire.RollForwardWire).
     roll_forward: tuple[int, tuple[float, ...]] | None = None
 
 

@@ -3,7 +3,7 @@
 A worker dies but its node lives (a crash, a kill, a hang we killed): the leader asks that
 node's agent to start the rank again, by writing ``respawn/<rank>`` (a count) in the worker
 store. The new process starts as a spare: it loads no checkpoint and holds no layer,
-announces itself to the leader (``Joined`` with the same count, planner.protocol) and
+announces itself to the leader (``Joined`` with the same count, chameleon_runtime.protocol.messages) and
 waits. The coordinator then weighs the job with it against the job
 without it, and when the gain over the expected time to the next failure pays for the
 move, re-partitions over everyone (the newcomer receives its layers from their holders,

@@ -35,12 +35,12 @@ if TYPE_CHECKING:
 
     from launcher.args import RunArgs
 
+from chameleon_runtime.protocol.seal import Seal
 from launcher.store import StoreError, connect_store, get_json, host_store, put_json
 from launcher.supervisor import Failure
-from planner.seal import Seal
 
 RUN_ID_KEY = "chameleon/run_id"
-AUTH_KEY = "chameleon/auth"  # the job token's proof (planner.seal.Seal.proof)
+AUTH_KEY = "chameleon/auth"  # the job token's proof (chameleon_runtime.protocol.seal.Seal.proof)
 
 
 class RendezvousError(RuntimeError):

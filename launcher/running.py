@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from chameleon_runtime.protocol.messages import WorkerStatus
 from launcher import recovery as rc
-from planner.protocol import WorkerStatus
 
 
 class RunningMixin:

@@ -8,11 +8,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from chameleon_runtime.protocol.messages import STORE_FILE_ENV, STORE_WAIT_ENV
+from chameleon_runtime.protocol.seal import TOKEN_ENV
 from launcher.args import RunArgs
 from launcher.rendezvous import NodeInfo, World
 from launcher.watch import Timeouts as WatchTimeouts
-from planner.protocol import STORE_FILE_ENV, STORE_WAIT_ENV
-from planner.seal import TOKEN_ENV
 
 RUN_PATH_SNIPPET = (
     "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"

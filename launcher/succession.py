@@ -17,10 +17,10 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from chameleon_runtime.protocol.messages import StoreAddress
 from launcher.leader import Leader
 from launcher.settings import STORE_FILE
 from launcher.store import host_store
-from planner.protocol import StoreAddress
 
 if TYPE_CHECKING:
     from launcher.local import LocalGroup

@@ -59,7 +59,7 @@ def resume(c: Coordinator, snap: dict[str, Any], known: list[Failure], next_gen:
     """Start ``c`` (a successor's coordinator) where the snapshot left off. ``known``: the
     round's failures the old leader had handled; ``next_gen``: the newest generation
     number it wrote before publishing."""
-    from planner.wire import JobDescription, PlanMessage
+    from chameleon_runtime.protocol.wire import JobDescription, PlanMessage
 
     current = PlanMessage.model_validate_json(snap["plan"])
     c.plans = {0: PlanMessage.model_validate_json(snap["plan0"]), current.generation: current}

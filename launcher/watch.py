@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from planner.protocol import ScriptBeat, WorkerStatus
+from chameleon_runtime.protocol.messages import ScriptBeat, WorkerStatus
 
 MIN_STEP_TIMEOUT_S = 60.0
 STEP_TIMEOUT_FACTOR = 10.0

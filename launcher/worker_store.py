@@ -1,6 +1,6 @@
 """One attempt's worker store, seen from an agent: the chameleon_runtime workers' statuses,
 fault-injection exit requests, replacement requests and the leader's recovery phase, all
-through ``planner.protocol``. The leader reads the store it hosts; other agents connect to
+through ``chameleon_runtime.protocol.messages``. The leader reads the store it hosts; other agents connect to
 it the first time they need it."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from chameleon_runtime.protocol.messages import Exit, Keys, RecoveryPhase, WorkerStatus, encode
+from chameleon_runtime.protocol.seal import Seal
 from launcher.store import connect_store
-from planner.protocol import Exit, Keys, RecoveryPhase, WorkerStatus, encode
-from planner.seal import Seal
 
 
 class WorkerStoreView:

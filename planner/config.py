@@ -24,10 +24,10 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from planner.costtable import CostTable
-from planner.errors import ConfigError
-from planner.failures import DEFAULT_DEVICE_MTBF_H
-from planner.workload import Cluster, Job, Layer, Link, Model, RankOrder, Training
+from planner.job.costtable import CostTable
+from planner.job.errors import ConfigError
+from planner.job.failures import DEFAULT_DEVICE_MTBF_H
+from planner.job.workload import Cluster, Job, Layer, Link, Model, RankOrder, Training
 
 GiB = 2**30
 FP32_GRAD_BYTES = 4  # TrainingConfig.grad_sum_bytes
@@ -64,7 +64,7 @@ class ClusterConfig(_Strict):
     pg_init_per_worker_s: Annotated[float, Field(ge=0)] = 0.001
     store_round_trip_us: Annotated[float, Field(ge=0)] = 500.0
     # How holders sum a bucket's gradients and which communicators a plan needs
-    # (planner.transition): "ring" (NCCL, HCCL) or "exchange" (chameleon_runtime on gloo).
+    # (planner.estimator.transition): "ring" (NCCL, HCCL) or "exchange" (chameleon_runtime on gloo).
     collectives: Literal["ring", "exchange"] = "ring"
     # CPU workers sharing their host's cores (0: a device per worker; unset: a device per
     # worker here, what the workers report under chameleon run --config), and how many
@@ -72,7 +72,7 @@ class ClusterConfig(_Strict):
     host_cores: Annotated[int, Field(ge=0)] | None = None
     nodes_per_host: PositiveInt = 1
     # Mean time between failures of one device: D is this over the devices in use, then
-    # learned from the failures a job sees (planner.failures). Default: Llama 3's rate.
+    # learned from the failures a job sees (planner.job.failures). Default: Llama 3's rate.
     device_mtbf_hours: Positive = DEFAULT_DEVICE_MTBF_H
 
 
@@ -303,11 +303,11 @@ def to_job(config: JobConfig, table: CostTable | None = None) -> Job:
 
 
 def _fitted(job: Job, table: CostTable) -> Job:
-    """The job fitted to the real steps the profile ran (planner.fit): what a step costs
+    """The job fitted to the real steps the profile ran (planner.estimator.fit): what a step costs
     beyond its layers on a host whose workers share the cores; and to its chain of
-    transfers, what a transfer costs beyond its parts (planner.migration)."""
-    from planner.fit import fit_host
-    from planner.wire import PlanWire
+    transfers, what a transfer costs beyond its parts (planner.plans.migration)."""
+    from planner.estimator.fit import fit_host
+    from planner.plans.planjson import PlanWire
 
     steps = table.steps
     assert steps is not None
@@ -321,7 +321,7 @@ def _fitted(job: Job, table: CostTable) -> Job:
     job = fit.apply(job) if fit is not None else job
     chain = table.migration
     if chain is not None and chain.workers <= job.num_workers:
-        from planner.migration import fit_transfer_wait, ring
+        from planner.plans.migration import fit_transfer_wait, ring
 
         wait = fit_transfer_wait(job, ring(job, chain.workers, chain.layer), chain.wall_s)
         job = replace(job, cluster=replace(job.cluster, transfer_wait_s=wait))

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import random
 
-from planner.cost import CostModel
-from planner.layout import initial_plan
-from planner.workload import Cluster, Job, Layer, Link, Model, RankOrder, Training
+from planner.job.cost import CostModel
+from planner.job.workload import Cluster, Job, Layer, Link, Model, RankOrder, Training
+from planner.plans.layout import initial_plan
 
 FREE = Link(bandwidth_bytes_per_s=1e30, latency_s=0.0)
 

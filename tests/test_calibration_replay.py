@@ -1,4 +1,4 @@
-"""A run's calibration read back (planner.calibration) for ``chameleon simulate
+"""A run's calibration read back (planner.simulation.calibration) for ``chameleon simulate
 --calibration``, and the model a successor leader starts from (JobModel.snapshot)."""
 
 import json
@@ -7,13 +7,13 @@ from pathlib import Path
 import pytest
 
 from launcher.calibration import JobModel
-from planner.calibration import from_events
 from planner.config import load_job
-from planner.cost import CostModel
-from planner.errors import ConfigError
-from planner.estimate import estimate, worker_compute_s
-from planner.failures import FailureRate
-from planner.layout import initial_plan
+from planner.estimator.estimate import estimate, worker_compute_s
+from planner.job.cost import CostModel
+from planner.job.errors import ConfigError
+from planner.job.failures import FailureRate
+from planner.plans.layout import initial_plan
+from planner.simulation.calibration import from_events
 from tests.cli import chameleon
 
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "cpu_testbed.toml"

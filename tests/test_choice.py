@@ -1,16 +1,16 @@
 """The choice on every shipped config: its limits in D (with the next failure's risk), reroute's transition, the sign of
-every score, and D learned from failures (planner.failures)."""
+every score, and D learned from failures (planner.job.failures)."""
 
 from pathlib import Path
 
 import pytest
 
+from planner.choice.policy import Policy, reparallelize_candidates
+from planner.choice.selection import decide
 from planner.config import load_job
-from planner.failures import FailureRate
-from planner.layout import initial_plan
-from planner.policy import Policy, reparallelize_candidates
-from planner.search import Search
-from planner.selection import decide
+from planner.job.failures import FailureRate
+from planner.plans.layout import initial_plan
+from planner.search.layouts import Search
 
 CONFIGS = sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.toml"))
 # D far below every transition (scores underflow to 0; the choice compares their logs)
@@ -36,7 +36,7 @@ def test_the_choice_has_the_right_limits_on_every_shipped_config(job):
             assert all(decision.score(job, c) >= 0 for c in feasible)
 
         # As D -> 0 the cheapest cost over this failure and the next wins: the transition
-        # plus the restart the layout it leaves risks (planner.risk).
+        # plus the restart the layout it leaves risks (planner.choice.risk).
         def cost(c, near=near):  # noqa: ANN001, ANN202
             return c.transition.total_s + near.risk_s(job, c)
 

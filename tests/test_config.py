@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 
 from planner.config import load_job
-from planner.errors import ConfigError
-from planner.estimate import estimate
-from planner.layout import LayoutError, initial_plan
+from planner.estimator.estimate import estimate
+from planner.job.errors import ConfigError
+from planner.plans.layout import LayoutError, initial_plan
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 SHIPPED = sorted(CONFIGS.glob("*.toml"))

@@ -5,11 +5,17 @@ import random
 
 import pytest
 
-from planner.colouring import Task, colour_rounds, rounds_time_s
-from planner.cost import CostModel
-from planner.matching import LostLayers, assign_slots, choose_sources, hungarian, missing_bytes
-from planner.migration import fit_transfer_wait, plan_migration, ring, transfer_s
-from planner.plan import pipelines_plan
+from planner.job.cost import CostModel
+from planner.plans.colouring import Task, colour_rounds, rounds_time_s
+from planner.plans.matching import (
+    LostLayers,
+    assign_slots,
+    choose_sources,
+    hungarian,
+    missing_bytes,
+)
+from planner.plans.migration import fit_transfer_wait, plan_migration, ring, transfer_s
+from planner.plans.plan import pipelines_plan
 from tests.synthetic import uniform_job
 
 
@@ -143,8 +149,8 @@ def test_migration_schedule_beats_naive_on_a_reshaped_plan():
         pp=4,
         num_layers=20,
         per_node=4,
-        inter=__import__("planner.workload", fromlist=["Link"]).Link(1e9, 1e-4),
-        intra=__import__("planner.workload", fromlist=["Link"]).Link(1e10, 1e-5),
+        inter=__import__("planner.job.workload", fromlist=["Link"]).Link(1e9, 1e-4),
+        intra=__import__("planner.job.workload", fromlist=["Link"]).Link(1e10, 1e-5),
     )
     costs = CostModel(job)
     holdings = {w: ((w % 4) * 5, (w % 4) * 5 + 5) for w in range(4, 16)}
@@ -164,8 +170,8 @@ def test_migration_schedule_beats_naive_on_a_reshaped_plan():
 def test_on_shared_cores_a_migration_goes_one_transfer_at_a_time_when_that_is_faster():
     from dataclasses import replace
 
-    from planner.load import waiting
-    from planner.workload import Link
+    from planner.job.workload import Link
+    from planner.plans.load import waiting
 
     job = uniform_job(dp=4, pp=4, num_layers=20, per_node=16, intra=Link(1e10, 1e-5))
     holdings = {w: ((w % 4) * 5, (w % 4) * 5 + 5) for w in range(4, 16)}
@@ -175,7 +181,7 @@ def test_on_shared_cores_a_migration_goes_one_transfer_at_a_time_when_that_is_fa
         boundaries=[[0, 7, 14, 20]] * 4, micro_batch_counts=[3, 3, 3, 3],
     )  # fmt: skip
     # Packing costs CPU that the transfers of a round share 2 cores for, and a woken
-    # receiver waits longer the more processes run (planner.load): rounds lose.
+    # receiver waits longer the more processes run (planner.plans.load): rounds lose.
     shared = replace(
         job,
         cluster=replace(

@@ -5,10 +5,10 @@ import random
 
 import pytest
 
-from planner.cost import CostModel
-from planner.partition import Partition, Partitioner
-from planner.plan import split_evenly
-from planner.template import Template, allocate
+from planner.job.cost import CostModel
+from planner.plans.partition import Partition, Partitioner
+from planner.plans.plan import split_evenly
+from planner.search.template import Template, allocate
 from tests.synthetic import random_job, uniform_job
 
 

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from planner.config import load_job
-from planner.layout import initial_plan
-from planner.program import StepProgram, build_program
-from planner.reroute import RerouteInfeasible, reroute_plan
-from planner.search import Search
+from planner.plans.layout import initial_plan
+from planner.plans.program import StepProgram, build_program
+from planner.plans.reroute import RerouteInfeasible, reroute_plan
+from planner.search.layouts import Search
 from tests.synthetic import random_job
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"

@@ -2,10 +2,10 @@
 
 import pytest
 
-from planner.estimate import estimate
-from planner.layout import initial_plan
-from planner.reroute import RerouteInfeasible, reroute_plan
-from planner.workload import RankOrder
+from planner.estimator.estimate import estimate
+from planner.job.workload import RankOrder
+from planner.plans.layout import initial_plan
+from planner.plans.reroute import RerouteInfeasible, reroute_plan
 from tests.synthetic import uniform_job
 
 

@@ -1,4 +1,4 @@
-"""The risk a layout takes at the next failure (planner.risk), and the choice it changes."""
+"""The risk a layout takes at the next failure (planner.choice.risk), and the choice it changes."""
 
 import math
 import random
@@ -6,16 +6,16 @@ from pathlib import Path
 
 import pytest
 
+from planner.choice.policy import Policy
+from planner.choice.risk import expected_redo_s, exposure, risk_s, windows
+from planner.choice.selection import decide, score
 from planner.config import load_job
-from planner.failures import FailureRate, scope_shares
-from planner.layout import initial_plan
-from planner.plan import pipelines_plan
-from planner.policy import Policy
-from planner.reroute import reroute_plan
-from planner.risk import expected_redo_s, exposure, risk_s, windows
-from planner.search import Search
-from planner.selection import decide, score
-from planner.trace import Event
+from planner.job.failures import FailureRate, scope_shares
+from planner.plans.layout import initial_plan
+from planner.plans.plan import pipelines_plan
+from planner.plans.reroute import reroute_plan
+from planner.search.layouts import Search
+from planner.simulation.trace import Event
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 

@@ -5,9 +5,9 @@ from dataclasses import replace
 
 import pytest
 
-from planner.layout import initial_plan
-from planner.reference import exhaustive
-from planner.search import Search
+from planner.plans.layout import initial_plan
+from planner.search.layouts import Search
+from planner.search.reference import exhaustive
 from tests.synthetic import random_job, uniform_job
 
 

@@ -5,10 +5,10 @@ import math
 
 import pytest
 
-from planner.estimate import Estimate
-from planner.layout import initial_plan
-from planner.policy import Candidate, Policy, Transition
-from planner.selection import Outlook, choose, decide, score
+from planner.choice.policy import Candidate, Policy, Transition
+from planner.choice.selection import Outlook, choose, decide, score
+from planner.estimator.estimate import Estimate
+from planner.plans.layout import initial_plan
 from tests.synthetic import uniform_job
 
 
@@ -77,7 +77,7 @@ def test_decision_flips_with_mtbf_on_a_real_plan():
     # bubbles (about 1.15x), cheaper than dropping the pipeline; a 3x4 + 1x3 re-split is
     # faster still (1.09x) but must move weights over slow links first. Short windows
     # favour rerouting, long ones the new plan.
-    from planner.workload import Link
+    from planner.job.workload import Link
 
     link = Link(1e5, 0.0)
     job = uniform_job(dp=4, pp=4, num_layers=8, micro_batches=32, intra=link, inter=link)

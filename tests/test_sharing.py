@@ -1,4 +1,4 @@
-"""A step on a shared host (planner.sharing): the program under processor sharing agrees
+"""A step on a shared host (planner.estimator.sharing): the program under processor sharing agrees
 with the critical path when every worker has a core, with the host's CPU over its cores
 when nobody waits, and lets a waiting stage's core go to the others."""
 
@@ -6,13 +6,13 @@ from dataclasses import replace
 
 import pytest
 
-from planner.cost import CostModel
-from planner.estimate import estimate
-from planner.layout import initial_plan
-from planner.program import build_program
-from planner.reroute import reroute_plan
-from planner.sharing import simulate_shared
-from planner.timing import simulate
+from planner.estimator.estimate import estimate
+from planner.estimator.sharing import simulate_shared
+from planner.estimator.timing import simulate
+from planner.job.cost import CostModel
+from planner.plans.layout import initial_plan
+from planner.plans.program import build_program
+from planner.plans.reroute import reroute_plan
 from tests.synthetic import uniform_job
 
 

@@ -7,14 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from planner import trace as traces
+from planner.choice.policy import Policy
 from planner.config import load_job
-from planner.errors import ConfigError
-from planner.oracle import oracle
-from planner.outcome import simulate
-from planner.policy import Policy
-from planner.simulate import POLICIES, REDUNDANT_OVERHEAD, Simulator
-from planner.trace import Event, Trace
+from planner.job.errors import ConfigError
+from planner.simulation import trace as traces
+from planner.simulation.oracle import oracle
+from planner.simulation.outcome import simulate
+from planner.simulation.simulate import POLICIES, REDUNDANT_OVERHEAD, Simulator
+from planner.simulation.trace import Event, Trace
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 HOUR = 3600.0
@@ -206,8 +206,8 @@ def test_a_stopped_job_restarts_from_its_checkpoint_when_its_workers_are_back(si
 def test_a_restart_takes_the_fastest_plan_over_every_live_worker(ascend):
     """A run shrunk to one pipeline restarts (every replica of a stage lost) with the
     repaired workers idle: it must not restart into the one pipeline again."""
-    from planner.policy import restart_candidate
-    from planner.search import Search
+    from planner.choice.policy import restart_candidate
+    from planner.search.layouts import Search
 
     search = Search(ascend).warm_up()
     launch = Simulator(ascend).plan0

@@ -7,15 +7,15 @@ from pathlib import Path
 
 import pytest
 
-from planner import trace as traces
+from planner.choice.policy import reroute_candidate, restart_candidate
 from planner.config import load_job
-from planner.layout import initial_plan
-from planner.plan import Plan, PlanError, rename_workers
-from planner.policy import reroute_candidate, restart_candidate
-from planner.reroute import reroute_plan
-from planner.search import Search
-from planner.simulate import Simulator
-from planner.symmetry import canonical, interchangeable
+from planner.plans.layout import initial_plan
+from planner.plans.plan import Plan, PlanError, rename_workers
+from planner.plans.reroute import reroute_plan
+from planner.search.layouts import Search
+from planner.simulation import trace as traces
+from planner.simulation.simulate import Simulator
+from planner.simulation.symmetry import canonical, interchangeable
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 HOUR = 3600.0
@@ -113,7 +113,7 @@ def test_an_answer_renamed_back_is_an_answer_for_the_state_itself(h100, search):
 
 def test_renaming_saves_planning_and_changes_no_run_beyond_tie_breaks(h100):
     """A reroute after an earlier one picks among equally loaded peers that are not all
-    alike (planner.reroute breaks what structure leaves tied by worker id): renamed
+    alike (planner.plans.reroute breaks what structure leaves tied by worker id): renamed
     reroute runs moved by 0.5-0.7% on seeds 2 and 3, every other policy by < 0.01%."""
     tr = traces.generated(h100, duration_s=72 * HOUR, seed=2, repair_s=2 * HOUR)
     assert tr.failures >= 5
@@ -126,7 +126,7 @@ def test_renaming_saves_planning_and_changes_no_run_beyond_tie_breaks(h100):
 
 
 def test_a_first_reroute_costs_the_same_whichever_pipeline_lost_the_stage(h100, search):
-    # Peers run the guest's passes first at equal phi (planner.program.tie_rank), so the
+    # Peers run the guest's passes first at equal phi (planner.plans.program.tie_rank), so the
     # step no longer depends on whether the broken pipeline's number is above theirs.
     plan = initial_plan(h100)
     for stage in range(len(plan.pipelines[0])):

@@ -6,19 +6,19 @@ from dataclasses import replace
 
 import pytest
 
-from planner.cost import CostModel
-from planner.estimate import estimate
-from planner.layout import initial_plan
-from planner.plan import Plan, Route, Stage
-from planner.program import build_program, ops_for
-from planner.reroute import reroute_plan
-from planner.timing import (
+from planner.estimator.estimate import estimate
+from planner.estimator.timing import (
     ScheduleDeadlock,
     simulate,
     simulate_compute,
     simulate_pipeline,
     simulate_tails,
 )
+from planner.job.cost import CostModel
+from planner.plans.layout import initial_plan
+from planner.plans.plan import Plan, Route, Stage
+from planner.plans.program import build_program, ops_for
+from planner.plans.reroute import reroute_plan
 from tests.synthetic import random_job, uniform_job
 
 
@@ -158,7 +158,7 @@ def test_a_cyclic_program_is_reported_as_a_deadlock():
 
 
 def test_communication_and_commit_add_to_the_step():
-    from planner.workload import Link
+    from planner.job.workload import Link
 
     free = uniform_job(dp=2, pp=2, num_layers=4, micro_batches=4)
     slow = uniform_job(
@@ -179,7 +179,7 @@ def test_plan_rejects_routes_that_skip_layers():
 
 
 def test_a_tail_exchange_waits_for_its_last_holder_and_a_crossed_order_deadlocks():
-    from planner.program import Bucket, TailKind, TailOp
+    from planner.plans.program import Bucket, TailKind, TailOp
 
     job = uniform_job(dp=2, pp=1, num_layers=2, micro_batches=2)
     job = replace(job, cluster=replace(job.cluster, allreduce="exchange"))
@@ -199,7 +199,7 @@ def test_a_tail_exchange_waits_for_its_last_holder_and_a_crossed_order_deadlocks
 
 
 def test_clipping_reports_each_layer_once_and_every_worker_reads_before_its_step():
-    from planner.program import TailKind
+    from planner.plans.program import TailKind
 
     job = uniform_job(dp=2, pp=2, num_layers=4, micro_batches=4)
     job = replace(job, cluster=replace(job.cluster, allreduce="exchange"))

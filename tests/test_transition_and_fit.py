@@ -1,18 +1,18 @@
-"""The groups a recovery must build (planner.transition), the fit to measured steps
-(planner.fit) and its move to another load (planner.load)."""
+"""The groups a recovery must build (planner.estimator.transition), the fit to measured steps
+(planner.estimator.fit) and its move to another load (planner.plans.load)."""
 
 from dataclasses import replace
 
 import pytest
 
-from planner.cost import CostModel
-from planner.estimate import estimate, message_ops
-from planner.fit import fit_host
-from planner.layout import initial_plan
-from planner.load import at_load
-from planner.plan import pipelines_plan
-from planner.reroute import reroute_plan
-from planner.transition import build_s, groups_to_build
+from planner.estimator.estimate import estimate, message_ops
+from planner.estimator.fit import fit_host
+from planner.estimator.transition import build_s, groups_to_build
+from planner.job.cost import CostModel
+from planner.plans.layout import initial_plan
+from planner.plans.load import at_load
+from planner.plans.plan import pipelines_plan
+from planner.plans.reroute import reroute_plan
 from tests.synthetic import uniform_job
 
 
@@ -106,18 +106,18 @@ def test_a_fit_moves_to_another_load_by_the_measured_contention():
     assert load == 4
     k = (1 + 0.1 * 3) / (1 + 0.1 * 7)
     assert moved.model.layers[0].forward_s == pytest.approx(fitted.model.layers[0].forward_s * k)
-    # The runtime's own CPU does not scale with the passes' contention (planner.load).
+    # The runtime's own CPU does not scale with the passes' contention (planner.plans.load).
     assert moved.cluster.worker_overhead_s == fitted.cluster.worker_overhead_s > 0
 
 
 def test_a_wake_up_waits_only_while_more_processes_are_runnable_than_cores():
-    from planner.load import wait_at_s
+    from planner.plans.load import wait_at_s
 
     job = _shared_host(uniform_job(dp=4, pp=2, num_layers=4, micro_batches=8))
     fitted = replace(
         job, cluster=replace(job.cluster, fitted_workers=8, message_wait_s=0.006, host_cores=2)
     )
     assert wait_at_s(fitted, 8) == pytest.approx(0.006)
-    # less than in proportion to the queue (planner.load: measured)
+    # less than in proportion to the queue (planner.plans.load: measured)
     assert wait_at_s(fitted, 5) == pytest.approx(0.006 * (3 / 6) ** 0.5)
     assert wait_at_s(fitted, 2) == 0.0 and wait_at_s(fitted, 1) == 0.0

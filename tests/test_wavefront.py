@@ -1,17 +1,17 @@
-"""The level-by-level timing of rerouted components (planner.wavefront) gives the event
+"""The level-by-level timing of rerouted components (planner.estimator.wavefront) gives the event
 driven walk's answer to the last bit, and the program's own in-flight counts."""
 
 import random
 
 import pytest
 
-from planner.cost import CostModel
-from planner.layout import initial_plan
-from planner.plan import Plan, Route
-from planner.program import max_in_flight, ops_for, position_in_home, tie_rank
-from planner.reroute import RerouteInfeasible, reroute_plan
-from planner.timing import simulate_compute
-from planner.wavefront import time_routes
+from planner.estimator.timing import simulate_compute
+from planner.estimator.wavefront import time_routes
+from planner.job.cost import CostModel
+from planner.plans.layout import initial_plan
+from planner.plans.plan import Plan, Route
+from planner.plans.program import max_in_flight, ops_for, position_in_home, tie_rank
+from planner.plans.reroute import RerouteInfeasible, reroute_plan
 from tests.synthetic import random_job, uniform_job
 
 
@@ -90,7 +90,7 @@ def test_components_are_the_routes_connected_by_shared_workers(seed):
     gives networkx's connected components, in route order."""
     import networkx as nx
 
-    from planner.estimate import _components
+    from planner.estimator.estimate import _components
 
     rng = random.Random(seed)
     job = uniform_job(dp=8, pp=4, num_layers=8, micro_batches=8 * 5, per_node=4)

@@ -7,10 +7,10 @@ import time
 
 import pytest
 
+from chameleon_runtime.protocol.seal import Seal
 from launcher.etcd import EtcdStore, parse_endpoints
 from launcher.etcd_control import EtcdControlPlane
 from launcher.rendezvous import RendezvousError
-from planner.seal import Seal
 
 
 def test_counters_are_atomic_across_connections(etcd):

@@ -2,9 +2,9 @@
 
 import pytest
 
+from chameleon_runtime.protocol.messages import RecoveryPhase, WorkerStatus
 from launcher.args import ArgsError, parse_run_args, run_help
 from launcher.faults import FaultKind, FaultLedger, Injector, parse_fault
-from planner.protocol import RecoveryPhase, WorkerStatus
 
 
 def test_both_spellings_and_torchrun_defaults():

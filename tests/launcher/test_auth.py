@@ -1,5 +1,5 @@
 """The job token: a foreign client that reaches a running job's worker store and writes a
-forged exit, abort and plan changes nothing (planner.seal.Seal)."""
+forged exit, abort and plan changes nothing (chameleon_runtime.protocol.seal.Seal)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from datetime import timedelta
 
 import pytest
 
-from planner.protocol import Abort, Exit, Keys
+from chameleon_runtime.protocol.messages import Abort, Exit, Keys
 from tests.launcher.helpers import events, start, wait_for_event
 from tests.runtime.test_liveness import MLP, run_mlp
 from tests.runtime.test_recovery import dumps

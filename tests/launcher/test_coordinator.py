@@ -1,5 +1,5 @@
 """The coordinator (launcher/coordinator.py) on a real TCPStore, with the workers played by
-the test through the protocol (planner.protocol): aborts reach the mailboxes, reports
+the test through the protocol (chameleon_runtime.protocol.messages): aborts reach the mailboxes, reports
 come through the inbox, the planner answers off the coordinator's thread, keys of old
 generations are deleted, the deadline kills a silent survivor, a stall is blamed."""
 
@@ -11,16 +11,7 @@ from pathlib import Path
 import pytest
 from torch.distributed import TCPStore
 
-from launcher.calibration import JobModel
-from launcher.coordinator import Coordinator
-from launcher.rejoin import Rejoins
-from launcher.supervisor import Failure, FailureKind
-from launcher.watch import Timeouts as WatchTimeouts
-from planner.config import load_job
-from planner.failures import FailureRate
-from planner.fit import fit_wait, waiting
-from planner.plan import pipelines_plan
-from planner.protocol import (
+from chameleon_runtime.protocol.messages import (
     MAILBOX,
     Abort,
     Applied,
@@ -30,8 +21,17 @@ from planner.protocol import (
     WorkerStatus,
     encode,
 )
-from planner.selection import worth_growing
-from planner.wire import JobDescription, PlanMessage
+from chameleon_runtime.protocol.wire import JobDescription, PlanMessage
+from launcher.calibration import JobModel
+from launcher.coordinator import Coordinator
+from launcher.rejoin import Rejoins
+from launcher.supervisor import Failure, FailureKind
+from launcher.watch import Timeouts as WatchTimeouts
+from planner.choice.selection import worth_growing
+from planner.config import load_job
+from planner.estimator.fit import fit_wait, waiting
+from planner.job.failures import FailureRate
+from planner.plans.plan import pipelines_plan
 from tests.launcher.helpers import free_port
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -235,7 +235,7 @@ def test_growing_must_pay_for_its_transition_before_the_next_failure():
 
 
 def test_the_message_wait_fitted_makes_the_running_plan_take_its_measured_step():
-    from planner.estimate import estimate
+    from planner.estimator.estimate import estimate
     from tests.synthetic import uniform_job
 
     job = uniform_job(dp=1, pp=4, num_layers=4, micro_batches=8)
@@ -256,8 +256,8 @@ def test_the_message_wait_fitted_makes_the_running_plan_take_its_measured_step()
 
 
 def test_measured_transitions_calibrate_the_next_ones():
-    from planner.policy import reroute_candidate
-    from planner.search import Search
+    from planner.choice.policy import reroute_candidate
+    from planner.search.layouts import Search
 
     model = JobModel(
         emit=lambda name, **kw: None, rate=FailureRate(3600.0, fixed_s=3600.0), num_nodes=1,

@@ -7,10 +7,10 @@ import json
 import os
 
 from chameleon_runtime import scriptbeat as hb
+from chameleon_runtime.protocol.messages import ScriptBeat
 from launcher.rootcause import from_stderr, read_error_file
 from launcher.supervisor import Cause, Failure, FailureKind
 from launcher.watch import ScriptBeats, Timeouts
-from planner.protocol import ScriptBeat
 
 STACK = (
     "Traceback (most recent call last):\n"

@@ -1,7 +1,7 @@
 """Liveness apart from progress (launcher/watch.py), on statuses and a fake clock."""
 
+from chameleon_runtime.protocol.messages import WaitingOn, WorkerStatus
 from launcher.watch import Liveness, Progress, Timeouts, blame
-from planner.protocol import WaitingOn, WorkerStatus
 
 T = Timeouts(heartbeat_s=3.0, step_s=None, startup_s=20.0)
 

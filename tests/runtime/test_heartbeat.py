@@ -7,8 +7,8 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from chameleon_runtime.liveness import Heartbeat, Status
-from planner.protocol import Keys
-from planner.seal import Seal
+from chameleon_runtime.protocol.messages import Keys
+from chameleon_runtime.protocol.seal import Seal
 
 
 def test_the_last_status_is_written_when_the_thread_stops_at_once():

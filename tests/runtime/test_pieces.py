@@ -13,8 +13,8 @@ from chameleon_runtime.data import Batches
 from chameleon_runtime.pace import Pace
 from chameleon_runtime.shard import Shard
 from chameleon_runtime.step import Ledger, ProtocolError
-from planner.plan import pipelines_plan
-from planner.program import worker_program
+from planner.plans.plan import pipelines_plan
+from planner.plans.program import worker_program
 
 
 def factory(i: int) -> nn.Module:
@@ -169,7 +169,7 @@ def test_an_agreement_holds_for_all_or_for_none_and_an_abort_ends_the_wait():
     import torch.distributed as dist
 
     from chameleon_runtime.control import Control
-    from planner.protocol import Abort
+    from chameleon_runtime.protocol.messages import Abort
     from tests.launcher.helpers import free_port
 
     port = free_port()

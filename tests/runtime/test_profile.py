@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from planner.config import load_cost_table, load_job
-from planner.estimate import estimate
-from planner.wire import PlanWire
+from planner.estimator.estimate import estimate
+from planner.plans.planjson import PlanWire
 from tests.launcher.helpers import run, write
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -53,7 +53,7 @@ def test_profile_writes_a_cost_table_the_planner_reads(tmp_path):
         .replace("pp = 4", "pp = 2")
         .replace("dp = 2", "dp = 4"),
     )
-    # Real steps of the script's layout were run after the layers (planner.fit fits what
+    # Real steps of the script's layout were run after the layers (planner.estimator.fit fits what
     # a step costs beyond them): each worker's CPU per step covers its passes.
     steps = table.steps
     assert steps is not None and steps.step_s > 0 and sorted(steps.cpu_s) == [0, 1]

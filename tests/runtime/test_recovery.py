@@ -150,7 +150,7 @@ def test_in_place_recovery_keeps_training_identical(tmp_path, reference, policy)
     chosen = next(e for e in evs if e["event"] == "plan_chosen")
     assert chosen["failed"] == [3] and chosen["transition_parts_s"]["groups"] == 0.0
     # --config: the test bed's 2 GiB devices and device MTBF of 2 h are what the planner
-    # used; D is the posterior after this one failure (planner.failures): Gamma(1 + 1,
+    # used; D is the posterior after this one failure (planner.job.failures): Gamma(1 + 1,
     # 2 h + the device-seconds run so far) per device, over the 3 survivors.
     assert chosen["memory_limit_bytes"] == 2 * 2**30
     assert "posterior: 1 failure(s)" in chosen["mtbf_source"]

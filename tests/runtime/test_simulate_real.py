@@ -22,7 +22,7 @@ STEPS = 60
 # November 2026): the run's planner was calibrated by the steps it measured, the
 # simulation's was not, and one side kept a single intact pipeline at the first kill,
 # so that the next kill hit a stage with no replica and restarted. Now the replay takes
-# the run's calibration, and both see the restart such a layout risks (planner.risk).
+# the run's calibration, and both see the restart such a layout risks (planner.choice.risk).
 POLICY = "adaptive"
 
 pytestmark = pytest.mark.slow

@@ -1,0 +1,231 @@
+"""A plan: which worker holds which layers, and which path each micro-batch takes.
+
+This is the contract between the planner and the runtime. A plan is two lists:
+
+- ``stages``: every worker that takes part, with the contiguous layer range it holds;
+- ``routes``: groups of micro-batches with the workers they visit, in layer order.
+
+A symmetric 1F1B job is one route per pipeline. An asymmetric plan (pipelines of different
+lengths or micro-batch counts) is the same thing with other numbers. Data rerouting keeps
+the stages and sends a broken pipeline's micro-batches through same-stage peers of other
+pipelines: just other routes. ``home`` names the pipeline whose share a micro-batch is, so
+that a worker serving several pipelines can interleave them fairly. ``pipelines`` lists
+the whole pipelines (for display, and for keeping them whole when re-planning).
+
+Micro-batches are numbered 0..M-1 within a step; micro-batch k of step s always covers the
+same global samples, so every layout computes the same step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from functools import cached_property
+from typing import NamedTuple
+
+
+class PlanError(ValueError):
+    """A plan that breaks the invariants above (a bug in whoever built it)."""
+
+
+# Stages and routes are tuples: a 16k-worker plan has thousands of each, made, hashed and
+# compared whenever the planner builds or caches a plan (a frozen dataclass costs several
+# times more at each).
+class Stage(NamedTuple):
+    worker: int
+    first_layer: int
+    end_layer: int  # exclusive
+
+    @property
+    def num_layers(self) -> int:
+        return self.end_layer - self.first_layer
+
+
+class Route(NamedTuple):
+    home: int  # index of the pipeline this share belongs to
+    hops: tuple[int, ...]  # workers in layer order
+    micro_batches: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Plan:
+    num_layers: int
+    num_micro_batches: int
+    stages: tuple[Stage, ...]  # sorted by worker
+    routes: tuple[Route, ...]
+    # Whole pipelines: disjoint worker chains that cover every layer. After rerouting, a
+    # pipeline that lost a worker is no longer one; its survivors still hold their stages.
+    pipelines: tuple[tuple[int, ...], ...] = ()
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+    @cached_property
+    def stage_of(self) -> dict[int, Stage]:
+        return {s.worker: s for s in self.stages}
+
+    @cached_property
+    def derived(self) -> dict[tuple, object]:
+        """What is computed from this plan and a job's constants (its gradient buckets),
+        kept with it: a plan never changes, and one plan is timed, sized and compared with
+        others many times over (planner.plans.program.buckets_of)."""
+        return {}
+
+    @cached_property
+    def workers(self) -> tuple[int, ...]:
+        return tuple(s.worker for s in self.stages)
+
+    @cached_property
+    def micro_batches_of_home(self) -> dict[int, tuple[int, ...]]:
+        per_home: dict[int, list[int]] = {}
+        for route in self.routes:
+            per_home.setdefault(route.home, []).extend(route.micro_batches)
+        return {h: tuple(sorted(mbs)) for h, mbs in sorted(per_home.items())}
+
+    def holders(self, layer: int) -> tuple[int, ...]:
+        return tuple(s.worker for s in self.stages if s.first_layer <= layer < s.end_layer)
+
+    def load(self) -> dict[int, int]:
+        """Micro-batches each worker computes per step."""
+        count = dict.fromkeys(self.workers, 0)
+        for route in self.routes:
+            for worker in route.hops:
+                count[worker] += len(route.micro_batches)
+        return count
+
+
+def _validate(plan: Plan) -> None:
+    workers = [s.worker for s in plan.stages]
+    if workers != sorted(set(workers)):
+        raise PlanError("stages must list each worker once, sorted by worker")
+    by_worker = {s.worker: s for s in plan.stages}
+    for s in plan.stages:
+        if not 0 <= s.first_layer < s.end_layer <= plan.num_layers:
+            raise PlanError(f"worker {s.worker} holds an empty or out-of-range layer range")
+    for chain in (*(r.hops for r in plan.routes), *plan.pipelines):
+        layer = 0
+        for hop in chain:
+            stage = by_worker.get(hop)
+            if stage is None:
+                raise PlanError(f"chain through worker {hop}, which holds no stage")
+            if stage.first_layer != layer:
+                raise PlanError(f"chain {chain} skips or repeats layers at worker {hop}")
+            layer = stage.end_layer
+        if layer != plan.num_layers:
+            raise PlanError(f"chain {chain} does not reach the last layer")
+    in_pipelines = [w for p in plan.pipelines for w in p]
+    if len(in_pipelines) != len(set(in_pipelines)):
+        raise PlanError("a worker is in two pipelines")
+    seen: set[int] = set()
+    for route in plan.routes:
+        for mb in route.micro_batches:
+            if mb in seen or not 0 <= mb < plan.num_micro_batches:
+                raise PlanError(f"micro-batch {mb} is routed twice or is out of range")
+            seen.add(mb)
+    if len(seen) != plan.num_micro_batches:
+        raise PlanError(f"{plan.num_micro_batches - len(seen)} micro-batches are not routed")
+
+
+def rename_workers(
+    plan: Plan,
+    name: Mapping[int, int],
+    *,
+    routes: tuple[Route, ...] | None = None,
+    pipelines: tuple[tuple[int, ...], ...] | None = None,
+) -> Plan:
+    """``plan`` with worker ``w`` renamed ``name.get(w, w)`` in its stages, routes and
+    pipelines; ``routes`` or ``pipelines``, when given, replace its own (already renamed).
+
+    A renaming that keeps the workers distinct turns a valid plan into a valid plan, so
+    the result is not validated again (the simulator renames thousands of plans of 2,048
+    workers); ``routes`` and ``pipelines`` given must be the plan's own under the same
+    renaming, reordered or with homes and micro-batches renumbered one to one
+    (planner.simulation.symmetry.canonical)."""
+    get = name.get
+    renamed = [get(w, w) for w in plan.workers]
+    if len(set(renamed)) != len(renamed):
+        raise PlanError("a renaming gave two workers one name")
+    stages = tuple(
+        sorted(
+            (
+                Stage(w, s.first_layer, s.end_layer)
+                for w, s in zip(renamed, plan.stages, strict=True)
+            ),
+            key=lambda s: s.worker,
+        )
+    )
+    if routes is None:
+        routes = tuple(
+            Route(r.home, tuple(map(get, r.hops, r.hops)), r.micro_batches) for r in plan.routes
+        )
+    if pipelines is None:
+        pipelines = tuple(tuple(map(get, p, p)) for p in plan.pipelines)
+    out = object.__new__(Plan)
+    for field, value in (
+        ("num_layers", plan.num_layers),
+        ("num_micro_batches", plan.num_micro_batches),
+        ("stages", stages),
+        ("routes", routes),
+        ("pipelines", pipelines),
+    ):
+        object.__setattr__(out, field, value)
+    return out
+
+
+def split_evenly(total: int, weights: Sequence[float]) -> list[int]:
+    """Integer shares of ``total`` proportional to ``weights``, remainder to the largest
+    fractional parts (ties to the lower index), so the result is deterministic."""
+    weight_sum = float(sum(weights))
+    exact = [total * w / weight_sum for w in weights]
+    shares = [int(x) for x in exact]
+    order = sorted(range(len(weights)), key=lambda i: (-(exact[i] - shares[i]), i))
+    for i in order[: total - sum(shares)]:
+        shares[i] += 1
+    return shares
+
+
+def pipelines_plan(
+    *,
+    num_layers: int,
+    num_micro_batches: int,
+    pipelines: Sequence[Sequence[int]],
+    boundaries: Sequence[Sequence[int]],
+    micro_batch_counts: Sequence[int],
+) -> Plan:
+    """A plan of independent pipelines: pipeline j is workers ``pipelines[j]`` with layer
+    boundaries ``boundaries[j]`` (len = stages + 1, from 0 to num_layers) and takes the
+    next ``micro_batch_counts[j]`` micro-batches. Pipelines given 0 micro-batches still
+    hold their layers (they take part in the gradient all-reduce)."""
+    if sum(micro_batch_counts) != num_micro_batches:
+        raise PlanError("micro-batch counts do not add up to the step's micro-batches")
+    stages: list[Stage] = []
+    routes: list[Route] = []
+    next_mb = 0
+    for home, (workers, bounds, count) in enumerate(
+        zip(pipelines, boundaries, micro_batch_counts, strict=True)
+    ):
+        if len(bounds) != len(workers) + 1:
+            raise PlanError(f"pipeline {home}: {len(workers)} workers but {len(bounds) - 1} stages")
+        for worker, first, end in zip(workers, bounds, bounds[1:], strict=False):
+            stages.append(Stage(worker, first, end))
+        routes.append(Route(home, tuple(workers), tuple(range(next_mb, next_mb + count))))
+        next_mb += count
+    stages.sort(key=lambda s: s.worker)
+    return Plan(
+        num_layers=num_layers,
+        num_micro_batches=num_micro_batches,
+        stages=tuple(stages),
+        routes=tuple(routes),
+        pipelines=tuple(tuple(p) for p in pipelines),
+    )
+
+
+def contiguous_runs(values: Iterable[int]) -> list[tuple[int, int]]:
+    """[(first, end)] of maximal runs of consecutive integers, e.g. 0,1,2,5 -> (0,3),(5,6)."""
+    runs: list[tuple[int, int]] = []
+    for v in sorted(values):
+        if runs and runs[-1][1] == v:
+            runs[-1] = (runs[-1][0], v + 1)
+        else:
+            runs.append((v, v + 1))
+    return runs
