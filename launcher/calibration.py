@@ -137,7 +137,7 @@ class JobModel:
         self.transition_factor = min(4.0, max(0.25, self.transition_factor * math.sqrt(ratio)))
         return self.transition_factor
 
-    # -- what a successor leader starts from (launcher/takeover.py) -------------------------
+    # -- what a successor leader starts from (launcher/coordinator.py, Coordinator.snapshot) -------------------------
 
     def snapshot(self) -> dict[str, Any]:
         """What this model has learned from the run, as JSON: its fit, the transitions'

@@ -8,7 +8,29 @@ publish aborts and plans, kill what did not answer, emit events, delete the keys
 generations no worker reads any more. The planner runs on a thread of its own, so
 failures keep being seen while it works.
 
-While the job trains it reads every worker's status once a second: launcher/running.py.
+While the job trains, once a second, it reads every worker's status (one ``multi_get``)
+and from it emits step events (with the store's key count, the chief's threads and
+descriptors, the largest worker's peak memory), settles the model's calibration
+(launcher/calibration.py), admits replacements and takes them in when that pays
+(launcher/rejoin.py), and runs the progress watch that blames a stalled worker
+(launcher/watch.py).
+
+A successor (``--rdzv-backend etcd``). The coordinator's state lives in the leader's
+memory and in the worker store it hosts, and both go with its node. So while the job
+trains, the leader mirrors into etcd what a successor needs to go on from the last
+settled generation (``snapshot``): that generation's plan and the first, which ranks are
+live and which are gone with their node, where the last recovery resumed, the job's
+description that the workers wrote, how many failures were handled, and what the
+planner's model has learned (its fit to the measured steps, the transitions' factor, the
+failure posterior), so that the successor plans on the same costs. Before publishing any
+plan it also writes the generation's number, so that a successor never hands out a
+number a worker may have seen. The successor (launcher/agent.py ``_take_over``) serves a
+new worker store, publishes its address (the agents write it to their workers' store
+file: chameleon_runtime.storeaddr), and starts its coordinator from the snapshot
+(``resume``): the old leader's ranks are then lost like any node's, the survivors, who
+lost their store, report Ready to the new one, and the recovery runs as for any other
+node loss. Without a snapshot (the old leader died before the first one, or the job is
+not a chameleon_runtime job), the round is restarted, as on the TCPStore backends.
 """
 
 from __future__ import annotations
@@ -32,12 +54,11 @@ from chameleon_runtime.protocol.messages import (
     encode,
 )
 from chameleon_runtime.protocol.seal import Seal
+from chameleon_runtime.protocol.wire import JobDescription, PlanMessage
 from launcher import recovery as rc
-from launcher import takeover
 from launcher.calibration import JobModel
 from launcher.planning import Planner
 from launcher.rejoin import Rejoins
-from launcher.running import RunningMixin
 from launcher.supervisor import Failure, FailureKind, root_cause, summary
 from launcher.watch import Progress
 from launcher.watch import Timeouts as WatchTimeouts
@@ -55,7 +76,7 @@ class InPlaceOutcome:
     reason: str = ""
 
 
-class Coordinator(RunningMixin):
+class Coordinator:
     def __init__(
         self,
         *,
@@ -96,7 +117,7 @@ class Coordinator(RunningMixin):
         self.rejoins = Rejoins(max_rejoins)
         self.started_at = started_at
         self.on_phase = on_phase
-        # For a successor (launcher/takeover.py): the state of each settled generation,
+        # For a successor (``snapshot``): the state of each settled generation,
         # and each generation's number before it is published.
         self.on_settled, self.on_publish = on_settled, on_publish
         self._mirror_due, self._mirrored = on_settled is not None, None
@@ -236,7 +257,7 @@ class Coordinator(RunningMixin):
         self.planner.close()
 
     def _mirror(self) -> None:
-        snap = takeover.snapshot(self)
+        snap = self.snapshot()
         if snap is None or snap == self._mirrored:
             return
         self.on_settled(snap)
@@ -247,8 +268,6 @@ class Coordinator(RunningMixin):
 
     def _start(self) -> bool:
         """The state machine starts from generation 0, once its chief published it."""
-        from chameleon_runtime.protocol.wire import PlanMessage
-
         if not self.store.check([self.keys.plan(0)]):
             return False
         body = self.seal.open(self.store.get(self.keys.plan(0)), self.keys.plan(0))
@@ -427,8 +446,6 @@ class Coordinator(RunningMixin):
     def _described(self) -> bool:
         """Whether the model has the workers' description of the job (read once)."""
         if self.model.description is None and self.store.check([self.keys.job]):
-            from chameleon_runtime.protocol.wire import JobDescription
-
             raw = self.seal.open(self.store.get(self.keys.job), self.keys.job)
             if raw is None:
                 return False
@@ -440,3 +457,183 @@ class Coordinator(RunningMixin):
             self.planner.fail(start, "the workers had not described the job yet")
             return
         self.planner.start(start, self.plans[start.base], self._statuses)
+
+    # -- while running -----------------------------------------------------------------
+
+    def _snapshot(self, now: float) -> dict[int, WorkerStatus]:
+        """Every live worker's status, in one round trip (those that posted one)."""
+        assert self.state is not None
+        self._statuses = self.view.statuses(sorted(self.state.live))
+        return self._statuses
+
+    def _note_progress(self, statuses: dict[int, WorkerStatus]) -> None:
+        # (a survivor whose collective failed with its peer reports "ready" at once, its
+        # step still the last it did: the leader's look at a failure must count it)
+        steps = [
+            s.step - 1 for s in statuses.values() if s.phase in ("train", "checkpoint", "ready")
+        ]
+        if steps:
+            self._top_step = max(self._top_step, max(steps))
+
+    def _while_running(self, statuses: dict[int, WorkerStatus], now: float) -> None:
+        state = self.state
+        assert state is not None
+        self._note_progress(statuses)
+        top = self._top_step
+        self._described()
+        last, at = self._last_step_event
+        if top > last and (now - at >= 1.0 or last < self._gen_start):
+            chief = statuses.get(min(state.live)) if state.live else None
+            peaks = [
+                (s.peak_bytes, r)
+                for r, s in statuses.items()
+                if s.peak_bytes is not None and s.generation == state.generation
+            ]
+            peak = max(peaks, default=(None, None))
+            self.emit(
+                "step",
+                step=top,
+                generation=state.generation,
+                store_keys=self.store.num_keys(),
+                rank=min(state.live) if chief else None,
+                fds=chief.fds if chief else None,
+                threads=chief.threads if chief else None,
+                # the largest worker's tensors at their peak, this generation
+                peak_bytes=peak[0],
+                peak_rank=peak[1],
+            )
+            self._last_step_event = (top, now)
+            self._first_step_pending = False
+        if self.started_at is not None and self.model.restart_s is None and top >= 0:
+            self.model.restart_s = now - self.started_at  # a restart costs this start-up
+        collect_s = self.progress.step_timeout_s()  # a survivor may be mid-step at an abort
+        if collect_s != state.timeouts.collect_s:
+            self.state = replace(state, timeouts=replace(state.timeouts, collect_s=collect_s))
+        if self.model.description is not None and not self.rejoins.waiting:
+            # (a replacement starting up competes for the host: no fit meanwhile)
+            current = self.plans[state.generation].plan.to_plan()
+            fitted = self.model.fitted_generation
+            self.model.settle(current, statuses, state.generation, top - self._gen_start)
+            if self.model.fitted_generation != fitted and self.on_settled is not None:
+                self._mirror_due = True  # a successor should plan on the new fit
+        self._admit(statuses, top)
+        self.progress.observe(statuses, now)
+        stalls = self.progress.stalled(statuses, now)
+        if stalls:
+            from launcher.watch import blame
+
+            for rank, why in blame(statuses, stalls).items():
+                if rank not in self._blamed:
+                    self._blamed.add(rank)
+                    self.emit("stalled", attempt=self.attempt, rank=rank, reason=why)
+                    self.kill([rank], why, stalls[rank].stalled_s)
+
+    def _admit(self, statuses: dict[int, WorkerStatus], top: int) -> None:
+        """Replacements up as spares of this generation join the live set; once their
+        start-up stops competing for the host, they are taken into the plan if it pays."""
+        up = self.view.statuses(sorted(self.rejoins.announced))  # one round trip for all
+        generation = self.state.generation
+        spares = {r for r, s in up.items() if s.phase == "spare" and s.generation == generation}
+        if spares:
+            self.rejoins.admit(spares, top)
+            self._apply(rc.Admit(frozenset(spares)))
+        joined = self.rejoins.settled(top)
+        if joined:
+            self._grow(joined, statuses)
+
+    def _grow(self, joined: list[int], statuses: dict[int, WorkerStatus]) -> None:
+        """Take ``joined`` into the plan when the planner finds that it pays; never under a
+        forced reroute (the user asked to keep the layout) or restart."""
+        state = self.state
+        growth = None
+        if self.policy in ("auto", "reparallelize") and self.model.description is not None:
+            current = self.plans[state.generation].plan.to_plan()
+            self.model.refit()  # on steps run since the replacements' start-up
+            job = self.model.job(current, statuses, state.generation)
+            growth = self.model.growth(job, current, sorted(state.live))
+        if growth is None:
+            self.emit("rejoined", attempt=self.attempt, ranks=joined, taken_in=False)
+            return
+        current_s, grown_s, transition_s, label = growth
+        self.emit(
+            "rejoin",
+            attempt=self.attempt,
+            generation=state.generation,
+            ranks=joined,
+            step_s=current_s,
+            estimated_step_s=grown_s,
+            transition_s=transition_s,
+            label=label,
+        )
+        self._apply(rc.Grow(frozenset(joined)))
+
+    # -- a successor ---------------------------------------------------------------------
+
+    def snapshot(self) -> dict[str, Any] | None:
+        """What a successor needs, taken when a generation has settled (None otherwise)."""
+        state = self.state
+        if (
+            state is None
+            or state.phase is not rc.Phase.RUNNING
+            or state.confirmed != state.generation
+        ):
+            return None
+        self._described()  # the workers wrote it before their first step; read it if not yet
+        description = self.model.description
+        return {
+            "generation": state.generation,
+            "plan": self.plans[state.generation].model_dump_json(),
+            "plan0": self.plans[0].model_dump_json(),
+            "live": sorted(state.live),
+            "gone": sorted(self.gone),
+            "resume_step": state.resume_step,
+            "next_id": state.next_id,
+            "recovery": state.recovery,
+            "failures": len(self.failures),
+            "description": description.model_dump_json() if description is not None else None,
+            # the planner's costs as this run has learned them: a successor plans on them
+            "calibration": self.model.snapshot(),
+        }
+
+    def resume(self, snap: dict[str, Any], known: list[Failure], next_gen: int) -> None:
+        """Start this (a successor's) coordinator where the snapshot left off. ``known``: the
+        round's failures the old leader had handled; ``next_gen``: the newest generation
+        number it wrote before publishing."""
+
+        current = PlanMessage.model_validate_json(snap["plan"])
+        self.plans = {
+            0: PlanMessage.model_validate_json(snap["plan0"]),
+            current.generation: current,
+        }
+        plan = current.plan.to_plan()
+        layout = {s.worker: (s.first_layer, s.end_layer) for s in plan.stages}
+        generation = int(snap["generation"])
+        state = rc.State.initial(
+            world=frozenset(snap["live"]),
+            layout=layout,
+            resume_step=int(snap["resume_step"]),
+            timeouts=self._timeouts,
+            generation=generation,
+        )
+        self.state = replace(
+            state,
+            next_id=max(int(snap["next_id"]), next_gen + 1, state.next_id),
+            recovery=int(snap["recovery"]),
+        )
+        self.gone |= set(snap["gone"])  # the planner holds this set: updated in place
+        self.failures = list(known)
+        self.recovered = len(known)
+        self._settled_generation = generation
+        self._gen_start = int(snap["resume_step"])
+        if snap.get("description"):
+            self.model.description = JobDescription.model_validate_json(snap["description"])
+        if snap.get("calibration"):
+            self.model.restore(snap["calibration"])
+        self.model.expose(time.monotonic(), len(plan.workers))
+        self.emit(
+            "taken_over",
+            attempt=self.attempt,
+            generation=generation,
+            live=sorted(snap["live"]),
+            resume_step=int(snap["resume_step"]),
+        )

@@ -1,67 +1,67 @@
-"""Fault injection on this node's workers (``--inject-fault``), mixed into
-``launcher.local.LocalGroup``: each due fault is carried out (SIGKILL, SIGSTOP, or an
-exit asked through the worker's mailbox), and workers waiting at a failpoint are let go
-once the fault for it has fired."""
+"""Fault injection on this node's workers (``--inject-fault``): each due fault is carried
+out (SIGKILL, SIGSTOP, or an exit asked through the worker's mailbox), and workers
+waiting at a failpoint are let go once the fault for it has fired. ``LocalGroup`` owns
+one ``FaultInjection`` and hands it its workers and their statuses at each poll."""
 
 from __future__ import annotations
 
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping
 from typing import TYPE_CHECKING, Any
 
-from launcher.faults import FaultKind, FaultSpec
+from launcher.faults import FaultKind, FaultSpec, Injector
 from launcher.workers import Worker, signal_worker
 
 if TYPE_CHECKING:
     from chameleon_runtime.protocol.messages import RecoveryPhase
-    from launcher.faults import Injector
     from launcher.settings import RoundSettings
     from launcher.worker_store import WorkerStoreView
 
 
-class InjectionMixin:
-    """Mixed into ``LocalGroup``, whose state it reads."""
+class FaultInjection:
+    """The faults of one round on one node: which are due (``Injector``), which
+    failpoints the workers were started with and still wait at, and the leader's
+    recovery phase when the leader is this process."""
 
-    s: RoundSettings
-    view: WorkerStoreView | None
-    workers: dict[int, Worker]
-    failed: dict[int, Any]
-    finished: set[int]
-    emit: Callable[..., Any]
-    _injector: Injector
-    _failpoints: set[str]
-    _fault_times: dict[int, float]
-    _phase: RecoveryPhase | None
-    _started_at: float
+    def __init__(self, injector: Injector, settings: RoundSettings, emit: Callable[..., Any]):
+        self.injector = injector
+        self.s = settings
+        self.emit = emit
+        self.failpoints = set(injector.failpoints())  # armed in the workers
+        self.phase: RecoveryPhase | None = None  # the leader's, when it is this process
+        self.started_at = 0.0  # when this round's workers started (``at=`` faults)
 
-    def _failpoint_env(self) -> dict[str, str]:
+    def env(self) -> dict[str, str]:
+        """A worker's environment for the failpoints it must wait at."""
         return (
-            {"CHAMELEON_FAILPOINTS": ",".join(sorted(self._failpoints))} if self._failpoints else {}
+            {"CHAMELEON_FAILPOINTS": ",".join(sorted(self.failpoints))} if self.failpoints else {}
         )
 
-    def _release_failpoints(self) -> None:
-        """Workers waiting where a fault of this node was to fire go on once it has."""
-        fired = self._failpoints - set(self._injector.failpoints())
-        if fired and self.view is not None:
-            for phase in sorted(fired):
-                self.view.release_failpoint(self.s.node_rank, phase)
-            self._failpoints -= fired
+    def watches_status(self) -> bool:
+        return self.injector.watches_status()
 
-    def _inject(self, now: float, statuses: dict) -> None:
-        phase = self._phase
-        if phase is None and self.view is not None and self._injector.pending:
+    def fire(
+        self,
+        now: float,
+        statuses: Mapping[int, Any],
+        *,
+        workers: Mapping[int, Worker],
+        alive: Collection[int],
+        view: WorkerStoreView | None,
+    ) -> list[int]:
+        """Carry out the faults due now; the ranks they hit."""
+        phase = self.phase
+        if phase is None and view is not None and self.injector.pending:
             phase = (
-                self.view.recovery_phase()
-                if any(f.phase or f.recovery for f in self._injector.pending)
+                view.recovery_phase()
+                if any(f.phase or f.recovery for f in self.injector.pending)
                 else None
             )
-        alive = {
-            r for r, w in self.workers.items() if r not in self.failed and r not in self.finished
-        }
-        for fault in self._injector.due(
-            now, since_start_s=now - self._started_at, status=statuses, phase=phase, alive=alive
+        hit = []
+        for fault in self.injector.due(
+            now, since_start_s=now - self.started_at, status=statuses, phase=phase, alive=alive
         ):
-            worker = self.workers.get(fault.rank)
+            worker = workers.get(fault.rank)
             if worker is None or worker.poll() is not None:
                 continue
             if fault.kind is FaultKind.KILL:
@@ -69,8 +69,8 @@ class InjectionMixin:
             elif fault.kind is FaultKind.HANG:
                 signal_worker(worker, signal.SIGSTOP)
             else:
-                self._request_exit(fault, worker, statuses.get(fault.rank))
-            self._fault_times[fault.rank] = now
+                self._request_exit(fault, worker, statuses.get(fault.rank), view)
+            hit.append(fault.rank)
             status = statuses.get(fault.rank)
             self.emit(
                 "fault_injected",
@@ -81,15 +81,26 @@ class InjectionMixin:
                 worker_phase=status.phase if status is not None else None,
                 recovery_phase=phase.phase if phase is not None else None,
             )
-        self._release_failpoints()
+        self._release_failpoints(view)
+        return hit
 
-    def _request_exit(self, fault: FaultSpec, worker: Worker, status) -> None:  # noqa: ANN001
+    def _release_failpoints(self, view: WorkerStoreView | None) -> None:
+        """Workers waiting where a fault of this node was to fire go on once it has."""
+        fired = self.failpoints - set(self.injector.failpoints())
+        if fired and view is not None:
+            for phase in sorted(fired):
+                view.release_failpoint(self.s.node_rank, phase)
+            self.failpoints -= fired
+
+    def _request_exit(
+        self, fault: FaultSpec, worker: Worker, status: Any, view: WorkerStoreView | None
+    ) -> None:
         """A chameleon worker exits with the asked code (its watcher hears it at once); a
         plain script cannot be asked, so it gets SIGTERM."""
-        if self.view is not None and status is None:
-            status = self.view.statuses([fault.rank]).get(fault.rank)
-        if self.view is not None and status is not None and status.pid == worker.pid:
+        if view is not None and status is None:
+            status = view.statuses([fault.rank]).get(fault.rank)
+        if view is not None and status is not None and status.pid == worker.pid:
             self.emit("exit_requested", rank=fault.rank, code=fault.code)
-            self.view.ask_exit(fault.rank, fault.code, worker.pid)
+            view.ask_exit(fault.rank, fault.code, worker.pid)
         else:
             signal_worker(worker, signal.SIGTERM)

@@ -15,7 +15,6 @@ from launcher.calibration import JobModel
 from launcher.coordinator import Coordinator
 from launcher.rendezvous import ControlPlane, NodeInfo, World
 from launcher.supervisor import Action, Failure, FailureKind, RoundView, decide, root_cause
-from launcher.takeover import resume
 from launcher.watch import Timeouts as WatchTimeouts
 
 if TYPE_CHECKING:
@@ -33,7 +32,7 @@ class Leader:
         takeover: dict | None = None,
     ) -> None:
         """``takeover``: this agent was elected mid-round, with the old leader's snapshot
-        and newest generation number (launcher/takeover.py)."""
+        and newest generation number (launcher/coordinator.py, a successor)."""
         self.agent = agent
         self.control = control
         self.world = world
@@ -187,7 +186,7 @@ class Leader:
             if self.takeover is not None:
                 snap = self.takeover["snapshot"]
                 known = self.control.failures(world.attempt)[: snap["failures"]]
-                resume(self.coordinator, snap, known, self.takeover["next_gen"])
+                self.coordinator.resume(snap, known, self.takeover["next_gen"])
         return self.coordinator
 
     def _recover_in_place(self, failures: list[Failure]) -> tuple[list[Failure], str | None]:

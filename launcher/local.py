@@ -22,7 +22,7 @@ import psutil
 from chameleon_runtime.protocol.messages import BEAT_RECORD_BYTES, RecoveryPhase, ScriptBeat
 from launcher.environment import WorkerIdentity, worker_env
 from launcher.faults import ANY, FaultLedger, FaultSpec, Injector
-from launcher.injection import InjectionMixin
+from launcher.injection import FaultInjection
 from launcher.rootcause import ErrorReport, from_stderr, read_error_file
 from launcher.settings import RoundSettings
 from launcher.supervisor import Failure, FailureKind
@@ -49,7 +49,7 @@ _BAD_STATUSES = {
 }
 
 
-class LocalGroup(InjectionMixin):
+class LocalGroup:
     def __init__(
         self,
         settings: RoundSettings,
@@ -84,7 +84,7 @@ class LocalGroup(InjectionMixin):
         self._beats = ScriptBeats(settings.watch)
         self._runtime = False  # a worker of this node posted a chameleon_runtime status
         ranks = list(range(settings.rank_offset, settings.rank_offset + settings.nproc))
-        self._injector = Injector(
+        injector = Injector(
             [
                 f
                 for f in faults
@@ -96,19 +96,17 @@ class LocalGroup(InjectionMixin):
             ledger,
             settings.attempt,
         )
-        self._failpoints = set(self._injector.failpoints())  # armed in the workers
+        self.injection = FaultInjection(injector, settings, emit)
         self._fault_times: dict[int, float] = {}
         self._hung: dict[int, str] = {}  # ranks the leader found stalled -> why
         self._next_hang_check = 0.0
-        self._started_at = 0.0
-        self._phase: RecoveryPhase | None = None  # the leader's, when it is this process
         self.started: dict = {}  # what the "workers_started" event reports
 
     def _is_local(self, rank: int) -> bool:
         return self.s.rank_offset <= rank < self.s.rank_offset + self.s.nproc
 
     def start(self) -> None:
-        self._started_at = time.time()
+        self.injection.started_at = time.time()
         for local_rank in range(self.s.nproc):
             rank = self.s.rank_offset + local_rank
             self.workers[rank] = self._spawn(rank, str(rank), {})
@@ -146,7 +144,7 @@ class LocalGroup(InjectionMixin):
             error_file=str(log_dir / ERROR_FILE),
             chameleon={
                 **self.s.extra_env,
-                **self._failpoint_env(),
+                **self.injection.env(),
                 # a plain script's heartbeats (chameleon_runtime.heartbeat), read here
                 "CHAMELEON_BEAT_FILE": str(log_dir / BEAT_FILE),
                 **env_extra,
@@ -246,15 +244,23 @@ class LocalGroup(InjectionMixin):
     def on_recovery_phase(self, phase: RecoveryPhase) -> None:
         """The leader's recovery phase, from the coordinator in this process: faults due
         at its start fire now, before the phase's work begins."""
-        self._phase = phase
+        self.injection.phase = phase
         now = time.time()
-        self._inject(now, self._statuses(now) if self._injector.watches_status() else {})
+        self._inject(now, self._statuses(now) if self.injection.watches_status() else {})
+
+    def _inject(self, now: float, statuses: dict) -> None:
+        """Faults due now, on the workers still running; each hit rank's failure is dated
+        from now."""
+        alive = {r for r in self.workers if r not in self.failed and r not in self.finished}
+        hit = self.injection.fire(now, statuses, workers=self.workers, alive=alive, view=self.view)
+        for rank in hit:
+            self._fault_times[rank] = now
 
     def _statuses(self, now: float) -> dict:
         """This node's workers' statuses: for the hang check every quarter second, and at
         every poll while a fault waits for a step or a worker's phase."""
         if self.view is None or not (
-            now >= self._next_hang_check or self._injector.watches_status()
+            now >= self._next_hang_check or self.injection.watches_status()
         ):
             return {}
         statuses = self.view.statuses(sorted(self.workers))

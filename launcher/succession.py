@@ -7,7 +7,7 @@ store. The successor serves a new one and publishes its address under ``r<a>/
 worker_store`` with the next epoch; each agent (the successor too) writes it to its
 workers' store file (chameleon_runtime.storeaddr), where their connections look when the
 old store stops answering, and reads its workers' statuses there. With the old leader's
-snapshot (launcher/takeover.py) the successor recovers in place; without one it decides
+snapshot (launcher/coordinator.py, Coordinator.snapshot) the successor recovers in place; without one it decides
 as the old leader would have, which for a lost node is a restart.
 """
 
