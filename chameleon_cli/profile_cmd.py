@@ -15,9 +15,8 @@ import typer
 from chameleon_cli.errors import JobFailed, UsageError, UserError, check_script, writable_dir
 from chameleon_cli.output import Fields, Output, Table, choose_mode, error
 from chameleon_cli.units import fmt_bytes, fmt_s
-from launcher.agent import Agent
+from launcher.agent import Agent, JobError
 from launcher.args import ArgsError, parse_run_args
-from launcher.joining import JobError
 from launcher.workers import Console
 
 CONTEXT = {"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []}

@@ -13,9 +13,8 @@ from chameleon_cli.errors import UsageError, UserError, check_script, writable_d
 from chameleon_cli.live_view import LiveView
 from chameleon_cli.output import Mode, Output, choose_mode, error
 from chameleon_cli.run_view import outcome_blocks
-from launcher.agent import Agent
+from launcher.agent import Agent, JobError
 from launcher.args import ArgsError, parse_run_args, run_help
-from launcher.joining import JobError
 from launcher.workers import Console
 
 CONTEXT = {"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []}

@@ -6,8 +6,23 @@ takes the job-wide view (launcher/leader.py): failures from every node, finished
 waiting nodes, in-place recovery; it decides and publishes the decision. On the TCPStore
 (static, c10d), if the leader's node is lost the store goes with it: the other agents stop
 their workers and exit (as with torchrun's c10d store). On etcd the leader is elected and
-another agent takes over (``_take_over``). Joining (the rendezvous, or one node's shortcut) is
-launcher/joining.py; the warm fork server every worker is forked from, launcher/warm.py.
+another agent takes over (``_take_over``). The warm fork server every worker is forked
+from is launcher/warm.py.
+
+Joining (``# -- joining the job``): where the control store is, the rendezvous of several
+nodes (``_join_job``, ``_world``) and the shortcut of one node, which needs none
+(``_start_single_node``).
+
+Succession (``# -- a successor within a round``):Leaders that follow one another within a round (``--rdzv-backend etcd``): the election of a successor when the leader's lease runs out,
+the new worker store it serves, and every agent pointing its workers there.
+
+The round's workers meet on a store the leader hosts; when its node is lost, so is the
+store. The successor serves a new one and publishes its address under ``r<a>/
+worker_store`` with the next epoch; each agent (the successor too) writes it to its
+workers' store file (chameleon_runtime.storeaddr), where their connections look when the
+old store stops answering, and reads its workers' statuses there. With the old leader's
+snapshot (launcher/coordinator.py, Coordinator.snapshot) the successor recovers in place; without one it decides
+as the old leader would have, which for a lost node is a restart.
 """
 
 from __future__ import annotations
@@ -22,30 +37,49 @@ import uuid
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from chameleon_runtime.protocol.messages import StoreAddress
 from chameleon_runtime.protocol.seal import TOKEN_ENV, Seal
 from launcher.args import RunArgs
 from launcher.events import EventLog
 from launcher.faults import FaultLedger
-from launcher.joining import RESTART_GRACE_S, JoiningMixin
-from launcher.leader import Leader
+from launcher.leader import Leader, lost_with
 from launcher.local import LocalGroup
 from launcher.preload import modules_for
 from launcher.rendezvous import (
+    RUN_ID_KEY,
     ControlPlane,
     NodeInfo,
+    RendezvousError,
     World,
     beat_until,
+    control_endpoint,
+    node_key,
 )
-from launcher.settings import RoundSettings, worker_command
-from launcher.store import StoreError
-from launcher.succession import SuccessionMixin
-from launcher.supervisor import Action, Failure
+from launcher.settings import STORE_FILE, RoundSettings, worker_command
+from launcher.store import (
+    StoreError,
+    bind_listener,
+    host_store,
+    is_loopback,
+    put_json,
+    serve_store,
+)
+from launcher.supervisor import Action, Failure, FailureKind
 from launcher.warm import ForkServer
 from launcher.watch import Timeouts as WatchTimeouts
 from launcher.worker_store import WorkerStoreView
 from launcher.workers import Console, Reaper
 from planner.estimator.transition import RECOVERY_POLL_S
 from planner.job.failures import DEFAULT_DEVICE_MTBF_H, FailureRate
+
+# Workers of a failed round are useless (their collectives are broken): give them a short
+# grace to flush, not the full shutdown timeout.
+RESTART_GRACE_S = 2.0
+
+
+class JobError(RuntimeError):
+    """The job could not be set up or lost its control plane; ``str()`` is one line."""
+
 
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 SYNC_PERIOD_S = 0.25
@@ -61,7 +95,7 @@ class Outcome:
     run_dir: Path
 
 
-class Agent(JoiningMixin, SuccessionMixin):
+class Agent:
     def __init__(self, args: RunArgs, *, console: Console, events_listener=None) -> None:
         self.args = args
         self.console = console
@@ -391,3 +425,257 @@ class Agent(JoiningMixin, SuccessionMixin):
         self.events.emit("exit", exit_code=code, reason=reason)
         self.events.close()
         return Outcome(exit_code=code, reason=reason, failures=self.failures, run_dir=self.run_dir)
+
+    # -- joining the job ---------------------------------------------------------------
+
+    def _control_endpoint(self) -> tuple[str, int, bool | None]:
+        try:
+            return control_endpoint(self.args)
+        except RendezvousError as exc:
+            raise JobError(str(exc)) from None
+
+    def _emit_start(self, control: ControlPlane) -> None:
+        a = self.args
+        self.events.emit(
+            "start",
+            run_id=self.run_id,
+            leader=control.is_leader,
+            control=control.endpoint,
+            nnodes=f"{a.min_nodes}:{a.max_nodes}",
+            nproc_per_node=a.nproc_per_node,
+            command=self.command,
+            run_dir=str(self.run_dir),
+        )
+
+    def _join_job(self) -> ControlPlane:
+        if self.args.rdzv_backend == "etcd":
+            return self._join_etcd()
+        addr, port, want_leader = self._control_endpoint()
+        try:
+            control = ControlPlane.open(
+                run_id=self.run_id,
+                addr=addr,
+                port=port,
+                want_leader=want_leader,
+                timeout_s=float(self.args.rdzv_conf.get("join_timeout", 600)),
+                seal=self.seal,
+            )
+        except (StoreError, RendezvousError) as exc:
+            raise JobError(str(exc)) from None
+        self._emit_start(control)
+        return control
+
+    def _join_etcd(self) -> ControlPlane:
+        from launcher.etcd import parse_endpoints
+        from launcher.etcd_control import EtcdControlPlane
+
+        a = self.args
+        try:
+            control = EtcdControlPlane.open(
+                run_id=self.run_id,
+                endpoints=a.rdzv_endpoint,
+                ttl_s=a.heartbeat_timeout_s,
+                timeout_s=float(a.rdzv_conf.get("join_timeout", 600)),
+                # Each round's worker store: on loopback unless told this node's address.
+                worker_host=a.local_addr or "127.0.0.1",
+                seal=self.seal,
+            )
+        except (StoreError, RendezvousError) as exc:
+            raise JobError(str(exc)) from None
+        if a.local_addr is None and any(
+            not is_loopback(h) for h, _ in parse_endpoints(a.rdzv_endpoint)
+        ):
+            self.console.say(
+                "chameleon: this node serves worker stores on 127.0.0.1 when it leads; "
+                "pass --local-addr for a job across hosts"
+            )
+        self._emit_start(control)
+        return control
+
+    def _start_single_node(self) -> tuple[ControlPlane, tuple[World, LocalGroup]]:
+        """One node needs no rendezvous: bind both stores' sockets in plain Python, then
+        import torch and serve the stores while the workers' imports (fresh workers) or
+        the fork server's (warm ones) take seconds; store clients wait in the backlog."""
+        addr, port, _ = self._control_endpoint()
+        try:
+            control_socket = bind_listener(addr, port)
+            worker_socket = bind_listener(addr, 0)
+        except StoreError as exc:
+            raise JobError(str(exc)) from None
+        bound, control_port = control_socket.getsockname()[:2]
+        worker_port = worker_socket.getsockname()[1]
+        key = node_key()
+        host = self.args.local_addr or socket.gethostname()
+        world = World(0, (NodeInfo(key, 0, self.args.nproc_per_node, host, 0),), bound, worker_port)
+        # Fresh workers start now and import torch while we do; forks of the warm server
+        # start once it is ready, and the server's imports overlap ours instead.
+        group = None if self.forkserver is not None else self._start_group(world, world.nodes[0])
+        timeout = float(self.args.rdzv_conf.get("join_timeout", 600))
+        try:
+            store = serve_store(control_socket, timeout_s=timeout)
+            self.worker_store = serve_store(worker_socket, timeout_s=timeout)
+        except StoreError as exc:
+            if group is not None:
+                group.stop(grace_s=RESTART_GRACE_S)
+            raise JobError(str(exc)) from None
+        if group is None:
+            group = self._start_group(world, world.nodes[0])
+        put_json(store, RUN_ID_KEY, self.run_id)
+        control = ControlPlane(
+            store,
+            self.run_id,
+            key,
+            is_leader=True,
+            addr=bound,
+            port=control_port,
+            seal=self.seal,
+        )
+        control.join(0, node_rank=0, nproc=self.args.nproc_per_node, host=host)
+        control.put("r0/world", world.to_json())
+        self._last_world = world
+        self._emit_start(control)
+        self.events.emit(
+            "round_started",
+            attempt=0,
+            world_size=world.world_size,
+            nodes=1,
+            worker_store=f"{bound}:{worker_port}",
+        )
+        self.events.emit("workers_started", **group.started)
+        return control, (world, group)
+
+    def _world(self, control: ControlPlane, attempt: int) -> World | None:
+        a = self.args
+        timeout = float(a.rdzv_conf.get("join_timeout", 600))
+        if not control.is_leader and control.elected:
+            world = self._follow(control, attempt, timeout)
+            if world is not None or not control.is_leader:
+                self._last_world = world or self._last_world
+                return world
+        if control.is_leader:
+            # A fresh store for this attempt's workers (see launcher/store.py for why).
+            self.worker_store = host_store(control.worker_host, 0, timeout_s=timeout)
+            try:
+                world = control.form_world(
+                    attempt,
+                    min_nodes=a.min_nodes,
+                    max_nodes=a.max_nodes,
+                    static_ranks=a.rdzv_backend == "static" and not a.standalone,
+                    worker_addr=control.worker_host,
+                    worker_port=self.worker_store.port,
+                    last_call_s=float(a.rdzv_conf.get("last_call_timeout", 1.0)),
+                    timeout_s=timeout,
+                )
+            except RendezvousError as exc:
+                raise JobError(str(exc)) from None
+            self._record_missing_nodes(self._last_world, world)
+            self._last_world = world
+            return world
+        try:
+            return control.wait_world(attempt, timeout, stop=lambda: self._signal is not None)
+        except RendezvousError as exc:
+            raise JobError(str(exc)) from None
+
+    def _follow(self, control: ControlPlane, attempt: int, timeout: float) -> World | None:
+        """An elected control plane's follower: wait for the round's world; when the
+        leader goes first (its lease expired), campaign, and form the world if we won."""
+        deadline = time.monotonic() + timeout
+
+        def stop() -> bool:
+            return self._signal is not None or control.leader() is None
+
+        while True:
+            try:
+                world = control.wait_world(
+                    attempt,
+                    max(0.0, deadline - time.monotonic()),
+                    stop=stop,
+                )
+            except (RendezvousError, StoreError) as exc:
+                raise JobError(str(exc)) from None
+            if world is not None or self._signal is not None:
+                return world
+            if control.campaign():
+                self.events.emit("leader_elected", attempt=attempt, key=control.key)
+                return None
+
+    def _record_missing_nodes(self, last: World | None, world: World) -> None:
+        """Nodes of the last round that did not come back were lost; record them, dated by
+        their last heartbeat, so that a node loss noticed only now (its workers' peers
+        crashed first) still shows as the root cause."""
+        if last is None:
+            return
+        for node in last.nodes:
+            if world.node(node.key) is not None or any(
+                f.kind is FailureKind.NODE_LOST
+                and f.node == node.node_rank
+                and f.attempt == last.attempt
+                for f in self.failures
+            ):
+                continue
+            since = self.beat_seen.get(node.key, time.time())
+            self.events.emit(
+                "node_lost", node=node.node_rank, host=node.host, silent_s=time.time() - since
+            )
+            for failure in lost_with(node, last.attempt, since, "did not rejoin"):
+                self.events.emit("failure", **failure.to_json())
+                self.failures.append(failure)
+
+    # -- a successor within a round ----------------------------------------------------
+
+    _store_epoch = 0  # the epoch of the worker store this node's workers were told of
+
+    @property
+    def store_file(self) -> Path:
+        return self.run_dir / STORE_FILE
+
+    def _new_round_store(self) -> None:
+        """A round starts on the leader's store (epoch 0): forget the last round's move."""
+        self._store_epoch = 0
+        self.store_file.unlink(missing_ok=True)
+
+    def _follow_store(self, control: ControlPlane, world: World, group: LocalGroup) -> None:
+        """Point this node's workers at the round's newest worker store."""
+        found = control.get(f"r{world.attempt}/worker_store")
+        if found is None or found["epoch"] <= self._store_epoch:
+            return
+        self._store_epoch = found["epoch"]
+        address = StoreAddress(addr=found["addr"], port=found["port"], epoch=found["epoch"])
+        tmp = self.store_file.with_suffix(".tmp")
+        tmp.write_text(address.model_dump_json())
+        os.replace(tmp, self.store_file)  # a worker never reads half of it
+        group.move_store(found["addr"], found["port"])
+        self.events.emit(
+            "worker_store_moved",
+            attempt=world.attempt,
+            addr=found["addr"],
+            port=found["port"],
+            epoch=found["epoch"],
+        )
+
+    def _take_over(self, control: ControlPlane, world: World, group: LocalGroup) -> Leader | None:
+        """The leader's lease ran out (its node is lost): campaign. The winner serves a new
+        worker store and leads the rest of the round from the old leader's snapshot."""
+        if not control.campaign():
+            return None
+        self.events.emit("leader_elected", attempt=world.attempt, key=control.key)
+        attempt = world.attempt
+        snapshot = control.get(f"r{attempt}/inplace")
+        if snapshot is None:  # nothing to go on from: decide as the old leader would
+            return Leader(self, control, world, group)
+        timeout = float(self.args.rdzv_conf.get("join_timeout", 600))
+        self.worker_store = host_store(control.worker_host, 0, timeout_s=timeout)
+        last = control.get(f"r{attempt}/worker_store") or {"epoch": 0}
+        control.put(
+            f"r{attempt}/worker_store",
+            {
+                "addr": control.worker_host,
+                "port": self.worker_store.port,
+                "epoch": max(last["epoch"], self._store_epoch) + 1,
+            },
+        )
+        self._follow_store(control, world, group)
+        next_gen = control.get(f"r{attempt}/next_gen") or 0
+        return Leader(
+            self, control, world, group, takeover={"snapshot": snapshot, "next_gen": next_gen}
+        )

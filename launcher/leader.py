@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from launcher.calibration import JobModel
 from launcher.coordinator import Coordinator
@@ -18,14 +18,44 @@ from launcher.supervisor import Action, Failure, FailureKind, RoundView, decide,
 from launcher.watch import Timeouts as WatchTimeouts
 
 if TYPE_CHECKING:
-    from launcher.agent import Agent
+    import threading
+
+    from torch.distributed import TCPStore
+
+    from chameleon_runtime.protocol.seal import Seal
+    from launcher.args import RunArgs
+    from launcher.events import EventLog
     from launcher.local import LocalGroup
+    from planner.job.failures import FailureRate
+    from planner.job.workload import Cluster
+
+
+class AgentView(Protocol):
+    """What the leader reads and updates of the agent it runs in (launcher/agent.py): the
+    job's settings and the round's bookkeeping that outlive one leader."""
+
+    args: RunArgs
+    events: EventLog
+    seal: Seal
+    failures: list[Failure]
+    restarts_used: int
+    beat_seen: dict[str, float]  # node key -> when its heartbeat last moved
+    worker_store: TCPStore | None
+    failure_rate: FailureRate
+    planner_cluster: Cluster | None
+    started_at: float | None
+    nudge: threading.Event
+
+    @property
+    def stop_signal(self) -> int | None: ...
+
+    def record(self, failures: list[Failure]) -> None: ...
 
 
 class Leader:
     def __init__(
         self,
-        agent: Agent,
+        agent: AgentView,
         control: ControlPlane,
         world: World,
         group: LocalGroup,
@@ -244,26 +274,3 @@ def lost_with(node: NodeInfo, attempt: int, since: float, why: str) -> list[Fail
         )
         for local in range(node.nproc)
     ]
-
-
-def record_missing_nodes(agent: Agent, last: World | None, world: World) -> None:
-    """Nodes of the last round that did not come back were lost; record them, dated by
-    their last heartbeat, so that a node loss noticed only now (its workers' peers
-    crashed first) still shows as the root cause."""
-    if last is None:
-        return
-    for node in last.nodes:
-        if world.node(node.key) is not None or any(
-            f.kind is FailureKind.NODE_LOST
-            and f.node == node.node_rank
-            and f.attempt == last.attempt
-            for f in agent.failures
-        ):
-            continue
-        since = agent.beat_seen.get(node.key, time.time())
-        agent.events.emit(
-            "node_lost", node=node.node_rank, host=node.host, silent_s=time.time() - since
-        )
-        for failure in lost_with(node, last.attempt, since, "did not rejoin"):
-            agent.events.emit("failure", **failure.to_json())
-            agent.failures.append(failure)

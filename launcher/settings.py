@@ -33,7 +33,7 @@ def worker_command(
     return [sys.executable, "-u", script, *args]
 
 
-# Per node: where its agent writes the address of a moved worker store (launcher/succession.py).
+# Per node: where its agent writes the address of a moved worker store (launcher/agent.py, a successor).
 STORE_FILE = "worker_store.json"
 
 

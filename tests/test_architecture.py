@@ -27,11 +27,6 @@ ALLOWED = {
     PROTOCOL: {PROTOCOL, "planner"},
 }
 STAGES = ("job", "plans", "estimator", "search", "choice", "simulation")
-# Cycles still to be taken apart (issue 29: the agent's mixins and the leader's hold on it). The test fails on any
-# other cycle, and on one of these once it is gone, so that the list only shrinks.
-KNOWN_CYCLES = {
-    frozenset({"launcher.agent", "launcher.joining", "launcher.leader", "launcher.succession"}),
-}
 
 
 def _module(path: Path) -> str:
@@ -106,10 +101,7 @@ def _cycles(modules: dict[str, Path]) -> set[frozenset[str]]:
 
 def test_no_import_cycles_between_our_modules():
     cycles = _cycles(MODULES)
-    assert cycles - KNOWN_CYCLES == set(), [sorted(c) for c in cycles - KNOWN_CYCLES]
-    assert KNOWN_CYCLES - cycles == set(), "gone: drop from KNOWN_CYCLES " + str(
-        [sorted(c) for c in KNOWN_CYCLES - cycles]
-    )
+    assert not cycles, [sorted(c) for c in cycles]
 
 
 def test_the_planner_and_the_protocol_are_pure():

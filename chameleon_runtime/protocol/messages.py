@@ -358,7 +358,7 @@ class ScriptBeat(BaseModel):
             return None
 
 
-# -- where the worker store is (chameleon_runtime.storeaddr, launcher/succession.py) ----
+# -- where the worker store is (chameleon_runtime.storeaddr, launcher/agent.py, a successor) ----
 
 # The file an agent writes when its round's worker store moves to a new leader, and how
 # long a worker's connection waits for one after losing its store.
