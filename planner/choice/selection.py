@@ -79,7 +79,7 @@ def worth_growing(
     """Whether to take workers back in (replacements that rejoined, repaired nodes):
     samples per second until the next failure, staying versus moving, where moving costs
     the transition once, then runs at the grown step time; each side also pays the risk
-    its layout takes at the next failure (planner.risk), so a growth never trades a
+    its layout takes at the next failure (planner.choice.risk), so a growth never trades a
     third replica for a faster step the next failure would make a restart. ``chameleon
     run`` judges a growth so (launcher/calibration.py), and ``chameleon simulate`` at a
     repair."""
