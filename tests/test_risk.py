@@ -171,7 +171,7 @@ def test_a_growth_pays_for_the_risk_of_the_layout_it_moves_to():
     # 10% faster steps for a 0.5 s move are worth it at D = 60 s, with no risk on either
     # side; not when the faster layout risks a restart that costs 30 s at one failure
     # in five (6 s expected), and again when staying risks as much as growing.
-    from planner.selection import worth_growing
+    from planner.choice.selection import worth_growing
 
     fast = dict(current_s=1.0, grown_s=0.9, transition_s=0.5, mtbf_s=60.0)
     assert worth_growing(**fast)
