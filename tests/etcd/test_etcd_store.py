@@ -12,6 +12,9 @@ from launcher.etcd import EtcdStore, parse_endpoints
 from launcher.etcd_control import EtcdControlPlane
 from launcher.rendezvous import RendezvousError
 
+# real processes, seconds each: the full suite (CI) runs them, the fast tier does not
+pytestmark = pytest.mark.slow
+
 
 def test_counters_are_atomic_across_connections(etcd):
     stores = [EtcdStore(parse_endpoints(etcd.endpoints)) for _ in range(4)]

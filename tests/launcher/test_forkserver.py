@@ -14,6 +14,9 @@ from launcher.forkserver import eligible
 from launcher.preload import modules_for
 from launcher.warm import ForkServer
 
+# real processes, seconds each: the full suite (CI) runs them, the fast tier does not
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):

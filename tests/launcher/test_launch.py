@@ -11,6 +11,9 @@ import pytest
 
 from tests.launcher.helpers import events, free_port, run, start, wait_for_event, write
 
+# real processes, seconds each: the full suite (CI) runs them, the fast tier does not
+pytestmark = pytest.mark.slow
+
 TORCHRUN_VARS = [
     "RANK",
     "LOCAL_RANK",

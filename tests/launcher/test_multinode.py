@@ -8,6 +8,9 @@ import pytest
 
 from tests.launcher.helpers import events, free_port, leftovers, run, start, wait_for_event, write
 
+# real processes, seconds each: the full suite (CI) runs them, the fast tier does not
+pytestmark = pytest.mark.slow
+
 DDP = """
     import os, sys, time, torch, torch.distributed as dist
     torch.set_num_threads(1)

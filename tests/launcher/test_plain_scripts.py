@@ -8,7 +8,12 @@ import json
 import signal
 import time
 
+import pytest
+
 from tests.launcher.helpers import events, run, start, write
+
+# real processes, seconds each: the full suite (CI) runs them, the fast tier does not
+pytestmark = pytest.mark.slow
 
 PROBE = """
     import json, os, sys
