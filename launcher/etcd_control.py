@@ -163,7 +163,7 @@ class EtcdControlPlane(ControlPlane):
         except StoreError:
             pass
 
-    # -- what a successor needs (launcher/takeover.py) -----------------------------------
+    # -- what a successor needs (launcher/coordinator.py, snapshot) --------------------------------
 
     def mark_lost(self, attempt: int, key: str) -> None:
         self.put(f"r{attempt}/lost/{key}", True)
