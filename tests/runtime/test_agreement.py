@@ -1,0 +1,57 @@
+"""The store agreement a step's commit (exact sums), a checkpoint and a migration rest on
+(chameleon_runtime.control.Control.agree): all-or-none, whatever the moment an abort
+reaches each member. Real TCPStore, real Control objects with their watcher threads, the
+abort pushed signed to each mailbox as the launcher pushes it."""
+
+import random
+import threading
+import time
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from chameleon_runtime.control import Control
+from chameleon_runtime.protocol.messages import Abort
+
+MEMBERS = 3
+
+
+def _member(control: Control, generation: int, delay: float, held: list, i: int) -> None:
+    time.sleep(delay)
+    held[i] = control.agree(generation, "commit/1", MEMBERS).held
+
+
+def test_an_agreement_holds_for_all_members_or_for_none_under_racing_aborts(monkeypatch):
+    monkeypatch.setenv("CHAMELEON_JOB_TOKEN", "test-token")
+    master = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30)
+    )
+    controls = [Control("127.0.0.1", master.port, r, timeout_s=30) for r in range(MEMBERS)]
+    rng = random.Random(0)
+    outcomes = {True: 0, False: 0}
+    try:
+        for generation in range(60):
+            held: list[bool | None] = [None] * MEMBERS
+            arrive = [rng.random() * 0.004 for _ in range(MEMBERS)]
+            abort_after = rng.random() * 0.006 if rng.random() < 0.8 else None
+
+            threads = [
+                threading.Thread(target=_member, args=(controls[i], generation, arrive[i], held, i))
+                for i in range(MEMBERS)
+            ]
+            for t in threads:
+                t.start()
+            if abort_after is not None:
+                time.sleep(abort_after)
+                for c in controls:  # as the coordinator aborts: one message per mailbox
+                    c.push_signed(c.keys.mailbox(c.rank), Abort(generation=generation))
+            for t in threads:
+                t.join(timeout=20)
+            assert None not in held, f"generation {generation}: a member never returned"
+            assert len(set(held)) == 1, f"generation {generation}: {held}"
+            outcomes[held[0]] += 1
+    finally:
+        for c in controls:
+            c.close()
+    # both outcomes were exercised: aborts that came first, and agreements that held
+    assert outcomes[True] > 0 and outcomes[False] > 0, outcomes
