@@ -7,7 +7,7 @@ from __future__ import annotations
 from pydantic import BaseModel
 
 from planner.choice.policy import Candidate
-from planner.choice.risk import exposure, windows
+from planner.choice.risk import restart_share
 from planner.choice.selection import Decision
 from planner.job.workload import Job
 from planner.plans.migration import Migration
@@ -168,9 +168,8 @@ def _candidate_out(job: Job, decision: Decision, c: Candidate) -> CandidateOut:
         else None,
         risk_s=decision.risk_s(job, c) if feasible else None,
         restart_share=(
-            exposure(job, c.plan).fatal_share(decision.outlook.node_share)
-            + windows(job, c.plan).follow_on_share(
-                decision.outlook.mtbf_s, decision.outlook.node_share
+            restart_share(
+                job, c.plan, mtbf_s=decision.outlook.mtbf_s, node_share=decision.outlook.node_share
             )
             if feasible and c.plan
             else None

@@ -142,11 +142,13 @@ class Windows:
 
 
 def windows(job: Job, plan: Plan) -> Windows:
-    key = ("windows", job.cluster.detection_s, job.cluster.transition_factor)
-    cached = plan.derived.get(key)
-    if cached is None:
-        cached = plan.derived[key] = _windows(job, plan)
-    return cached  # type: ignore[return-value]
+    """Cached per plan for the ``job`` object it was computed with: every cost of the
+    job (links, model, cluster) makes the windows, and hashing a whole job would cost
+    more than the lookup saves (15 us on the 16,384-GPU config, per candidate scored)."""
+    hit = plan.derived.get(("windows",))
+    if hit is None or hit[0] is not job:  # type: ignore[index]
+        hit = plan.derived[("windows",)] = (job, _windows(job, plan))
+    return hit[1]  # type: ignore[index,return-value]
 
 
 def _windows(job: Job, plan: Plan) -> Windows:
@@ -174,7 +176,7 @@ def _windows(job: Job, plan: Plan) -> Windows:
                         costs.moved_bytes(s.first_layer, s.end_layer))  # fmt: skip
         work = messages + build_s(job, [frozenset({src, s.worker})]) + transfer_s(costs, copy)
         window = c.detection_s + c.transition_factor * work
-        out.append((window, len({plan.stages[o].worker for o in others})))
+        out.append((window, len(others)))
     return Windows(len(plan.stages), tuple(out))
 
 
@@ -199,6 +201,14 @@ def expected_redo_s(*, since_s: float, interval_s: float, mtbf_s: float) -> floa
     return before * (since_s + truncated_mean(a)) + (1 - before) * truncated_mean(interval_s)
 
 
+def restart_share(job: Job, plan: Plan, *, mtbf_s: float, node_share: float | None) -> float:
+    """The share of next failures that force a restart with ``plan``: by themselves
+    (``Exposure``) or by a failure inside their recovery (``Windows``)."""
+    return exposure(job, plan).fatal_share(node_share) + windows(job, plan).follow_on_share(
+        mtbf_s, node_share
+    )
+
+
 def risk_s(
     job: Job,
     plan: Plan,
@@ -210,8 +220,7 @@ def risk_s(
     """What the next failure of ``plan`` is expected to cost beyond an in-place recovery
     (module doc). ``since_checkpoint_s``: the work since the checkpoint as the plan starts
     training (0 after a restart); ``node_share``: of failures, those that take a node."""
-    fatal = exposure(job, plan).fatal_share(node_share)
-    fatal += windows(job, plan).follow_on_share(mtbf_s, node_share)
+    fatal = restart_share(job, plan, mtbf_s=mtbf_s, node_share=node_share)
     if fatal == 0.0:
         return 0.0
     redo = expected_redo_s(

@@ -112,34 +112,20 @@ def growth_choice(
     (its step ``current_s``; ``worth_growing``); None to stay. ``risk=False``: scored on
     speed and transition alone (Oobleck's growth, in the simulator)."""
     feasible = [c for c in candidates if c.feasible and c.estimate is not None and c.plan]
-    if not risk:
+    if risk:
+        best = max(feasible, key=lambda c: log_score(job, c, outlook), default=None)
+    else:
         best = min(feasible, key=lambda c: c.estimate.step_s, default=None)  # type: ignore[union-attr]
-        if best is None:
-            return None
-        assert best.estimate is not None
-        grown = worth_growing(
-            current_s=current_s,
-            grown_s=best.estimate.step_s,
-            transition_s=best.transition.total_s,
-            mtbf_s=outlook.mtbf_s,
-        )
-        return best if grown else None
-    best = max(feasible, key=lambda c: log_score(job, c, outlook), default=None)
     if best is None:
         return None
-    since = outlook.since_checkpoint_s
-    since = job.training.checkpoint_interval_s / 2 if since is None else since
-    current_risk = risk_s(
-        job, current, mtbf_s=outlook.mtbf_s, since_checkpoint_s=since, node_share=outlook.node_share
-    )
     assert best.estimate is not None
     grown = worth_growing(
         current_s=current_s,
         grown_s=best.estimate.step_s,
         transition_s=best.transition.total_s,
         mtbf_s=outlook.mtbf_s,
-        current_risk_s=current_risk,
-        grown_risk_s=candidate_risk_s(job, best, outlook),
+        current_risk_s=layout_risk_s(job, current, outlook) if risk else 0.0,
+        grown_risk_s=candidate_risk_s(job, best, outlook) if risk else 0.0,
     )
     return best if grown else None
 
@@ -155,24 +141,26 @@ class Outlook:
     node_share: float | None = None
 
 
-def candidate_risk_s(job: Job, candidate: Candidate, outlook: Outlook) -> float:
-    """``planner.choice.risk.risk_s`` of the layout ``candidate`` leaves (a restart starts the
-    checkpoint interval again)."""
-    if not candidate.feasible or candidate.plan is None:
-        return 0.0
-    if candidate.policy is Policy.RESTART:
+def layout_risk_s(job: Job, plan: Plan, outlook: Outlook, *, restarted: bool = False) -> float:
+    """``planner.choice.risk.risk_s`` of ``plan`` as ``outlook`` sees the failures to come;
+    ``restarted``: it starts from a checkpoint, so the checkpoint interval starts again."""
+    if restarted:
         since = 0.0
     elif outlook.since_checkpoint_s is None:
         since = job.training.checkpoint_interval_s / 2
     else:
         since = outlook.since_checkpoint_s
     return risk_s(
-        job,
-        candidate.plan,
-        mtbf_s=outlook.mtbf_s,
-        since_checkpoint_s=since,
-        node_share=outlook.node_share,
+        job, plan, mtbf_s=outlook.mtbf_s, since_checkpoint_s=since, node_share=outlook.node_share
     )
+
+
+def candidate_risk_s(job: Job, candidate: Candidate, outlook: Outlook) -> float:
+    """``layout_risk_s`` of the layout ``candidate`` leaves (a restart starts the
+    checkpoint interval again)."""
+    if not candidate.feasible or candidate.plan is None:
+        return 0.0
+    return layout_risk_s(job, candidate.plan, outlook, restarted=candidate.policy is Policy.RESTART)
 
 
 def candidate_score(job: Job, candidate: Candidate, outlook: Outlook) -> float:
