@@ -52,8 +52,18 @@ POISON = 1 << 40
 
 
 def poison(store: dist.Store, count_key: str, done_key: str, members: int) -> None:
-    """End an agreement that has not held yet; a no-op when it already has."""
-    if store.add(count_key, -POISON) + POISON < members:
+    """End an agreement that has not held yet; a no-op when it already has.
+
+    The counter holds arrivals - poisons * POISON. Only the first poison decides: when
+    it finds fewer arrivals than members, no later arrival can make them, and it writes
+    "no". A later poison (another member's watcher, or a second abort) finds the
+    agreement decided already; writing "no" then overwrote the "yes" of an agreement that
+    held (its arrivals were complete) while slower members had yet to read it, and they
+    resumed a step behind the others (the soak's "survivors disagree on the step")."""
+    value = store.add(count_key, -POISON)
+    arrived = value % POISON  # arrivals < POISON, so this is their number
+    poisons = (arrived - value) // POISON
+    if poisons == 1 and arrived < members:
         store.set(done_key, "no")
 
 

@@ -10,7 +10,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from chameleon_runtime.control import Control
+from chameleon_runtime.control import Control, poison
 from chameleon_runtime.protocol.messages import Abort
 
 MEMBERS = 3
@@ -55,3 +55,37 @@ def test_an_agreement_holds_for_all_members_or_for_none_under_racing_aborts(monk
             c.close()
     # both outcomes were exercised: aborts that came first, and agreements that held
     assert outcomes[True] > 0 and outcomes[False] > 0, outcomes
+
+
+def _store() -> dist.TCPStore:
+    return dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10)
+    )
+
+
+def test_later_poisons_leave_an_agreement_that_held_held():
+    """Every member arrived (the last wrote "yes"), then two members' watchers heard the
+    abort: the second poison wrote "no" over the "yes" before the slower members read it,
+    and they resumed one step behind the rest (the chaos soak, seed 0: [134, 135])."""
+    store = _store()
+    for _ in range(MEMBERS):
+        arrived = store.add("count", 1)
+    assert arrived == MEMBERS
+    store.set("done", "yes")
+    for _ in range(MEMBERS):  # every member's watcher, and a second abort
+        poison(store, "count", "done", MEMBERS)
+    assert store.get("done") == b"yes"
+
+
+def test_the_first_poison_decides_an_agreement_that_had_not_held():
+    store = _store()
+    store.add("count", 1)
+    store.add("count", 1)
+    poison(store, "count", "done", MEMBERS)
+    assert store.get("done") == b"no"
+    store.set("done", "unread")  # so that a write by anything after shows
+    poison(store, "count", "done", MEMBERS)
+    # the last member arrives after the abort: it must not find the counter complete
+    assert store.add("count", 1) != MEMBERS
+    poison(store, "count", "done", MEMBERS)
+    assert store.get("done") == b"unread"
