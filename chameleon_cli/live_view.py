@@ -49,8 +49,9 @@ class LiveState:
             "fault_injected",
             "node_lost",
             "plan_chosen",
+            "launch_planned",
         ):
-            detail = e.get("reason") or e.get("detail") or e.get("policy") or ""
+            detail = e.get("reason") or e.get("detail") or e.get("policy") or e.get("layout") or ""
             self.recent.append(f"+{e['t'] - self.started:6.1f}s  {name}  {detail}"[:110])
 
     def render(self) -> Group:

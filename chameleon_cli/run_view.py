@@ -78,6 +78,21 @@ def plans_table(events: list[Record]) -> Table | None:
     """Every plan the planner chose during the run, with the alternatives it weighed."""
     rows = []
     for e in events:
+        if e["event"] == "launch_planned":  # the layout the planner started on ("auto")
+            rows.append(
+                [
+                    "0",
+                    "-",
+                    "launch",
+                    f"{e.get('layout', '-')}"
+                    + (f", {e['spares']} spare(s)" if e.get("spares") else ""),
+                    fmt_s(e.get("estimated_step_s")),
+                    "-",
+                    f"{1e3 * e.get('search_s', 0):.1f} ms",
+                    "-",
+                ]
+            )
+            continue
         if e["event"] != "plan_chosen":
             continue
         c = e.get("candidates", {})

@@ -27,14 +27,14 @@ kill -9, mid-transfer or before it was posted) or, alive, once it lets go of its
 An aborted step posts the collectives it still owed (chameleon_runtime.reducer), as it
 drains its messages, so on a group whose holders all live every posted all-reduce ends.
 Such a group is ``settled`` and a later generation with the same holders carries it over
-(chameleon_runtime.recovery); one that is not is let go of once its own posted work has
+(chameleon_runtime.membership); one that is not is let go of once its own posted work has
 ended, each on a thread of its own: released one after another, a member waiting for its
 work on one group before letting go of another could wait on a peer that waits on it in
 turn. A hung peer's collectives end once the launcher kills it. The trainer owns the
 collective groups across generations (``Collective``); a generation uses them.
 
 Timeouts: a group is built under a short timeout (every member has already arrived: the
-``groups`` agreement, chameleon_runtime.recovery) so a member lost during the build
+``groups`` agreement, chameleon_runtime.membership) so a member lost during the build
 cannot hold a helper for long; transfers wait up to ``op_timeout_s`` (torch's default of
 30 minutes), a backstop only: hangs are the launcher's to judge (launcher/watch.py), and a
 healthy step may be long.
@@ -274,7 +274,7 @@ class Generation:
         self.collectives = collectives if collectives is not None else {}
         self.sent_bytes = 0  # counted as posted: messages, and a ring's share of collectives
         timeout = timedelta(seconds=build_timeout_s)
-        if adopt is not None:  # carried over: module doc of chameleon_runtime.recovery
+        if adopt is not None:  # carried over: module doc of chameleon_runtime.membership
             self._held.append(adopt.group)
             self.group = adopt.group
             self.kept = adopt.acquire()

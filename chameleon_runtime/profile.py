@@ -116,17 +116,18 @@ def measure_steps(trainer: Any, steps: int) -> dict[str, float]:
     stage = plan.stage_of[trainer.rank]
     trainer.shard.ensure(stage.first_layer, stage.end_layer)
     trainer.shard.keep_only(stage.first_layer, stage.end_layer)
-    trainer._enter(0, plan, plan.workers)
+    member = trainer.membership()
+    member.enter(0, plan, plan.workers)
     rows = []
     forget: list[str] = []
     mark = time.process_time()
     try:
         for step in range(steps):
             result = run_step(
-                step=step, part=trainer.part, shard=trainer.shard, gen=trainer.gen,
+                step=step, part=member.part, shard=trainer.shard, gen=member.gen,
                 control=trainer.control, batches=trainer.batches, loss_fn=trainer.loss_fn,
                 activation_shapes=trainer.activation_shapes, meter=trainer.meter, forget=forget,
-                max_grad_norm=trainer.max_grad_norm, reducer=trainer._reducer(),
+                max_grad_norm=trainer.max_grad_norm, reducer=member.ring_reducer(),
             )  # fmt: skip
             now = time.process_time()
             rows.append((result.seconds, now - mark, result.compute_cpu_s, result.pass_cpu_s))
@@ -135,12 +136,12 @@ def measure_steps(trainer: Any, steps: int) -> dict[str, float]:
                 phase="train", step=step + 1, progress=step + 1, step_s=result.seconds
             )  # as a run reports every step
             forget = trainer.control.keys.step_keys(
-                0, step, trainer.part.last_stage_workers(), checkpointed=False,
-                norm_owners=trainer.part.norm_owners(),
+                0, step, member.part.last_stage_workers(), checkpointed=False,
+                norm_owners=member.part.norm_owners(),
             )  # fmt: skip
     finally:
-        trainer._leave()
-        trainer._let_go_of_collectives()
+        member.leave()
+        member.let_go_of_collectives()
     settled = rows[PROFILE_WARMUP_STEPS:] or rows
     return {
         "step_s": statistics.median(r[0] for r in settled),
@@ -152,7 +153,7 @@ def measure_steps(trainer: Any, steps: int) -> dict[str, float]:
 
 def measure_move(shard: Shard, layers: list[int]) -> tuple[float, float, float]:
     """CPU per parameter of moving ``layers`` besides the transfer itself, as a migration
-    does (chameleon_runtime.recovery): (all of it, the sender's share, the receiver's
+    does (chameleon_runtime.membership): (all of it, the sender's share, the receiver's
     unpacking). The sender exports and packs, and the receiver unpacks, within their
     transfer; the receiver builds the layer and loads its state (here into a fresh
     shard) after the transfers."""
@@ -182,8 +183,8 @@ def measure_chain(gen: Any, shard: Shard, me: int, world: int, layer: int, reps:
     blocked, as in a migration scheduled one at a time. The median over ``reps`` (after
     a warm-up) of the whole chain as the first worker sees it; the planner fits the
     hand-off a transfer costs beyond its modelled parts to it (planner.plans.migration)."""
+    from chameleon_runtime.membership import move_layers
     from chameleon_runtime.protocol.wire import TransferWire
-    from chameleon_runtime.recovery import move_layers
 
     chain = [
         TransferWire(src=w, dst=(w + 1) % world, first_layer=layer, end_layer=layer + 1, round=w)
@@ -326,7 +327,7 @@ def profile_job(trainer: Any, out: Path) -> None:
         if chain
         else None,
         message_cpu_s_per_byte=link[2] if link else None,
-        steps=_steps_measured(control, world, trainer.plan),
+        steps=_steps_measured(control, world, trainer.initial_plan()),
     )
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
@@ -365,9 +366,12 @@ def _group_costs(world_s: float, pair_s: float | None, world: int) -> dict[str, 
     return {"pg_init_base_s": max(0.0, pair_s - 2 * per), "pg_init_per_worker_s": per}
 
 
-def describe_job(trainer: Any, plan: Any, costs: list[LayerCostWire]) -> JobDescription:
+def describe_job(
+    trainer: Any, plan: Any, costs: list[LayerCostWire], *, resume_step: int = 0
+) -> JobDescription:
     """The job as the planner sees it: the layers' measured costs and what the trainer
-    was given (batch, layout, precision, clipping), published by the chief at start."""
+    was given (batch, layout, precision, clipping), published by the chief at start.
+    ``plan`` None: no layout launched, the leader plans it (``layout="auto"``)."""
     return JobDescription(
         model=type(trainer).__name__,
         layers=costs,
@@ -379,8 +383,8 @@ def describe_job(trainer: Any, plan: Any, costs: list[LayerCostWire]) -> JobDesc
         # the float32 gradient of the pass in flight adds up to 4 more at the peak.
         grad_bytes=8 if trainer.exact else 4,
         optimizer_bytes=optimizer_bytes_per_param(trainer.shard.optimizer),
-        dp=len(plan.pipelines),
-        pp=trainer.pipeline_stages,
+        dp=len(plan.pipelines) if plan is not None else trainer.world_size,
+        pp=trainer.pipeline_stages if plan is not None else 1,
         memory_limit_bytes=memory_per_worker(),
         link_bandwidth_bytes_per_s=1e9,
         link_latency_s=1e-4,
@@ -389,6 +393,8 @@ def describe_job(trainer: Any, plan: Any, costs: list[LayerCostWire]) -> JobDesc
         precision=trainer.precision,
         host_cores=host_cores(trainer.device),
         exact=trainer.exact,
+        layout="given" if plan is not None else "auto",
+        resume_step=resume_step,
     )
 
 

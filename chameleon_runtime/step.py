@@ -30,7 +30,7 @@ alike, whether the step is applied:
   It keeps the step's gradients, which were final when it voted, and says so in its
   ``Ready``; the leader's next plan says whether it was committed (a survivor is a step
   ahead: it was, and the plan carries the sums to apply it with) or not
-  (chameleon_runtime.recovery, launcher/recovery.py). A decision lost on the way is
+  (chameleon_runtime.membership, launcher/recovery.py). A decision lost on the way is
   drained as zeros, which read as "not known", never as no.
 
 Any other error or abort leaves the step unapplied on every worker.

@@ -12,7 +12,7 @@ Life of a worker:
    costs and publish them for the planner;
 3. run steps; every ``checkpoint_every`` steps, checkpoint;
 4. on a failure (a broken transfer, or the launcher's abort), discard the step and carry
-   out the launcher's next plan (``chameleon_runtime.recovery``). If the plan never
+   out the launcher's next plan (``chameleon_runtime.membership``). If the plan never
    comes, the launcher is restarting the job from the checkpoint and will end this
    process.
 """
@@ -26,31 +26,37 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
 
 from chameleon_runtime import checkpoint
-from chameleon_runtime.comm import Aborted, Collective, CommError, Generation, Kept, settle
+from chameleon_runtime.comm import Aborted, CommError, settle
 from chameleon_runtime.control import STORE_LOST, Control
 from chameleon_runtime.data import Batches
 from chameleon_runtime.device import bind, resolve_device
 from chameleon_runtime.layercost import measure, probe
+from chameleon_runtime.membership import Membership
 from chameleon_runtime.memory import Meter
 from chameleon_runtime.pace import Pace
 from chameleon_runtime.profile import describe_job, profile_job
 from chameleon_runtime.protocol.messages import Finish, checkpoint_name
-from chameleon_runtime.protocol.wire import LayerCostWire, PlanMessage
-from chameleon_runtime.recovery import RecoveryMixin
-from chameleon_runtime.reducer import Reducer
+from chameleon_runtime.protocol.seal import TOKEN_ENV
+from chameleon_runtime.protocol.wire import JobDescription, LayerCostWire, PlanMessage
 from chameleon_runtime.scaler import INIT_SCALE
 from chameleon_runtime.shard import PRECISIONS, LayerFactory, OptimizerFactory, Shard
 from chameleon_runtime.step import CommitUnknown, run_step
 from chameleon_runtime.transport import transport_for
 from planner.plans.partition import balanced_split
 from planner.plans.plan import Plan, pipelines_plan, split_evenly
-from planner.plans.program import Allreduce, WorkerProgram, reads_global_norm
+from planner.plans.program import Allreduce, reads_global_norm
+
+AUTO = "auto"  # Trainer(pipeline_stages=AUTO): the planner picks the launch layout
+# A layout planned by the chief alone (no launcher: a plain script, torchrun) is scored
+# with these, as the launcher's planner starts before it has measured anything.
+LAUNCH_RESTART_S = 30.0
+DEFAULT_MTBF_S = 3600.0
 
 
 @dataclass(frozen=True)
@@ -72,7 +78,7 @@ class FitResult:
     recoveries: int
 
 
-class Trainer(RecoveryMixin):
+class Trainer:
     """Pipeline x data parallel training that survives failures in place.
 
     Args:
@@ -84,7 +90,11 @@ class Trainer(RecoveryMixin):
             optimizers only: SGD, Adam, AdamW...).
         dataset: indexable by global sample index, returning (input, target) tensors.
         global_batch_size, micro_batch_size: samples per step and per micro-batch.
-        pipeline_stages: stages per pipeline at the start (WORLD_SIZE must be a multiple).
+        pipeline_stages: stages per pipeline at the start (WORLD_SIZE must be a multiple),
+            or "auto": the planner picks the starting layout as it picks one after a
+            failure (under ``chameleon run`` the leader, from the layers' measured costs
+            and the run's ``--config``; otherwise the chief, from the measured costs), and
+            may leave workers out as spares when fewer run faster.
         lr_schedule: step -> learning rate, applied to every layer's optimizer.
         checkpoint_dir, checkpoint_every: atomic checkpoints every N steps (0: never).
         device: "cpu", "cuda", "npu" or "auto" (chameleon_runtime.device: a worker uses its
@@ -118,7 +128,7 @@ class Trainer(RecoveryMixin):
         global_batch_size: int,
         micro_batch_size: int,
         num_layers: int | None = None,
-        pipeline_stages: int = 1,
+        pipeline_stages: int | Literal["auto"] = 1,
         seed: int = 0,
         lr_schedule: Callable[[int], float] | None = None,
         checkpoint_dir: str | os.PathLike | None = None,
@@ -140,6 +150,12 @@ class Trainer(RecoveryMixin):
         device = resolve_device(device, int(os.environ.get("LOCAL_RANK", "0")))
         self.transport = transport_for(device, transport)
         bind(device)
+        if pipeline_stages != AUTO and not (
+            isinstance(pipeline_stages, int) and pipeline_stages >= 1
+        ):
+            raise ValueError(
+                f'pipeline_stages must be a positive number or "auto", not {pipeline_stages!r}'
+            )
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(f"max_grad_norm must be positive, not {max_grad_norm}")
         if callable(layers) and not isinstance(layers, nn.Module):
@@ -166,25 +182,16 @@ class Trainer(RecoveryMixin):
         self.global_norm = reads_global_norm(max_grad_norm, precision)
         self.exact = exact
         self.allreduce: Allreduce = "exchange" if exact else "ring"
-        self.reducer: Reducer | None = None
         self.losses: dict[int, float] = {}  # step -> loss, for the steps this process ran
-        # A ring's commit (chameleon_runtime.step): what the last one summed, and the step
-        # whose commit this worker voted for without learning the decision.
-        self.committed: tuple[float, float, float] | None = None
-        self.pending: int | None = None
         self._checkpoint_keys: list[str] = []  # a ring's last checkpoint agreement
-        self.collectives: dict[tuple[int, ...], Collective] = {}
         self.shard = Shard(
             self.factory, optimizer, seed=seed, device=device, precision=precision,
             init_loss_scale=init_loss_scale,
         )  # fmt: skip
         self.meter = Meter(self.shard)
-        self.generation = 0
-        self.applied = 0
-        self.recoveries = 0
-        self.gen: Generation | None = None
-        self.kept: Kept | None = None
-        self.part: WorkerProgram | None = None
+        # Where this worker is in the job (generation, plan, step...): built once the
+        # worker knows its rank and its layers' sizes (_setup).
+        self.member: Membership | None = None
 
     # -- setup -------------------------------------------------------------------------
 
@@ -209,10 +216,23 @@ class Trainer(RecoveryMixin):
         self.control = Control(addr, port, self.rank, attempt=attempt)
         self.control.register(self.device)
 
+    def membership(self) -> Membership:
+        """This worker's place in the job, from generation 0 (after ``_connect`` and the
+        probe: it needs the rank and the layers' sizes)."""
+        return Membership(
+            rank=self.rank, control=self.control, shard=self.shard, meter=self.meter,
+            transport=self.transport, layer_params=self.layer_params, allreduce=self.allreduce,
+            global_norm=self.global_norm, max_grad_norm=self.max_grad_norm,
+            lr_schedule=self.lr_schedule, losses=self.losses,
+        )  # fmt: skip
+
     def initial_plan(self) -> Plan:
-        """Generation 0: pipelines of ``pipeline_stages`` consecutive ranks, layers split by
-        parameter count, micro-batches split evenly. Every worker computes the same one."""
-        pp = self.pipeline_stages
+        """Generation 0 as given: pipelines of ``pipeline_stages`` consecutive ranks, layers
+        split by parameter count, micro-batches split evenly. Every worker computes the
+        same one. (``"auto"``: the planner's launch layout is not known here; this is then
+        the data-parallel layout, which ``chameleon profile`` times, holding every layer
+        on every worker as it does anyway.)"""
+        pp = 1 if self.pipeline_stages == AUTO else int(self.pipeline_stages)
         if self.world_size % pp:
             raise ValueError(
                 f"WORLD_SIZE {self.world_size} is not a multiple of pipeline_stages {pp}"
@@ -234,52 +254,102 @@ class Trainer(RecoveryMixin):
             self.factory, self.num_layers, sample, seed=self.seed,
             wire_dtype=self.shard.wire_dtype, device=self.device,
         )  # fmt: skip
+        member = self.member = self.membership()
         joining = os.environ.get("CHAMELEON_JOIN")
         if joining:
-            self._join(int(joining))
+            member.join(int(joining))
             return
-        plan = self.initial_plan()
-        stage = plan.stage_of[self.rank]
-        self.shard.ensure(stage.first_layer, stage.end_layer)
-        self.step = 0
-        if self.checkpoint_dir is not None:
-            last = checkpoint.latest(self.checkpoint_dir)
-            if last is not None:
-                checkpoint.load_layers(self.checkpoint_dir, last, self.shard, self.shard.held())
-                self.step = last + 1
-        self.control.status.update(step=self.step)
-        keys = self.control.keys
-        if self.rank == min(plan.workers):
-            message = PlanMessage.build(
-                generation=0, policy="initial", resume_step=self.step, plan=plan
-            )
-            self.control.put_signed(keys.plan(0), message)
-            self.control.put_signed(keys.latest, "0")
-        self._publish_costs(plan, stage.first_layer, stage.end_layer)
-        self._enter(0, plan, plan.workers)
-        self._keep(self.gen.kept if self.gen is not None else None)
-        self.control.status.update(phase="train")
-
-    def _publish_costs(self, plan: Plan, first: int, end: int) -> None:
-        shape, dtype = self.activation_shapes[first - 1] if first > 0 else (None, None)
-        if first == 0:
-            x = self.batches.inputs(0, 0).to(self.device)
-        elif dtype.is_floating_point:
-            x = torch.randn(*shape, dtype=dtype, device=self.device)
+        resume = 0
+        last = checkpoint.latest(self.checkpoint_dir) if self.checkpoint_dir else None
+        if last is not None:
+            resume = last + 1
+        if self.pipeline_stages == AUTO:
+            plan = self._launch_plan(resume)
         else:
-            x = torch.zeros(*shape, dtype=dtype, device=self.device)
+            plan = self.initial_plan()
+            stage = plan.stage_of[self.rank]
+            self.shard.ensure(stage.first_layer, stage.end_layer)
+            if self.rank == min(plan.workers):
+                self._publish_plan(plan, resume)
+            self._publish_costs(plan, stage.first_layer, stage.end_layer)
+        stage = plan.stage_of.get(self.rank)
+        if stage is not None:
+            self.shard.keep_only(stage.first_layer, stage.end_layer)
+            self.shard.ensure(stage.first_layer, stage.end_layer)
+        else:  # a spare from the start: the planner left it out
+            self.shard.keep_only(0, 0)
+        if last is not None and self.shard.held():
+            checkpoint.load_layers(self.checkpoint_dir, last, self.shard, self.shard.held())
+        member.launch(plan, resume)
+
+    def _publish_plan(self, plan: Plan, resume: int, policy: str = "initial") -> None:
         keys = self.control.keys
-        for cost in measure(self.shard, list(range(first, end)), x, self.layer_names):
-            index = int(cost.name.rsplit(".", 1)[1])
-            self.control.put(keys.layer(index), cost)
-        if self.rank != min(plan.workers):
-            return
+        message = PlanMessage.build(generation=0, policy=policy, resume_step=resume, plan=plan)
+        self.control.put_signed(keys.plan(0), message)
+        self.control.put_signed(keys.latest, "0")
+
+    def _launch_plan(self, resume: int) -> Plan:
+        """``pipeline_stages="auto"``: the planner picks generation 0. Every worker builds
+        and measures its share of the layers split over as many workers as there are
+        layers (each layer measured once, no worker holding more than its share), the
+        chief describes the job, and the leader plans from that description
+        (launcher/coordinator.py). Without a leader (a plain script, torchrun) the chief
+        plans it itself from the same description (the analytic model, one node of
+        LOCAL_WORLD_SIZE workers per node)."""
+        pieces = min(self.world_size, self.num_layers)
+        bounds = balanced_split([max(1, n) for n in self.layer_params], pieces)
+        first, end = (bounds[self.rank], bounds[self.rank + 1]) if self.rank < pieces else (0, 0)
+        self.shard.ensure(first, end)
+        description = self._publish_costs(None, first, end, chief=0, resume=resume)
+        if description is not None and TOKEN_ENV not in os.environ:
+            self._publish_plan(self._plan_alone(description), resume, policy="launch")
+        with self.control.status.waiting("plan"):
+            return self.control.latest_plan().plan.to_plan()
+
+    def _plan_alone(self, description: JobDescription) -> Plan:
+        from planner.choice.selection import Outlook, launch_choice
+
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size)) or self.world_size
+        job = description.to_job(
+            num_nodes=max(1, self.world_size // per_node), workers_per_node=per_node,
+            mtbf_s=None, step_s=1.0, restart_s=LAUNCH_RESTART_S,
+        )  # fmt: skip
+        mtbf = job.training.mtbf_s or DEFAULT_MTBF_S
+        choice = launch_choice(job, list(range(self.world_size)), Outlook(mtbf))
+        if choice is None:
+            raise ValueError(
+                f"no layout of the model's {self.num_layers} layers fits {self.world_size} "
+                f"workers of {description.memory_limit_bytes / 2**30:.1f} GiB"
+            )
+        return choice.plan
+
+    def _publish_costs(
+        self, plan: Plan | None, first: int, end: int, *, chief: int | None = None, resume: int = 0
+    ) -> JobDescription | None:
+        """Measure layers [first, end) and publish their costs; the chief (the lowest worker
+        of ``plan``) gathers every layer's and publishes the job's description, which it
+        returns (the others: None). ``plan`` None: no layout launched yet ("auto")."""
+        keys = self.control.keys
+        if first < end:
+            shape, dtype = self.activation_shapes[first - 1] if first > 0 else (None, None)
+            if first == 0:
+                x = self.batches.inputs(0, 0).to(self.device)
+            elif dtype.is_floating_point:
+                x = torch.randn(*shape, dtype=dtype, device=self.device)
+            else:
+                x = torch.zeros(*shape, dtype=dtype, device=self.device)
+            for cost in measure(self.shard, list(range(first, end)), x, self.layer_names):
+                index = int(cost.name.rsplit(".", 1)[1])
+                self.control.put(keys.layer(index), cost)
+        if self.rank != (min(plan.workers) if plan is not None else chief):
+            return None
         costs = [
             LayerCostWire.model_validate_json(self.control.wait(keys.layer(i)))
             for i in range(self.num_layers)
         ]
-        description = describe_job(self, plan, costs)
+        description = describe_job(self, plan, costs, resume_step=resume)
         self.control.put_signed(keys.job, description)
+        return description
 
     # -- the loop ----------------------------------------------------------------------
 
@@ -296,62 +366,60 @@ class Trainer(RecoveryMixin):
                 self.control.close()
             return FitResult(steps=0, generation=0, losses={}, recoveries=0)
         self._setup()
+        m = self.member
+        assert m is not None
         losses = self.losses
         status = self.control.status
         progress, slowest = 0, 0.0
         cpu_mark = time.process_time()
         pace = Pace()
         forget: list[str] = []  # the previous step's keys, for its commit's last arrival
-        while self.step < steps:
-            if self.part is None:  # a spare: not in this plan
-                self._idle(steps)
+        while m.step < steps:
+            if m.part is None:  # a spare: not in this plan
+                m.idle(steps)
                 forget = []
                 continue
-            self.control.step_failpoint(self.step)
-            if self.control.interrupts.aborted(self.generation):
+            self.control.step_failpoint(m.step)
+            if self.control.interrupts.aborted(m.generation):
                 # Heard between steps: a worker with no peer to wait on (alone in its
                 # generation) hears an abort nowhere else, and would train on to the end
                 # while the launcher waited for it to recover (a replacement's rejoin).
-                self._recover(f"generation {self.generation} aborted")
+                m.recover(f"generation {m.generation} aborted")
                 forget = []
                 continue
-            lr = self.lr_schedule(self.step) if self.lr_schedule else None
+            lr = self.lr_schedule(m.step) if self.lr_schedule else None
             try:
                 result = run_step(
-                    step=self.step, part=self.part, shard=self.shard, gen=self.gen,
+                    step=m.step, part=m.part, shard=self.shard, gen=m.gen,
                     control=self.control, batches=self.batches, loss_fn=self.loss_fn,
                     activation_shapes=self.activation_shapes, meter=self.meter, lr=lr,
-                    forget=forget, max_grad_norm=self.max_grad_norm, reducer=self._reducer(),
+                    forget=forget, max_grad_norm=self.max_grad_norm, reducer=m.ring_reducer(),
                 )  # fmt: skip
             except (Aborted, CommError) as exc:
                 # A ring's commit whose outcome this worker did not learn: it keeps the
                 # step's gradients for the next plan to settle (chameleon_runtime.step).
-                self._recover(
-                    str(exc), pending=exc.step if isinstance(exc, CommitUnknown) else None
-                )
+                m.recover(str(exc), pending=exc.step if isinstance(exc, CommitUnknown) else None)
                 forget = []
                 continue
             except STORE_LOST as exc:  # the leader's node is lost: its store went with it
                 if not self.control.reconnect():
                     raise
-                self._recover(f"the worker store moved ({str(exc).splitlines()[0][:80]})")
+                m.recover(f"the worker store moved ({str(exc).splitlines()[0][:80]})")
                 forget = []
                 continue
-            done = self.step
+            done = m.step
             losses[done] = result.loss
-            self.committed = result.committed
-            self.step += 1
+            m.committed = result.committed
+            m.step += 1
             progress += 1
             slowest = max(slowest, result.seconds)
             # CPU time of the whole process (every thread) since the last step: on a host
             # whose cores the workers share, this is what each step costs the host.
             cpu_now = time.process_time()
             cpu_s, cpu_mark = cpu_now - cpu_mark, cpu_now
-            pace.add(
-                self.generation, result.seconds, cpu_s, result.compute_cpu_s, result.pass_cpu_s
-            )
+            pace.add(m.generation, result.seconds, cpu_s, result.compute_cpu_s, result.pass_cpu_s)
             status.update(
-                phase="train", generation=self.generation, step=self.step, progress=progress,
+                phase="train", generation=m.generation, step=m.step, progress=progress,
                 step_s=result.seconds, slowest_step_s=slowest, cpu_s=cpu_s,
                 compute_cpu_s=result.compute_cpu_s, pass_cpu_s=result.pass_cpu_s,
                 peak_bytes=self.meter.peak_bytes,
@@ -359,17 +427,17 @@ class Trainer(RecoveryMixin):
             )  # fmt: skip
             checkpointed = self._checkpoint_if_due(done)
             forget = self.control.keys.step_keys(
-                self.generation, done, self.part.last_stage_workers(), checkpointed=checkpointed,
-                norm_owners=self.part.norm_owners(), commit=self.allreduce == "exchange",
+                m.generation, done, m.part.last_stage_workers(), checkpointed=checkpointed,
+                norm_owners=m.part.norm_owners(), commit=self.allreduce == "exchange",
             )  # fmt: skip
             if on_step is not None:
-                chief = self.rank == min(self.plan.workers)
+                chief = self.rank == min(m.plan.workers)
                 on_step(
                     StepInfo(
                         done,
                         result.loss,
                         result.seconds,
-                        self.generation,
+                        m.generation,
                         self.rank,
                         chief,
                         result.sent_bytes,
@@ -377,24 +445,26 @@ class Trainer(RecoveryMixin):
                 )
         self._finish(steps)
         return FitResult(
-            steps=self.step, generation=self.generation, losses=losses, recoveries=self.recoveries
+            steps=m.step, generation=m.generation, losses=losses, recoveries=m.recoveries
         )
 
     def _finish(self, steps: int) -> None:
+        m = self.member
+        assert m is not None
         status = self.control.status
-        status.update(phase="done", step=self.step)
-        if self.part is not None and self.rank == min(self.plan.workers):
+        status.update(phase="done", step=m.step)
+        if m.part is not None and self.rank == min(m.plan.workers):
             # Spares (and replacements yet to come) wait for a plan: tell them it is over.
             keys = self.control.keys
-            self.control.put_signed(keys.finished, str(self.step - 1))
-            self.control.end(self.generation, self.step - 1)
-            members = set(self.plan.workers)
+            self.control.put_signed(keys.finished, str(m.step - 1))
+            self.control.end(m.generation, m.step - 1)
+            members = set(m.plan.workers)
             for rank in range(self.world_size):
                 if rank not in members:
-                    self.control.push_signed(keys.mailbox(rank), Finish(step=self.step - 1))
-        self._leave()
-        self._keep(None)
-        self._let_go_of_collectives()
+                    self.control.push_signed(keys.mailbox(rank), Finish(step=m.step - 1))
+        m.leave()
+        m.keep(None)
+        m.let_go_of_collectives()
         self.control.close_settled()
 
     @property
@@ -409,17 +479,19 @@ class Trainer(RecoveryMixin):
     def _checkpoint_if_due(self, step: int) -> bool:
         """Each layer by its first holder; ``latest`` moves once all are written (an
         all-or-none agreement). A failure in between leaves the previous checkpoint."""
+        m = self.member
+        assert m is not None
         if not (
-            self.checkpoint_dir and self.checkpoint_every and self.step % self.checkpoint_every == 0
+            self.checkpoint_dir and self.checkpoint_every and m.step % self.checkpoint_every == 0
         ):
             return False
         status = self.control.status
         status.update(phase="checkpoint")
         with status.waiting("checkpoint"):
-            checkpoint.save_layers(self.checkpoint_dir, step, self.shard, self.part.owned_layers())
+            checkpoint.save_layers(self.checkpoint_dir, step, self.shard, m.part.owned_layers())
         name = checkpoint_name(step)
-        agreed = self.control.agree(self.generation, name, len(self.part.members))
-        if agreed.held and self.rank == min(self.plan.workers):
+        agreed = self.control.agree(m.generation, name, len(m.part.members))
+        if agreed.held and self.rank == min(m.plan.workers):
             checkpoint.publish(self.checkpoint_dir, step, self.num_layers)
         if self.allreduce == "ring":
             # No store commit to forget them at (an exchange's does): the last to reach a
@@ -428,8 +500,8 @@ class Trainer(RecoveryMixin):
                 self.control.forget(self._checkpoint_keys)
             keys = self.control.keys
             self._checkpoint_keys = [
-                keys.agreement(self.generation, name),
-                keys.agreement_done(self.generation, name),
+                keys.agreement(m.generation, name),
+                keys.agreement_done(m.generation, name),
             ]
         status.update(phase="train")
         return self.allreduce == "exchange"  # whose step keys forget it

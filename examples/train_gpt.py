@@ -148,7 +148,13 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--global-batch", type=int, default=32)
     parser.add_argument("--micro-batch", type=int, default=2)
-    parser.add_argument("--pipeline-stages", type=int, default=4)
+    parser.add_argument(
+        "--pipeline-stages",
+        type=lambda v: v if v == "auto" else int(v),
+        default="auto",
+        help='stages per pipeline at the start, or "auto" (default): the planner picks the '
+        "starting layout as it picks one after a failure",
+    )
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument(
         "--checkpoint-dir",
@@ -197,7 +203,9 @@ def main() -> None:
 
     torch.set_num_threads(1)
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    stages = args.pipeline_stages if world % args.pipeline_stages == 0 else 1
+    stages = args.pipeline_stages
+    if stages != "auto" and world % stages:
+        stages = 1
     data = CharDataset(corpus(), args.seq_len)
     vocab = len(data.vocab)
     num_layers = args.blocks + 2

@@ -291,6 +291,16 @@ class JobModel:
             return None
         return current_s, best.estimate.step_s, best.transition.total_s, best.label
 
+    def launch(self, workers: list[int]) -> Any:
+        """The layout to start on when the script left it to the planner
+        (``Trainer(pipeline_stages="auto")``): planner.choice.selection.launch_choice on
+        the described job, before any step was measured (a Proposal; None: none fits)."""
+        from planner.choice.selection import Outlook, launch_choice
+
+        job = self.job(None, {}, 0)
+        outlook = Outlook(self.mtbf(len(workers)).seconds, None, self.rate.node_share())
+        return launch_choice(job, workers, outlook)
+
     def since_checkpoint_s(self, resume_step: int, job: Any) -> float:
         """The work a checkpoint restart would redo, at the measured pace."""
         every = self.description.checkpoint_interval_steps

@@ -267,8 +267,10 @@ class Coordinator:
     # -- the state machine ---------------------------------------------------------------
 
     def _start(self) -> bool:
-        """The state machine starts from generation 0, once its chief published it."""
+        """The state machine starts from generation 0, once its chief published it (or,
+        where the script left the layout to the planner, once this leader did)."""
         if not self.store.check([self.keys.plan(0)]):
+            self._plan_launch()
             return False
         body = self.seal.open(self.store.get(self.keys.plan(0)), self.keys.plan(0))
         if body is None:
@@ -296,6 +298,44 @@ class Coordinator:
             plan=first.plan.model_dump(mode="json"),
         )
         return True
+
+    def _plan_launch(self) -> None:
+        """Generation 0 for a job described with ``layout="auto"``: the planner's launch
+        layout over every worker, published as the chief publishes a given one (every
+        worker waits for it before building its layers). Written once (compare_set): a
+        successor that finds it published leaves it."""
+        if not self._described() or self.model.description.layout != "auto":
+            return
+        if self._fatal is not None:
+            return
+        t0 = time.perf_counter()
+        choice = self.model.launch(list(range(self.world_size)))
+        if choice is None:
+            d = self.model.description
+            self._fatal = (
+                f"no layout of the model's {len(d.layers)} layers fits {self.world_size} "
+                f"workers of {d.memory_limit_bytes / 2**30:.1f} GiB"
+            )
+            return
+        message = PlanMessage.build(
+            generation=0,
+            policy="launch",
+            resume_step=self.model.description.resume_step,
+            plan=choice.plan,
+            estimated_step_s=choice.estimate.step_s,
+        )
+        sealed = self.seal.seal(message.model_dump_json())
+        self.store.compare_set(self.keys.plan(0), "", sealed)
+        self.store.set(self.keys.latest, self.seal.seal("0"))
+        self.emit(
+            "launch_planned",
+            attempt=self.attempt,
+            layout=choice.label,
+            workers=len(choice.plan.workers),
+            spares=self.world_size - len(choice.plan.workers),
+            estimated_step_s=choice.estimate.step_s,
+            search_s=time.perf_counter() - t0,
+        )
 
     def _apply(self, event: rc.Event) -> None:
         assert self.state is not None

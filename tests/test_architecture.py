@@ -126,3 +126,70 @@ def test_the_cycle_check_sees_cycles_hidden_in_functions_and_type_checking(tmp_p
         path.write_text(text)
         modules[name] = path
     assert _cycles(modules) == {frozenset({"pkg.a", "pkg.b"})}
+
+
+def _classes() -> dict[tuple[str, str], tuple[Path, ast.ClassDef, list[tuple[str, str]]]]:
+    """Our classes by (module, name), each with its bases that are ours (a base named in
+    its module or imported from one of ours: ``typing.Protocol`` is not our Protocol)."""
+    defined = {}
+    for module, path in MODULES.items():
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                defined[(module, node.name)] = (path, node, tree)
+    found = {}
+    for (module, name), (path, cls, tree) in defined.items():
+        source = {n: module for (m, n) in defined if m == module}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module in MODULES:
+                source.update({a.asname or a.name: node.module for a in node.names})
+        bases = [
+            (source[b.id], b.id)
+            for b in cls.bases
+            if isinstance(b, ast.Name) and (source.get(b.id), b.id) in defined
+        ]
+        found[(module, name)] = (path, cls, bases)
+    return found
+
+
+def _reads_unowned(cls: ast.ClassDef) -> set[str]:
+    """Attributes ``cls``'s methods read from ``self`` that nothing in ``cls`` defines: a
+    method, a class attribute, or an assignment ``self.x = ...`` in one of its methods."""
+    owned = set()
+    for node in cls.body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            owned.add(node.name)
+        elif isinstance(node, ast.Assign):
+            owned.update(t.id for t in node.targets if isinstance(t, ast.Name))
+        elif isinstance(node, ast.AnnAssign) and node.value is not None:
+            owned.add(node.target.id)  # type: ignore[union-attr]
+    read = set()
+    for node in ast.walk(cls):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id == "self"
+        ):
+            (owned if isinstance(node.ctx, ast.Store) else read).add(node.attr)
+    return read - owned
+
+
+def test_no_mixins():
+    """A class of ours that another of ours inherits from owns the state its methods use:
+    a mixin (methods over attributes some other class sets: one class in several rooms)
+    hides which object owns which state. Model bases (pydantic, Protocol, exceptions)
+    carry no such state: their fields are declared, and they are left out."""
+    classes = _classes()
+    mixins = []
+    for (_, name), (path, _cls, ours) in sorted(classes.items()):
+        if name.endswith("Mixin") or len(ours) > 1:
+            mixins.append(f"{path.relative_to(ROOT)}: {name}")
+        for base in ours:
+            base_path, base_cls, _ = classes[base]
+            outside = {ast.unparse(b).split(".")[-1] for b in base_cls.bases}
+            if outside & {"BaseModel", "Protocol", "Exception", "NamedTuple"}:
+                continue
+            unowned = _reads_unowned(base_cls)
+            if unowned:
+                mixins.append(f"{base_path.relative_to(ROOT)}: {base[1]} uses {sorted(unowned)}")
+    assert not mixins, mixins

@@ -2,6 +2,7 @@
 
 import itertools
 import math
+from pathlib import Path
 
 import pytest
 
@@ -10,6 +11,8 @@ from planner.choice.selection import Outlook, choose, decide, score
 from planner.estimator.estimate import Estimate
 from planner.plans.layout import initial_plan
 from tests.synthetic import uniform_job
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def _frozen_clock():
@@ -119,3 +122,28 @@ def test_restart_uses_spares_at_the_old_size():
     assert sorted(restart.plan.workers) == [0, 2, 3, 4]  # spare worker 4 replaces 1
     assert restart.estimate.step_s == pytest.approx(decision.baseline.step_s)
     assert restart.transition.restart_s == job.cluster.restart_s
+
+
+def test_the_launch_layout_is_the_best_scoring_of_every_shape_on_a_small_cluster():
+    """pipeline_stages="auto": on the test bed (8 workers, one host of 2 cores) the
+    launch times every shape; it starts no slower than the layout the config names,
+    which the search's ranking alone left out (it proposed 4x2, 1.5% slower)."""
+    from planner.choice.selection import launch_choice
+    from planner.config import load_job
+    from planner.search.layouts import Search
+
+    job = load_job(ROOT / "configs" / "cpu_testbed.toml")
+    workers = list(range(job.cluster.num_devices))
+    configured = Search(job).estimate(initial_plan(job)).step_s
+    ranked = Search(job).propose(None, workers)[0].estimate.step_s
+    choice = launch_choice(job, workers, Outlook(mtbf_s=3600.0))
+    assert choice is not None and choice.estimate.feasible
+    assert choice.estimate.step_s <= configured * (1 + 1e-9) < ranked
+    assert set(choice.plan.workers) <= set(workers)
+
+
+def test_no_launch_layout_when_nothing_fits():
+    from planner.choice.selection import launch_choice
+
+    job = uniform_job(dp=2, pp=2, num_layers=4, memory_bytes=10)
+    assert launch_choice(job, list(range(4)), Outlook(mtbf_s=3600.0)) is None

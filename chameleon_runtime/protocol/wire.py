@@ -62,6 +62,11 @@ class JobDescription(_Wire):
     host_cores: int = 0
     # Trainer(exact=True): float64 sums exchanged point to point, not a ring's collectives.
     exact: bool = False
+    # Trainer(pipeline_stages="auto"): no layout was launched; the leader plans generation
+    # 0 from this description (planner.choice.selection.launch_choice), to start at
+    # ``resume_step`` (after the last checkpoint). dp and pp then say W and 1.
+    layout: Literal["given", "auto"] = "given"
+    resume_step: Annotated[int, Field(ge=0)] = 0
 
     @property
     def allreduce(self) -> str:

@@ -20,7 +20,7 @@ the one the runtime will pay.
   nothing (the failed stage's survivors lose their group's dead member, and a stage held
   by one worker needs none); a re-partition builds every group whose holders changed.
 
-The recovery protocol itself (launcher/recovery.py, chameleon_runtime/recovery.py) costs
+The recovery protocol itself (launcher/recovery.py, chameleon_runtime/membership.py) costs
 what its messages cost, phase by phase (``protocol``): a worker blocked in a store wait
 is woken (the host's fitted wake-up wait, ``planner.plans.load.wake_s``, plus a round trip), the
 leader's agent notices a report within half its poll period on average

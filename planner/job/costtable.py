@@ -81,7 +81,7 @@ class CostTable(_Strict):
     pg_init_base_s: NonNegative | None = None
     pg_init_per_worker_s: NonNegative | None = None
     # CPU per parameter to move a layer besides the transfer: export and pack it on the
-    # sender, unpack, build and load it on the receiver (chameleon_runtime.recovery).
+    # sender, unpack, build and load it on the receiver (chameleon_runtime.membership).
     move_cpu_s_per_param: NonNegative | None = None
     # ... of which the sender's: export and pack, within its transfer's round.
     pack_cpu_s_per_param: NonNegative | None = None

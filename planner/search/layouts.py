@@ -257,17 +257,23 @@ class Search:
         ]
 
     def realise(
-        self, *, current: Plan, survivors: Sequence[int], shape: Shape, counts: list[list[int]]
+        self,
+        *,
+        current: Plan | None,
+        survivors: Sequence[int],
+        shape: Shape,
+        counts: list[list[int]],
     ) -> Plan:
-        """Place a shape on real workers: matching picks who holds what."""
-        holdings = holdings_of(current, set(survivors))
+        """Place a shape on real workers: matching picks who holds what (``current``
+        None: nobody holds anything yet, the launch)."""
+        holdings = holdings_of(current, set(survivors)) if current is not None else {}
         kinds = self.kinds(shape)
         bounds = [t.partition.boundaries for t, count in kinds for _ in range(count)]
         slots = [list(zip(b, b[1:], strict=False)) for b in bounds]
         placed = assign_slots(
             self.costs,
             holdings=holdings,
-            old_pipelines=current.pipelines,
+            old_pipelines=current.pipelines if current is not None else [],
             new_pipelines=slots,
             workers=sorted(survivors),
         )
@@ -310,8 +316,10 @@ class Search:
             micro_batch_counts=counts,
         )
 
-    def propose(self, current: Plan, survivors: Sequence[int]) -> list[Proposal]:
-        """Feasible plans over the survivors, timed on the step graph, fastest first."""
+    def propose(self, current: Plan | None, survivors: Sequence[int]) -> list[Proposal]:
+        """Feasible plans over the survivors, timed on the step graph, fastest first
+        (``current`` None: the launch, where nobody holds anything and no pipeline is
+        intact)."""
         proposals: list[Proposal] = []
         seen: set[tuple] = set()
 
@@ -326,7 +334,8 @@ class Search:
             if est.feasible:
                 proposals.append(Proposal(plan=plan, estimate=est, label=label))
 
-        consider(self.intact_plan(current, survivors), "keep intact pipelines")
+        if current is not None:
+            consider(self.intact_plan(current, survivors), "keep intact pipelines")
         for _time, shape, counts in self.rank_shapes(len(survivors)):
             consider(
                 self.realise(current=current, survivors=survivors, shape=shape, counts=counts),

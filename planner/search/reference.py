@@ -14,11 +14,11 @@ from collections.abc import Sequence
 
 from planner.estimator.estimate import Estimate
 from planner.plans.plan import Plan
-from planner.search.layouts import Proposal, Search, _as_shape, length_multisets
+from planner.search.layouts import Proposal, Search, _as_shape, describe_shape, length_multisets
 from planner.search.template import allocate_kinds
 
 
-def exhaustive(search: Search, current: Plan, survivors: Sequence[int]) -> list[Proposal]:
+def exhaustive(search: Search, current: Plan | None, survivors: Sequence[int]) -> list[Proposal]:
     """Every feasible plan of the search space above, fastest first."""
     job = search.job
     m_total = job.training.num_micro_batches
@@ -37,6 +37,6 @@ def exhaustive(search: Search, current: Plan, survivors: Sequence[int]) -> list[
         )
         est: Estimate = search.estimate(plan)
         if est.feasible:
-            out.append(Proposal(plan=plan, estimate=est, label=str(shape)))
+            out.append(Proposal(plan=plan, estimate=est, label=describe_shape(kinds)))
     out.sort(key=lambda p: p.estimate.step_s)
     return out

@@ -90,7 +90,7 @@ def make_layer(i: int, num_layers: int) -> nn.Module:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=50)
-    parser.add_argument("--stages", type=int, default=1)
+    parser.add_argument("--stages", type=lambda v: v if v == "auto" else int(v), default=1)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--global-batch", type=int, default=8)
     parser.add_argument("--dump", default=None)
@@ -128,7 +128,7 @@ def main() -> None:
         dataset=data,
         global_batch_size=args.global_batch,
         micro_batch_size=2,
-        pipeline_stages=args.stages if world % args.stages == 0 else 1,
+        pipeline_stages=args.stages if args.stages == "auto" or world % args.stages == 0 else 1,
         lr_schedule=lr_at,
         max_grad_norm=args.max_grad_norm,
         precision=args.precision,

@@ -51,6 +51,7 @@ def test_simulated_throughput_agrees_with_a_real_run_of_the_same_kills(tmp_path)
         "run", "--nproc-per-node", "8", "--plain", "--master-port", str(free_port()),
         "--config", str(config), "--max-rejoins", "0", "--policy", "auto", "--events", str(events_file), *faults,
         EXAMPLE, "--steps", str(STEPS), "--checkpoint-dir", str(tmp_path / "ckpt"),
+        "--pipeline-stages", "4",  # the config's launch layout (2 x 4), where the replay starts
         cwd=tmp_path, timeout=300,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]

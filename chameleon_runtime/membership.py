@@ -1,5 +1,6 @@
 """The worker's side of a recovery: leave a generation, report what it holds, and carry
-out the launcher's next plan. Mixed into ``Trainer`` (chameleon_runtime.trainer).
+out the launcher's next plan: ``Membership``, which the trainer's step loop
+(chameleon_runtime.trainer) reads and a recovery moves.
 
 A plan is applied in four steps, each of which a new failure may interrupt:
 
@@ -96,39 +97,73 @@ def move_layers(
     return received
 
 
-class RecoveryMixin:
-    """Recovery for ``Trainer``; the attributes below are the trainer's."""
+class Membership:
+    """This worker's place in the job: the generation it is in and the last it applied,
+    the plan and its program, the generation's group (and the one kept for the next to
+    carry over), a ring's collective groups and reducer, the step it is at, and a step
+    whose commit it did not learn. The trainer's step loop reads it; a recovery (the
+    launcher's next plan) moves it. Handed what it acts on: the control channel, the
+    shard of layers it moves, and the rules a rolled-forward step is applied by."""
 
-    rank: int
-    control: Control
-    shard: Shard
-    meter: Meter
-    device: str
-    transport: Transport
-    global_norm: bool  # each step reads the gradients' global norm (Trainer)
-    allreduce: Allreduce  # how holders sum a bucket: "ring", or "exchange" (exact)
-    reducer: Reducer | None  # the ring's, for ``part`` (built at its first step)
-    max_grad_norm: float | None
-    lr_schedule: Callable[[int], float] | None
-    losses: dict[int, float]
-    committed: tuple[float, float, float] | None  # what the last commit summed (a ring's)
-    pending: int | None  # the step whose commit this worker did not learn (a ring's)
-    layer_params: list[int]
-    generation: int
-    applied: int  # the last generation whose migration this worker completed
-    plan: Plan
-    part: WorkerProgram | None
-    gen: Generation | None
-    kept: Kept | None  # the group of the last generation applied, for the next to carry over
-    # A ring's collective groups by holders, across generations (chameleon_runtime.comm)
-    collectives: dict[tuple[int, ...], Collective]
-    groups_s: float  # what building (or carrying over) the last group took
-    step: int
-    recoveries: int
+    def __init__(
+        self,
+        *,
+        rank: int,
+        control: Control,
+        shard: Shard,
+        meter: Meter,
+        transport: Transport,
+        layer_params: list[int],
+        allreduce: Allreduce,
+        global_norm: bool,
+        max_grad_norm: float | None,
+        lr_schedule: Callable[[int], float] | None,
+        losses: dict[int, float],
+    ) -> None:
+        self.rank = rank
+        self.control = control
+        self.shard = shard
+        self.meter = meter
+        self.transport = transport
+        self.layer_params = layer_params
+        self.allreduce = allreduce  # how holders sum a bucket: "ring", or "exchange" (exact)
+        self.global_norm = global_norm  # each step reads the gradients' global norm
+        self.max_grad_norm = max_grad_norm
+        self.lr_schedule = lr_schedule
+        self.losses = losses  # the trainer's: a rolled-forward step's loss goes there too
+        self.generation = 0
+        self.applied = 0  # the last generation whose migration this worker completed
+        self.plan: Plan | None = None
+        self.part: WorkerProgram | None = None
+        self.gen: Generation | None = None
+        self.kept: Kept | None = None  # the last applied generation's group, to carry over
+        # A ring's collective groups by holders, across generations (chameleon_runtime.comm)
+        self.collectives: dict[tuple[int, ...], Collective] = {}
+        self.reducer: Reducer | None = None  # the ring's, for ``part`` (built at its first step)
+        self.groups_s = 0.0  # what building (or carrying over) the last group took
+        self.step = 0
+        self.recoveries = 0
+        # A ring's commit (chameleon_runtime.step): what the last one summed, and the step
+        # whose commit this worker voted for without learning the decision.
+        self.committed: tuple[float, float, float] | None = None
+        self.pending: int | None = None
 
     # -- generations ---------------------------------------------------------------------
 
-    def _enter(self, generation: int, plan: Plan, members: list[int]) -> None:
+    def launch(self, plan: Plan, step: int) -> None:
+        """Generation 0, from ``step``: enter it as a holder, or wait as a spare where the
+        plan leaves this worker out (the planner's launch layout may use fewer workers)."""
+        self.step = step
+        self.control.status.update(step=step)
+        if self.rank in plan.stage_of:
+            self.enter(0, plan, plan.workers)
+            self.keep(self.gen.kept if self.gen is not None else None)
+            self.control.status.update(phase="train")
+        else:
+            self.generation, self.plan, self.part = 0, plan, None
+            self.control.status.update(phase="spare", generation=0)
+
+    def enter(self, generation: int, plan: Plan, members: list[int]) -> None:
         """Agree that every member is here, then build the generation's group."""
         self.generation, self.plan = generation, plan
         self.control.status.update(phase="groups", generation=generation)
@@ -180,7 +215,7 @@ class RecoveryMixin:
         self.meter.reset()  # a new layout: its own peak
         self.part = part
 
-    def _keep(self, kept: Kept | None) -> None:
+    def keep(self, kept: Kept | None) -> None:
         """Hold ``kept`` for the next generation to carry over (None: hold nothing)."""
         if kept is self.kept:
             return
@@ -190,7 +225,7 @@ class RecoveryMixin:
             self.kept.let_go()
         self.kept = kept
 
-    def _leave(self, *, keep_grads: bool = False) -> None:
+    def leave(self, *, keep_grads: bool = False) -> None:
         if self.reducer is not None:
             self.reducer.close(keep_grads=keep_grads)
             self.reducer = None
@@ -198,13 +233,13 @@ class RecoveryMixin:
             self.gen.abandon()
             self.gen = None
         if not self.transport.carries_over:  # aborted, never carried (transport's doc)
-            self._let_go_of_collectives()
+            self.let_go_of_collectives()
 
-    def _let_go_of_collectives(self) -> None:
+    def let_go_of_collectives(self) -> None:
         while self.collectives:
             self.collectives.popitem()[1].let_go(self.transport, COLLECTIVE_RELEASE)
 
-    def _reducer(self) -> Reducer | None:
+    def ring_reducer(self) -> Reducer | None:
         """The ring's reducer for the current program, built at its first step (after
         any migration: it holds views of the layers' gradients); None for exchange."""
         if self.part is None or self.part.allreduce != "ring":
@@ -218,14 +253,14 @@ class RecoveryMixin:
 
     # -- recovery ------------------------------------------------------------------------
 
-    def _recover(self, reason: str, *, pending: int | None = None) -> None:
+    def recover(self, reason: str, *, pending: int | None = None) -> None:
         """Discard the step in progress and carry out the launcher's next plan. ``pending``:
         the step whose commit this worker voted for without learning the decision (a
         ring's: chameleon_runtime.step); its gradients are kept for the plan to settle."""
         left = self.generation
         if pending is not None:
             self.pending = pending
-        self._leave(keep_grads=self.pending is not None)
+        self.leave(keep_grads=self.pending is not None)
         if self.pending is None:
             self.shard.zero_grad()
         while True:
@@ -263,12 +298,12 @@ class RecoveryMixin:
                 self.control.status.update(recoveries=self.recoveries)
                 return
             except (Aborted, CommError) as exc:  # a failure during the recovery itself
-                self._leave()
+                self.leave()
                 left, reason = message.generation, str(exc)
             except STORE_LOST as exc:
                 if not self.control.reconnect():
                     raise
-                self._leave()
+                self.leave()
                 left, reason = message.generation, f"the worker store moved ({exc})"[:200]
 
     def _settle_pending(self, message: PlanMessage) -> None:
@@ -310,7 +345,7 @@ class RecoveryMixin:
             # give the memory back. (Should this plan be abandoned, the launcher sees
             # that this worker no longer holds its old stage and plans accordingly.)
             self.shard.keep_only(0, 0)
-            self._let_go_of_collectives()
+            self.let_go_of_collectives()
             self.step = message.resume_step
             self.control.status.update(phase="spare", generation=message.generation)
             return
@@ -318,7 +353,7 @@ class RecoveryMixin:
             raise RuntimeError(
                 f"plan resumes at step {message.resume_step}, this worker is at {self.step}"
             )
-        self._enter(message.generation, plan, members)
+        self.enter(message.generation, plan, members)
         self.control.status.update(phase="migrate")
         self.control.failpoint("migrate")
         t0 = time.perf_counter()
@@ -326,7 +361,7 @@ class RecoveryMixin:
             received = self._migrate(message)
         except BaseException:
             if self.kept is not None and self.gen.kept is self.kept:
-                self._keep(None)  # messages may be left posted on it (module doc)
+                self.keep(None)  # messages may be left posted on it (module doc)
             raise
         if not self.control.agree(message.generation, "migrated", len(members)).held:
             raise Aborted(f"generation {message.generation} aborted during its migration")
@@ -341,7 +376,7 @@ class RecoveryMixin:
             self.shard.keep_only(0, 0)
         self.applied = message.generation
         carried = self.gen.kept is self.kept
-        self._keep(self.gen.kept)
+        self.keep(self.gen.kept)
         self.step = message.resume_step
         if (
             message.transfers
@@ -380,7 +415,7 @@ class RecoveryMixin:
 
     # -- spares and replacements ---------------------------------------------------------
 
-    def _join(self, count: int) -> None:
+    def join(self, count: int) -> None:
         """A replacement started by the launcher while the job trains (launcher/rejoin.py):
         take the current generation as a spare, holding nothing, and announce it. The
         launcher decides whether to re-partition with us; until then we idle."""
@@ -397,7 +432,7 @@ class RecoveryMixin:
         self.control.status.update(phase="spare", generation=message.generation)
         self.control.tell_leader(Joined(rank=self.rank, count=count, generation=message.generation))
 
-    def _idle(self, steps: int) -> None:
+    def idle(self, steps: int) -> None:
         """A live worker the plan does not use: wait, heartbeating, until a new plan is
         coming (an abort of this generation) or training is over."""
         event = threading.Event()
@@ -406,4 +441,4 @@ class RecoveryMixin:
         if self.control.interrupts.finished is not None:
             self.step = max(steps, self.control.interrupts.finished + 1)
         else:
-            self._recover("a new plan")
+            self.recover("a new plan")
