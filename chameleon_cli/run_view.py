@@ -106,7 +106,8 @@ def plans_table(events: list[Record]) -> Table | None:
             [
                 str(e.get("generation", "-")),
                 ",".join(map(str, e.get("failed", [])))
-                or " ".join(f"+{r}" for r in e.get("joined", [])),
+                or " ".join(f"+{r}" for r in e.get("joined", []))
+                or ("calibrated" if e.get("rebalance") else ""),
                 e["policy"],
                 e.get("label", "-") or "-",
                 fmt_s(estimated)

@@ -198,7 +198,9 @@ class JobModel:
         self.refit()
         job = self.job(current, statuses, generation)
         self.search(job)
-        if generation == 0:
+        if generation == 0 and self.description.layout == "given":
+            # (a layout the planner launched is judged again instead: Coordinator's
+            # _rebalance_launch)
             self.hint_layout(job, current)
 
     def _fit(

@@ -554,8 +554,10 @@ class Coordinator:
             current = self.plans[state.generation].plan.to_plan()
             fitted = self.model.fitted_generation
             self.model.settle(current, statuses, state.generation, top - self._gen_start)
-            if self.model.fitted_generation != fitted and self.on_settled is not None:
-                self._mirror_due = True  # a successor should plan on the new fit
+            if self.model.fitted_generation != fitted:
+                if self.on_settled is not None:
+                    self._mirror_due = True  # a successor should plan on the new fit
+                self._rebalance_launch(current, statuses)
         self._admit(statuses, top)
         self.progress.observe(statuses, now)
         stalls = self.progress.stalled(statuses, now)
@@ -567,6 +569,35 @@ class Coordinator:
                     self._blamed.add(rank)
                     self.emit("stalled", attempt=self.attempt, rank=rank, reason=why)
                     self.kill([rank], why, stalls[rank].stalled_s)
+
+    def _rebalance_launch(self, current: Any, statuses: dict[int, WorkerStatus]) -> None:
+        """A layout the planner launched on (``pipeline_stages="auto"``) was chosen before
+        any step was measured: once generation 0's steps have calibrated the model, judge
+        it again as a growth is judged (speed, the transition, the risk; planner.choice.
+        selection.growth_choice) and re-partition in place when another layout over the
+        live workers pays. Once per job: a later generation was planned calibrated."""
+        state = self.state
+        if (
+            state.generation != 0
+            or self.model.description.layout != "auto"
+            or self.policy not in ("auto", "reparallelize")
+        ):
+            return
+        job = self.model.job(current, statuses, state.generation)
+        growth = self.model.growth(job, current, sorted(state.live))
+        if growth is None:
+            return
+        current_s, better_s, transition_s, label = growth
+        self.emit(
+            "rebalance",
+            attempt=self.attempt,
+            generation=state.generation,
+            step_s=current_s,
+            estimated_step_s=better_s,
+            transition_s=transition_s,
+            label=label,
+        )
+        self._apply(rc.Rebalance())
 
     def _admit(self, statuses: dict[int, WorkerStatus], top: int) -> None:
         """Replacements up as spares of this generation join the live set; once their

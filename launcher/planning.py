@@ -88,8 +88,8 @@ class Planner:
         from planner.choice.selection import decide
 
         forced = None if self.policy == "auto" else Policy(self.policy)
-        if start.joining:
-            forced = Policy.REPARALLELIZE  # taking replacements in: only a re-partition can
+        if start.joining or start.rebalance:
+            forced = Policy.REPARALLELIZE  # taking replacements in, or a calibrated re-partition
         t0 = time.perf_counter()
         survivors = (set(current.workers) | set(start.idle)) - set(start.failed)
         mtbf = self.model.mtbf(len(survivors) * job.tp)
@@ -164,11 +164,12 @@ class Planner:
             estimated_step_s=chosen.estimate.step_s if chosen.estimate else None,
             roll_forward=start.roll_forward,
         )
-        why = (
-            f"ranks {list(start.joining)} rejoin"
-            if start.joining
-            else f"ranks {list(start.failed)} failed"
-        )
+        if start.joining:
+            why = f"ranks {list(start.joining)} rejoin"
+        elif start.rebalance:
+            why = "a faster layout, calibrated"
+        else:
+            why = f"ranks {list(start.failed)} failed"
         self.emit(
             "decision",
             attempt=self.attempt,
@@ -198,6 +199,7 @@ class Planner:
             migration_schedule="naive" if self.naive_migration else "matched",
             transfers=len(message.transfers),
             joined=list(start.joining),
+            rebalance=start.rebalance,
             plan=message.plan.model_dump(mode="json"),
             **basis,
         )

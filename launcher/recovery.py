@@ -49,6 +49,7 @@ from launcher.recovery_events import (
     Planned,
     Publish,
     ReadyReported,
+    Rebalance,
     Recovered,
     Report,
     Restart,
@@ -97,6 +98,7 @@ class State:
     deadline: float | None = None
     recovery: int = 0  # recoveries started in this attempt
     joining: frozenset[int] = frozenset()  # replacements being taken in (a growth)
+    rebalancing: bool = False  # a calibrated re-partition of a healthy job (Rebalance)
     resume_step: int = 0  # where the current (or last) recovery resumes
     reached: int = 0  # the most steps any report showed applied, this recovery
     futile: int = 0  # plans in a row with no step applied and no worker lost before them
@@ -153,6 +155,11 @@ def decide(state: State, event: Event, now: float) -> Result:
         return _planned(state, event, now)
     if isinstance(event, Grow):
         return _grow(state, event, now)
+    if isinstance(event, Rebalance):
+        if state.phase is not Phase.RUNNING:
+            return state, []  # a recovery re-plans anyway
+        state = replace(state, rebalancing=True)
+        return _begin(state, now, reason="a faster layout, calibrated", lost=frozenset())
     if isinstance(event, Admit):
         if state.phase is not Phase.RUNNING:
             return state, []  # offered again once the recovery is over
@@ -188,7 +195,13 @@ def _failed(state: State, event: Failed, now: float) -> Result:
     lost = event.ranks & state.live
     if not lost:
         return state, []  # not ours: already handled, or a replacement not yet admitted
-    state = replace(state, live=state.live - lost, joining=frozenset(), failures=state.failures + 1)
+    state = replace(
+        state,
+        live=state.live - lost,
+        joining=frozenset(),
+        rebalancing=False,
+        failures=state.failures + 1,
+    )
     reports = {r: v for r, v in state.reports.items() if r not in lost}
     reason = event.reason or f"ranks {sorted(lost)} failed"
     if state.phase is Phase.RUNNING:
@@ -294,6 +307,7 @@ def _plan(state: State, now: float, actions: list[Action]) -> Result:
         resume_step=resume,
         reached=reached,
         joining=tuple(sorted(state.joining)),
+        rebalance=state.rebalancing,
         roll_forward=roll_forward,
     )
     return state, [*actions, PhaseChanged(Phase.PLAN, state.recovery, generation), start]
@@ -374,6 +388,7 @@ def _applied(state: State, event: AppliedReported, now: float) -> Result:
         layouts=_frozen({state.generation: state.layouts[state.generation]}),
         reports=_frozen({}),
         joining=frozenset(),
+        rebalancing=False,
         deadline=None,
     )
     return state, [

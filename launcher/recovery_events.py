@@ -97,13 +97,20 @@ class Grow:
 
 
 @dataclass(frozen=True)
+class Rebalance:
+    """The layout the planner launched on, chosen before any step was measured
+    (``pipeline_stages="auto"``), is worth leaving for one the planner prefers now that
+    it is calibrated: a re-partition over the live workers, as a growth is."""
+
+
+@dataclass(frozen=True)
 class Admit:
     """Replacements that are up as spares of the current generation."""
 
     ranks: frozenset[int]
 
 
-Event = Failed | ReadyReported | AppliedReported | Planned | Tick | Grow | Admit
+Event = Failed | ReadyReported | AppliedReported | Planned | Tick | Grow | Rebalance | Admit
 
 # -- actions ---------------------------------------------------------------------------------
 
@@ -129,6 +136,7 @@ class StartPlanning:
     resume_step: int
     reached: int
     joining: tuple[int, ...] = ()
+    rebalance: bool = False  # no failure: a calibrated re-partition (Rebalance)
     # Step resume_step - 1 was committed without some survivors seeing it end: they apply
     # it with these sums first (chameleon_runtime.protocol.wire.RollForwardWire).
     roll_forward: tuple[int, tuple[float, ...]] | None = None

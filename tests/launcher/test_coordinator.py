@@ -276,3 +276,64 @@ def test_measured_transitions_calibrate_the_next_ones():
     # A much faster one moves it back, by at most 2x per recovery.
     model.expect_transition(2, predicted_s=0.020, decision_s=0.0)
     assert model.observe_transition(2, 0.0001) == pytest.approx(1.0)
+
+
+def auto_store(plan0=None):
+    """A job whose script left the layout to the planner (pipeline_stages="auto"): its
+    description, no plan 0 (unless ``plan0``: one the leader published earlier)."""
+    s = TCPStore(
+        "127.0.0.1", free_port(), is_master=True, wait_for_workers=False,
+        timeout=timedelta(seconds=10),
+    )  # fmt: skip
+    auto = DESCRIPTION.model_copy(update={"layout": "auto", "resume_step": 7, "dp": 4, "pp": 1})
+    s.set(KEYS.job, auto.model_dump_json())
+    if plan0 is not None:
+        message = PlanMessage.build(generation=0, policy="launch", resume_step=7, plan=plan0)
+        s.set(KEYS.plan(0), message.model_dump_json())
+        s.set(KEYS.latest, "0")
+    return s
+
+
+def test_the_leader_plans_the_launch_layout_once():
+    store = auto_store()
+    c, emitted, _ = make(store, policy="auto")
+    c.tick()  # plans and publishes generation 0
+    (launch,) = named(emitted, "launch_planned")
+    first = PlanMessage.model_validate_json(store.get(KEYS.plan(0)))
+    assert first.policy == "launch" and first.resume_step == 7 and store.get(KEYS.latest) == b"0"
+    assert len(first.plan.stages) == launch["workers"] == 4 - launch["spares"]
+    c.tick()  # the state machine starts from it, as from a script's own layout
+    assert named(emitted, "resumed") and len(named(emitted, "launch_planned")) == 1
+    # A successor that finds one published keeps it (written once).
+    other = PlanMessage.build(generation=0, policy="launch", resume_step=7, plan=two_by_two())
+    store.compare_set(KEYS.plan(0), "", other.model_dump_json())
+    assert PlanMessage.model_validate_json(store.get(KEYS.plan(0))) == first
+
+
+def test_a_launch_layout_that_calibration_shows_slow_is_re_partitioned_in_place():
+    """Generation 0 on one pipeline of four stages (as a launch planned on wrong costs
+    would be): once its steps calibrate the model, four replicas clearly pay, and the
+    leader aborts the healthy generation to re-partition (event rebalance)."""
+    deep = pipelines_plan(
+        num_layers=4, num_micro_batches=4, pipelines=[[0, 1, 2, 3]],
+        boundaries=[[0, 1, 2, 3, 4]], micro_batch_counts=[4],
+    )  # fmt: skip
+    store = auto_store(deep)
+    for r in range(4):
+        store.set(KEYS.status(r), status(r, step=20, progress=20).model_dump_json())
+    c, emitted, _ = make(store, policy="auto")
+    tick_until(c, lambda: named(emitted, "rebalance"))
+    (rebalance,) = named(emitted, "rebalance")
+    assert rebalance["estimated_step_s"] < rebalance["step_s"]
+    for r in range(4):
+        message = MAILBOX.validate_json(store.queue_pop(KEYS.mailbox(r), block=False))
+        assert isinstance(message, Abort) and message.generation == 0
+    for r in range(4):
+        store.queue_push(
+            KEYS.inbox,
+            encode(Ready(rank=r, pid=1000 + r, after=0, applied=0, step=20, held=[r])),
+        )
+    tick_until(c, lambda: store.check([KEYS.next(0)]))
+    (chosen,) = named(emitted, "plan_chosen")
+    assert chosen["rebalance"] and chosen["policy"] == "reparallelize"
+    assert not named(emitted, "layout_hint")  # judged again, not pointed out

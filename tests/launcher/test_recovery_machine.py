@@ -14,6 +14,7 @@ from launcher.recovery import (
     Planned,
     Publish,
     ReadyReported,
+    Rebalance,
     Recovered,
     Report,
     Restart,
@@ -298,6 +299,25 @@ def test_a_growth_takes_replacements_in_and_a_failure_cancels_it():
     # A failure during the next growth makes it a recovery again: nobody joins.
     s, _ = run(s, Admit(frozenset({4})), Grow(frozenset({4})), Failed(frozenset({3})))
     assert s.joining == frozenset()
+
+
+def test_a_rebalance_re_partitions_a_healthy_job_and_a_failure_makes_it_a_recovery():
+    """pipeline_stages="auto": the launch layout, judged again once calibrated."""
+    s, actions = run(start(world=5), Rebalance())
+    assert "calibrated" in of(actions, Abort)[0].reason
+    s, actions = run(s, *(ready(r, after=0) for r in (0, 1, 2, 3)), ready(4, after=0))
+    (plan,) = of(actions, StartPlanning)
+    assert plan.rebalance and plan.failed == () and plan.joining == ()
+    s, actions = run(s, planned(1, LAYOUT), *(AppliedReported(r, 1) for r in range(4)))
+    assert of(actions, Recovered) and not s.rebalancing
+    # Mid-recovery it is ignored (the recovery re-plans anyway); a failure during one
+    # makes it an ordinary recovery.
+    s, _ = run(s, Failed(frozenset({3})))
+    assert s.phase is Phase.COLLECT and run(s, Rebalance())[1] == []
+    s, _ = run(start(), Rebalance(), Failed(frozenset({3})))
+    assert not s.rebalancing
+    s, actions = run(s, *(ready(r, after=0) for r in (0, 1, 2)))
+    assert not of(actions, StartPlanning)[0].rebalance
 
 
 def test_a_recovery_says_where_its_time_went_and_who_answered_last():
