@@ -38,9 +38,10 @@ from chameleon_runtime.comm import COLLECTIVE_RELEASE, Aborted, Collective, Comm
 from chameleon_runtime.control import STORE_LOST, Control, Finished
 from chameleon_runtime.profile import host_cores, memory_per_worker, optimizer_bytes_per_param
 from chameleon_runtime.protocol.messages import Applied, Finish, Joined, Ready
-from chameleon_runtime.protocol.wire import JobDescription, LayerCostWire, PlanMessage
+from chameleon_runtime.protocol.wire import JobDescription, PlanMessage
 from chameleon_runtime.shard import pack_layers, pack_optimizer_state, unpack_layers
 from chameleon_runtime.transport import GlooTransport
+from planner.job.costtable import LayerCost
 from planner.plans.plan import Plan, pipelines_plan, split_evenly
 
 if TYPE_CHECKING:
@@ -115,7 +116,7 @@ class Membership:
         description = JobDescription(
             model="DataParallel",
             layers=[
-                LayerCostWire(
+                LayerCost(
                     name="model",
                     num_params=params,
                     forward_s=forward_s,

@@ -26,8 +26,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from chameleon_runtime.protocol.wire import LayerCostWire
 from chameleon_runtime.shard import LayerFactory, Shard, build_layer
+from planner.job.costtable import LayerCost
 
 
 def probe(
@@ -88,7 +88,7 @@ def measure(
     names: list[str],
     *,
     reps: int = 3,
-) -> list[LayerCostWire]:
+) -> list[LayerCost]:
     """Costs of consecutive held ``layers``, starting from ``inputs`` (one micro-batch)."""
     out = []
     x = inputs
@@ -129,7 +129,7 @@ def measure(
         optimizer_s = _timed(optimizer.step, reps)
         layer.zero_grad(set_to_none=True)
         out.append(
-            LayerCostWire(
+            LayerCost(
                 name=f"{names[i]}.{i}",
                 num_params=sum(p.numel() for p in layer.parameters()),
                 forward_s=forward_s,

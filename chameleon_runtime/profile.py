@@ -23,8 +23,9 @@ from typing import Any
 import torch
 
 from chameleon_runtime.layercost import measure, probe
-from chameleon_runtime.protocol.wire import JobDescription, LayerCostWire
+from chameleon_runtime.protocol.wire import JobDescription
 from chameleon_runtime.shard import Shard
+from planner.job.costtable import LayerCost
 
 
 def link_cost(
@@ -293,7 +294,7 @@ def profile_job(trainer: Any, out: Path) -> None:
     for i, name in enumerate(names):
         key = f"{name}.{i}"
         samples = [
-            LayerCostWire.model_validate_json(control.wait(keys.profile(f"{r}/{key}")))
+            LayerCost.model_validate_json(control.wait(keys.profile(f"{r}/{key}")))
             for r in range(world)
         ]
         layers.append(
@@ -367,7 +368,7 @@ def _group_costs(world_s: float, pair_s: float | None, world: int) -> dict[str, 
 
 
 def describe_job(
-    trainer: Any, plan: Any, costs: list[LayerCostWire], *, resume_step: int = 0
+    trainer: Any, plan: Any, costs: list[LayerCost], *, resume_step: int = 0
 ) -> JobDescription:
     """The job as the planner sees it: the layers' measured costs and what the trainer
     was given (batch, layout, precision, clipping), published by the chief at start.

@@ -43,11 +43,12 @@ from chameleon_runtime.pace import Pace
 from chameleon_runtime.profile import describe_job, profile_job
 from chameleon_runtime.protocol.messages import Finish, checkpoint_name
 from chameleon_runtime.protocol.seal import TOKEN_ENV
-from chameleon_runtime.protocol.wire import JobDescription, LayerCostWire, PlanMessage
+from chameleon_runtime.protocol.wire import JobDescription, PlanMessage
 from chameleon_runtime.scaler import INIT_SCALE
 from chameleon_runtime.shard import PRECISIONS, LayerFactory, OptimizerFactory, Shard
 from chameleon_runtime.step import CommitUnknown, run_step
 from chameleon_runtime.transport import transport_for
+from planner.job.costtable import LayerCost
 from planner.plans.partition import balanced_split
 from planner.plans.plan import Plan, pipelines_plan, split_evenly
 from planner.plans.program import Allreduce, reads_global_norm
@@ -344,7 +345,7 @@ class Trainer:
         if self.rank != (min(plan.workers) if plan is not None else chief):
             return None
         costs = [
-            LayerCostWire.model_validate_json(self.control.wait(keys.layer(i)))
+            LayerCost.model_validate_json(self.control.wait(keys.layer(i)))
             for i in range(self.num_layers)
         ]
         description = describe_job(self, plan, costs, resume_step=resume)

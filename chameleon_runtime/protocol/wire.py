@@ -17,6 +17,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from planner.job.costtable import LayerCost
 from planner.job.workload import Cluster, Job, Layer, Link, Model, Training
 from planner.plans.migration import Migration
 from planner.plans.plan import Plan
@@ -31,19 +32,9 @@ class _Wire(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, ser_json_inf_nan="constants")
 
 
-class LayerCostWire(_Wire):
-    name: str
-    num_params: Annotated[int, Field(ge=0)]
-    forward_s: NonNegative
-    backward_s: NonNegative
-    optimizer_s: NonNegative
-    activation_bytes: Annotated[int, Field(ge=0)]
-    stash_bytes: Annotated[int, Field(ge=0)]
-
-
 class JobDescription(_Wire):
     model: str
-    layers: list[LayerCostWire]
+    layers: list[LayerCost]  # measured by the workers: a cost table's rows
     global_batch_size: int
     micro_batch_size: int
     param_bytes: int
