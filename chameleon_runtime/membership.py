@@ -152,11 +152,17 @@ class Membership:
 
     def launch(self, plan: Plan, step: int) -> None:
         """Generation 0, from ``step``: enter it as a holder, or wait as a spare where the
-        plan leaves this worker out (the planner's launch layout may use fewer workers)."""
+        plan leaves this worker out (the planner's launch layout may use fewer workers).
+        A member lost before generation 0's group was built is recovered from in place
+        (the launcher aborts generation 0 as any other): a restart used to follow."""
         self.step = step
         self.control.status.update(step=step)
         if self.rank in plan.stage_of:
-            self.enter(0, plan, plan.workers)
+            try:
+                self.enter(0, plan, plan.workers)
+            except (Aborted, CommError) as exc:  # a member lost before its group was built
+                self.recover(str(exc))  # (it holds its layers: the next plan keeps them)
+                return
             self.keep(self.gen.kept if self.gen is not None else None)
             self.control.status.update(phase="train")
         else:

@@ -271,7 +271,8 @@ class Coordinator:
         where the script left the layout to the planner, once this leader did)."""
         if not self.store.check([self.keys.plan(0)]):
             self._plan_launch()
-            return False
+            if not self.store.check([self.keys.plan(0)]):
+                return False
         body = self.seal.open(self.store.get(self.keys.plan(0)), self.keys.plan(0))
         if body is None:
             return False
@@ -309,7 +310,10 @@ class Coordinator:
         if self._fatal is not None:
             return
         t0 = time.perf_counter()
-        choice = self.model.launch(list(range(self.world_size)))
+        # A worker already lost is left out (a replacement may join later as a spare):
+        # nothing is held yet, so losing it before the launch costs nothing else.
+        lost = {f.rank for f in self.failures}
+        choice = self.model.launch([r for r in range(self.world_size) if r not in lost])
         if choice is None:
             d = self.model.description
             self._fatal = (

@@ -337,3 +337,16 @@ def test_a_launch_layout_that_calibration_shows_slow_is_re_partitioned_in_place(
     (chosen,) = named(emitted, "plan_chosen")
     assert chosen["rebalance"] and chosen["policy"] == "reparallelize"
     assert not named(emitted, "layout_hint")  # judged again, not pointed out
+
+
+def test_a_worker_lost_before_the_launch_is_left_out_of_it():
+    """Nothing is held before generation 0: a worker lost then costs no restart (it used
+    to: "ranks failed before training started"), the launch is planned without it."""
+    store = auto_store()
+    c, emitted, _ = make(store, policy="auto")
+    c.on_failures([failure(3)])
+    outcome = c.tick()
+    assert not outcome.restart, outcome.reason
+    first = PlanMessage.model_validate_json(store.get(KEYS.plan(0)))
+    assert 3 not in {s.worker for s in first.plan.stages}
+    assert named(emitted, "resumed") and not c.recovering  # a spare lost: nothing to abort
