@@ -55,9 +55,9 @@ from planner.plans.program import Allreduce, reads_global_norm
 
 AUTO = "auto"  # Trainer(pipeline_stages=AUTO): the planner picks the launch layout
 # A layout planned by the chief alone (no launcher: a plain script, torchrun) is scored
-# with these, as the launcher's planner starts before it has measured anything.
-LAUNCH_RESTART_S = 30.0
-DEFAULT_MTBF_S = 3600.0
+# with the restart cost the launcher's planner assumes before it has measured a start-up
+# (launcher.calibration.DEFAULT_RESTART_S) and the planner's prior for D.
+LAUNCH_RESTART_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -309,13 +309,14 @@ class Trainer:
 
     def _plan_alone(self, description: JobDescription) -> Plan:
         from planner.choice.selection import Outlook, launch_choice
+        from planner.job.failures import DEFAULT_DEVICE_MTBF_H, FailureRate
 
         per_node = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size)) or self.world_size
         job = description.to_job(
             num_nodes=max(1, self.world_size // per_node), workers_per_node=per_node,
             mtbf_s=None, step_s=1.0, restart_s=LAUNCH_RESTART_S,
         )  # fmt: skip
-        mtbf = job.training.mtbf_s or DEFAULT_MTBF_S
+        mtbf = FailureRate(DEFAULT_DEVICE_MTBF_H * 3600).mtbf(self.world_size).seconds
         choice = launch_choice(job, list(range(self.world_size)), Outlook(mtbf))
         if choice is None:
             raise ValueError(

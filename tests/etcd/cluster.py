@@ -103,7 +103,23 @@ class EtcdCluster:
             self.kill(i)
 
 
+# free_port() hands out a port that was free a moment ago; another process can bind it
+# before etcd does (CI, November 2026: "bind: address already in use"). Such a start is
+# tried again on new ports; any other failure is reported at once.
+BIND_RETRIES = 3
+
+
 def start_cluster(work: Path, size: int = 3, timeout_s: float = 30.0) -> EtcdCluster:
+    for attempt in range(BIND_RETRIES):
+        cluster, logs = _try_cluster(work / f"try{attempt}", size, timeout_s)
+        if cluster is not None:
+            return cluster
+        if "address already in use" not in logs:
+            break
+    raise RuntimeError(f"etcd cluster did not become healthy:\n{logs}")
+
+
+def _try_cluster(work: Path, size: int, timeout_s: float) -> tuple[EtcdCluster | None, str]:
     cluster = EtcdCluster()
     work.mkdir(parents=True, exist_ok=True)
     for i in range(size):
@@ -117,6 +133,6 @@ def start_cluster(work: Path, size: int = 3, timeout_s: float = 30.0) -> EtcdClu
         if time.monotonic() > deadline or any(m.proc.poll() is not None for m in cluster.members):
             cluster.stop()
             logs = "".join((work / f"{m.name}.log").read_text()[-600:] for m in cluster.members)
-            raise RuntimeError(f"etcd cluster did not become healthy:\n{logs}")
+            return None, logs
         time.sleep(0.2)
-    return cluster
+    return cluster, ""
