@@ -1,8 +1,10 @@
 """Chaos soak: one seeded run with many faults of every kind, against a failure-free run.
 
-    python benchmarks/chaos.py [--seed 0] [--faults 32] [--workers 8] [--gap 150] [--json]
+    python benchmarks/chaos.py [--seed 0] [--faults 32] [--workers 8] [--gap 150]
+                               [--pipeline-stages 2|auto] [--json]
 
-The example tiny GPT (examples/train_gpt.py, made smaller: 2-stage pipelines) trains on
+The example tiny GPT (examples/train_gpt.py, made smaller: 2-stage pipelines, or the
+planner's launch layout with ``--pipeline-stages auto``) trains on
 ``--workers`` CPU workers under ``chameleon run``, planned as the shared 2-core host it
 runs on (configs/cpu_testbed.toml) and told the soak's failure rate (``--mtbf``: the
 failure-free run's time over the faults scheduled), with replacements rejoining and a
@@ -52,7 +54,7 @@ ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "train_gpt.py"
 MODEL = [
     "--blocks", "2", "--hidden", "32", "--heads", "2", "--seq-len", "16", "--global-batch", "16",
-    "--micro-batch", "2", "--pipeline-stages", "2", "--checkpoint-every", "50",
+    "--micro-batch", "2", "--checkpoint-every", "50",
 ]  # fmt: skip
 PHASES = ("collect", "plan", "groups", "migrate", "confirm")
 # A restart's reason when no in-place recovery was left (launcher/coordinator.py,
@@ -112,7 +114,8 @@ def train(
         "--nproc-per-node", str(workers or args.workers), "--max-restarts", "8", "--max-rejoins", "50",
         "--heartbeat-timeout", "2", "--events", str(log), "--redirects", "3",
         "--log-dir", str(out / "logs"), *flags, str(EXAMPLE),
-        "--steps", str(steps), *MODEL, "--checkpoint-dir", str(out / "ckpt"),
+        "--steps", str(steps), *MODEL, "--pipeline-stages", args.pipeline_stages,
+        "--checkpoint-dir", str(out / "ckpt"),
         "--dump", str(out / "dump"), *([] if args.float32 else ["--exact"]),
     ]  # fmt: skip
     started = time.monotonic()
@@ -245,6 +248,12 @@ def main() -> int:
         type=float,
         default=None,
         help="default: 1e-5, or with --float32 the larger of 1e-3 and 3x the layout floor",
+    )
+    parser.add_argument(
+        "--pipeline-stages",
+        default="2",
+        help='the launch layout: stages per pipeline, or "auto" (the planner picks it, '
+        "and re-partitions once calibrated)",
     )
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--keep", default=None, help="keep both runs (events, worker logs) here")
