@@ -386,6 +386,10 @@ def _applied(state: State, event: AppliedReported, now: float) -> Result:
         now,
         confirmed=state.generation,
         layouts=_frozen({state.generation: state.layouts[state.generation]}),
+        # Sources that gave their layers away and hold none in the plan idle as spares
+        # from now on: losing one interrupts no step (it used to abort the generation
+        # for a recovery with nothing to recover: "peers take over", no change).
+        members=frozenset(state.layouts[state.generation]),
         reports=_frozen({}),
         joining=frozenset(),
         rebalancing=False,

@@ -330,3 +330,18 @@ def test_a_recovery_says_where_its_time_went_and_who_answered_last():
     (done,) = of(actions, Recovered)
     assert done.duration_s == 4.0 and done.last_answer == 1
     assert dict(done.phases_s) == {"collect": 3.0, "plan": 0.5, "confirm": 0.5}
+
+
+def test_a_source_that_gave_its_layers_away_is_a_spare_once_the_plan_is_confirmed():
+    """Worker 3 sent its layers and holds none in generation 1: it confirms with the
+    others, then losing it aborts nothing (the demo's rebalance, then its kill)."""
+    s, _ = run(start(), Failed(frozenset({1})))
+    s, _ = run(s, *(ready(r, after=0) for r in (0, 2, 3)))
+    moved = {0: (0, 2), 2: (2, 4)}  # worker 3 hands layers 2-4 to worker 2
+    s, actions = run(s, planned(1, moved, extra_members={3}))
+    s, actions = run(s, *(AppliedReported(r, 1) for r in (0, 2)))
+    assert not of(actions, Recovered)  # the source has not confirmed yet
+    s, actions = run(s, AppliedReported(3, 1))
+    assert of(actions, Recovered) and s.members == frozenset({0, 2})
+    s, actions = run(s, Failed(frozenset({3})))
+    assert s.phase is Phase.RUNNING and not of(actions, Abort)
