@@ -591,16 +591,7 @@ class Coordinator:
         growth = self.model.growth(job, current, sorted(state.live))
         if growth is None:
             return
-        current_s, better_s, transition_s, label = growth
-        self.emit(
-            "rebalance",
-            attempt=self.attempt,
-            generation=state.generation,
-            step_s=current_s,
-            estimated_step_s=better_s,
-            transition_s=transition_s,
-            label=label,
-        )
+        self._emit_growth("rebalance", growth)
         self._apply(rc.Rebalance())
 
     def _admit(self, statuses: dict[int, WorkerStatus], top: int) -> None:
@@ -629,18 +620,24 @@ class Coordinator:
         if growth is None:
             self.emit("rejoined", attempt=self.attempt, ranks=joined, taken_in=False)
             return
-        current_s, grown_s, transition_s, label = growth
+        self._emit_growth("rejoin", growth, ranks=joined)
+        self._apply(rc.Grow(frozenset(joined)))
+
+    def _emit_growth(
+        self, name: str, growth: tuple[float, float, float, str], **fields: Any
+    ) -> None:
+        """A growth's or a rebalance's event: the step now and after, the transition."""
+        current_s, better_s, transition_s, label = growth
         self.emit(
-            "rejoin",
+            name,
             attempt=self.attempt,
-            generation=state.generation,
-            ranks=joined,
+            generation=self.state.generation,
+            **fields,
             step_s=current_s,
-            estimated_step_s=grown_s,
+            estimated_step_s=better_s,
             transition_s=transition_s,
             label=label,
         )
-        self._apply(rc.Grow(frozenset(joined)))
 
     # -- a successor ---------------------------------------------------------------------
 
