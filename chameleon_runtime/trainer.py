@@ -260,10 +260,8 @@ class Trainer:
         if joining:
             member.join(int(joining))
             return
-        resume = 0
         last = checkpoint.latest(self.checkpoint_dir) if self.checkpoint_dir else None
-        if last is not None:
-            resume = last + 1
+        resume = last + 1 if last is not None else 0
         if self.pipeline_stages == AUTO:
             plan = self._launch_plan(resume)
         else:
@@ -301,7 +299,7 @@ class Trainer:
         bounds = balanced_split([max(1, n) for n in self.layer_params], pieces)
         first, end = (bounds[self.rank], bounds[self.rank + 1]) if self.rank < pieces else (0, 0)
         self.shard.ensure(first, end)
-        description = self._publish_costs(None, first, end, chief=0, resume=resume)
+        description = self._publish_costs(None, first, end, resume=resume)
         if description is not None and TOKEN_ENV not in os.environ:
             self._publish_plan(self._plan_alone(description), resume, policy="launch")
         with self.control.status.waiting("plan"):
@@ -326,11 +324,12 @@ class Trainer:
         return choice.plan
 
     def _publish_costs(
-        self, plan: Plan | None, first: int, end: int, *, chief: int | None = None, resume: int = 0
+        self, plan: Plan | None, first: int, end: int, *, resume: int = 0
     ) -> JobDescription | None:
         """Measure layers [first, end) and publish their costs; the chief (the lowest worker
-        of ``plan``) gathers every layer's and publishes the job's description, which it
-        returns (the others: None). ``plan`` None: no layout launched yet ("auto")."""
+        of ``plan``; rank 0 when ``plan`` is None: no layout launched yet, "auto") gathers
+        every layer's and publishes the job's description, which it returns (the others:
+        None)."""
         keys = self.control.keys
         if first < end:
             shape, dtype = self.activation_shapes[first - 1] if first > 0 else (None, None)
@@ -343,7 +342,7 @@ class Trainer:
             for cost in measure(self.shard, list(range(first, end)), x, self.layer_names):
                 index = int(cost.name.rsplit(".", 1)[1])
                 self.control.put(keys.layer(index), cost)
-        if self.rank != (min(plan.workers) if plan is not None else chief):
+        if self.rank != (min(plan.workers) if plan is not None else 0):
             return None
         costs = [
             LayerCost.model_validate_json(self.control.wait(keys.layer(i)))

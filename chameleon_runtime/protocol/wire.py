@@ -18,7 +18,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from planner.job.costtable import LayerCost
-from planner.job.workload import Cluster, Job, Layer, Link, Model, Training
+from planner.job.workload import Cluster, Job, Link, Model, Training
 from planner.plans.migration import Migration
 from planner.plans.plan import Plan
 from planner.plans.planjson import PlanWire
@@ -108,18 +108,7 @@ class JobDescription(_Wire):
                 nodes_per_host=nodes_per_host,
             )
         cluster = live
-        layers = tuple(
-            Layer(
-                name=x.name,
-                num_params=x.num_params,
-                forward_s=x.forward_s,
-                backward_s=x.backward_s,
-                optimizer_s=x.optimizer_s,
-                activation_bytes=x.activation_bytes,
-                stash_bytes=x.stash_bytes,
-            )
-            for x in self.layers
-        )
+        layers = tuple(x.to_layer() for x in self.layers)
         training = Training(
             global_batch_size=self.global_batch_size,
             micro_batch_size=self.micro_batch_size,

@@ -150,11 +150,11 @@ def launch_choice(job: Job, workers: Sequence[int], outlook: Outlook) -> Proposa
         proposals += exhaustive(search, None, workers)
     batch = job.training.global_batch_size
 
-    def log_score(p: Proposal) -> float:
+    def launch_score(p: Proposal) -> float:  # log_score's, with no transition
         risk = layout_risk_s(job, p.plan, outlook, restarted=True)
         return math.log(batch / p.estimate.step_s) - risk / outlook.mtbf_s
 
-    return max(proposals, key=log_score, default=None)
+    return max(proposals, key=launch_score, default=None)
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,17 @@ class LayerCost(_Strict):
     activation_bytes: Annotated[int, Field(ge=0)]
     stash_bytes: Annotated[int, Field(ge=0)]
 
+    def to_layer(self) -> Layer:
+        return Layer(
+            name=self.name,
+            num_params=self.num_params,
+            forward_s=self.forward_s,
+            backward_s=self.backward_s,
+            optimizer_s=self.optimizer_s,
+            activation_bytes=self.activation_bytes,
+            stash_bytes=self.stash_bytes,
+        )
+
 
 class LinkCost(_Strict):
     bandwidth_gb_per_s: Annotated[float, Field(gt=0)]
@@ -101,15 +112,4 @@ class CostTable(_Strict):
                 f"cost table was measured at micro_batch_size={self.micro_batch_size}, tp={self.tp}; "
                 f"the config trains at micro_batch_size={micro_batch_size}, tp={tp}: profile again"
             )
-        return tuple(
-            Layer(
-                name=x.name,
-                num_params=x.num_params,
-                forward_s=x.forward_s,
-                backward_s=x.backward_s,
-                optimizer_s=x.optimizer_s,
-                activation_bytes=x.activation_bytes,
-                stash_bytes=x.stash_bytes,
-            )
-            for x in self.layers
-        )
+        return tuple(x.to_layer() for x in self.layers)
