@@ -9,7 +9,7 @@
 An ordinary DDP loop swaps three objects (docs/dataparallel.md)::
 
     sampler = cr.ElasticSampler(dataset, global_batch_size=32, micro_batch_size=8)
-    model = cr.DataParallel(model, sampler)
+    model = cr.ElasticDataParallel(model, sampler)
     optimizer = cr.ElasticOptimizer(torch.optim.AdamW(model.parameters()), model)
 
 A plain torchrun script gets hang detection from ``cr.heartbeat()`` once a step and
@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING
 _EXPORTS = {
     "DataParallel": "chameleon_runtime.dataparallel",
     "DeviceError": "chameleon_runtime.device",
-    "ElasticOptimizer": "chameleon_runtime.dataparallel",
+    "ElasticDataParallel": "chameleon_runtime.dataparallel",
+    "ElasticOptimizer": "chameleon_runtime.elastic_optimizer",
     "ElasticSampler": "chameleon_runtime.sampler",
     "FitResult": "chameleon_runtime.trainer",
     "StepInfo": "chameleon_runtime.trainer",
@@ -37,8 +38,9 @@ _EXPORTS = {
 }
 
 if TYPE_CHECKING:
-    from chameleon_runtime.dataparallel import DataParallel, ElasticOptimizer
+    from chameleon_runtime.dataparallel import DataParallel, ElasticDataParallel
     from chameleon_runtime.device import DeviceError
+    from chameleon_runtime.elastic_optimizer import ElasticOptimizer
     from chameleon_runtime.sampler import ElasticSampler
     from chameleon_runtime.scriptbeat import heartbeat, section
     from chameleon_runtime.trainer import FitResult, StepInfo, Trainer
@@ -46,6 +48,7 @@ if TYPE_CHECKING:
 __all__ = [
     "DataParallel",
     "DeviceError",
+    "ElasticDataParallel",
     "ElasticOptimizer",
     "ElasticSampler",
     "FitResult",

@@ -1,10 +1,10 @@
-"""The drop-in data-parallel API for an ordinary PyTorch loop: ``DataParallel`` in place
-of ``DistributedDataParallel``, ``ElasticOptimizer`` around the user's optimizer (its
-``step()`` is the commit point) and ``ElasticSampler`` (chameleon_runtime.sampler) in
-place of ``DistributedSampler``. The user keeps their model, loss, dataset, DataLoader,
-learning-rate schedule and loop::
+"""The drop-in data-parallel API for an ordinary PyTorch loop: ``ElasticDataParallel`` in
+place of ``DistributedDataParallel``, ``ElasticOptimizer`` around the user's optimizer
+(chameleon_runtime.elastic_optimizer; its ``step()`` is the commit point) and
+``ElasticSampler`` (chameleon_runtime.sampler) in place of ``DistributedSampler``. The
+user keeps their model, loss, dataset, DataLoader, learning-rate schedule and loop::
 
-    model = cr.DataParallel(model, sampler)        # was DistributedDataParallel(model)
+    model = cr.ElasticDataParallel(model, sampler)  # was DistributedDataParallel(model)
     optimizer = cr.ElasticOptimizer(torch.optim.AdamW(model.parameters()), model)
     for batch in DataLoader(dataset, batch_sampler=sampler):
         loss = loss_fn(model(batch))
@@ -13,18 +13,29 @@ learning-rate schedule and loop::
             scheduler.step()
         optimizer.zero_grad()
 
-What it does, as DDP does: the parameters and buffers start as rank 0's (broadcast);
-gradients live in flat buckets (about 25 MiB, the first 1 MiB, in reverse parameter
-order) that each ``.grad`` is a view of, and a bucket is all-reduced, asynchronously, as
-soon as the last backward of this worker's share of the step has produced all of its
-gradients, so that the all-reduce overlaps the rest of the backward. What it does
-differently: a step is a fixed global batch of micro-batches dealt by the sampler; a
-worker with several micro-batches of a step accumulates them (``step()`` returns False
-and ``zero_grad()`` leaves the sums alone until the step commits), and the sum is
-divided by the step's micro-batch count, not the world size, so that the gradient is the
-global batch's mean however the micro-batches were dealt. With one micro-batch per worker
-(``global_batch_size == world_size * micro_batch_size``) it trains as DDP with
-DistributedSampler does.
+What it does, as DDP does: the parameters and buffers start as rank 0's; gradients are
+summed in flat buckets (chameleon_runtime.buckets) and a bucket is all-reduced,
+asynchronously, as soon as the last backward of this worker's share of the step has
+produced it, overlapping the rest of the backward; when ``backward()`` returns, ``.grad``
+is the global batch's mean; buffers follow the replica that computed micro-batch 0, and
+unused parameters keep ``.grad`` None (``find_unused_parameters=True``;
+chameleon_runtime.stepmeta). What it does differently: a step is a fixed global batch of
+micro-batches dealt by the sampler; a worker with several micro-batches of a step
+accumulates them (``step()`` returns False until its share is done), and the sum is
+divided by the step's micro-batch count, so the gradient is the global batch's mean
+however the micro-batches were dealt.
+
+A micro-batch is what one turn of the loop runs: from the first training forward after
+an ``optimizer.step()`` to the next ``step()``. Extra forwards in a turn (an evaluation,
+a ``no_grad`` pass, a second train-mode forward, a teacher) and several ``backward()``
+calls belong to it; ``model.zero_grad()`` and the inner optimizer's ``zero_grad`` behave
+as under DDP; the global random state is the script's own (a micro-batch's forwards draw
+from a stream of its own, seeded by the step and the micro-batch, so that dropout is the
+same wherever it runs, and the script's generator is put back after each forward).
+
+Under ``chameleon run`` a member's failure is recovered in place
+(chameleon_runtime.elastic); every ``check_every`` steps the replicas compare a
+fingerprint of their weights (chameleon_runtime.consistency).
 """
 
 from __future__ import annotations
@@ -33,20 +44,36 @@ import atexit
 import contextlib
 import gc
 import os
+import sys
 import time
-from typing import Any
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from chameleon_runtime.buckets import Gradients
 from chameleon_runtime.comm import Aborted, CommError
-from chameleon_runtime.elastic import Membership, export_state, install_state, under_chameleon
+from chameleon_runtime.consistency import DEFAULT_CHECK_EVERY, Consistency
+from chameleon_runtime.elastic import Membership, under_chameleon
+from chameleon_runtime.heal import ReplicaState, check_travels
 from chameleon_runtime.sampler import ElasticSampler, MicroBatch
-from chameleon_runtime.shard import Seeder, op_seed
+from chameleon_runtime.shard import op_seed
+from chameleon_runtime.stepmeta import StepMeta
 
-BUCKET_CAP_BYTES = 25 << 20
-FIRST_BUCKET_CAP_BYTES = 1 << 20
+
+class Wrapped(Protocol):
+    """An optimizer of the model (chameleon_runtime.elastic_optimizer.ElasticOptimizer):
+    the inner one is what a heal and a consistency check read."""
+
+    optimizer: torch.optim.Optimizer
+
+
+# The commit's step number is sent modulo this (its square must stay exact in float64
+# summed over thousands of members); members a multiple of it apart are not told apart.
+STEP_MODULUS = 1 << 16
 
 
 def _default_group(device: torch.device) -> bool:
@@ -71,49 +98,76 @@ def _destroy() -> None:
         dist.destroy_process_group()
 
 
-class _Bucket:
-    """Parameters whose gradients are summed together: one flat buffer per bucket
-    (its parameters share a dtype and device), each ``.grad`` a view into it."""
+class _Rng:
+    """The random state of the host and of the model's accelerator: read, set, seeded."""
 
-    def __init__(self, params: list[nn.Parameter]) -> None:
-        self.params = params
-        self.flat = torch.zeros(
-            sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device
+    def __init__(self, device: torch.device) -> None:
+        self._accel = None if device.type == "cpu" else torch.get_device_module(device.type)
+
+    def get(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return torch.get_rng_state(), (
+            self._accel.get_rng_state() if self._accel is not None else None
         )
-        self.views: dict[nn.Parameter, torch.Tensor] = {}
-        offset = 0
-        for p in params:
-            view = self.flat[offset : offset + p.numel()].view_as(p)
-            if p.grad is not None:
-                view.copy_(p.grad)
-            p.grad = self.views[p] = view
-            offset += p.numel()
-        self.ready = 0  # parameters whose gradient of the last backward is in
-        self.work: Any = None  # the all-reduce in flight
+
+    def set(self, state: tuple[torch.Tensor, torch.Tensor | None]) -> None:
+        torch.set_rng_state(state[0])
+        if self._accel is not None and state[1] is not None:
+            self._accel.set_rng_state(state[1])
+
+    def seed(self, value: int) -> None:
+        torch.default_generator.manual_seed(value)
+        if self._accel is not None:
+            self._accel.manual_seed(value)
 
 
-def _buckets(params: list[nn.Parameter]) -> list[_Bucket]:
-    """DDP's bucketing: reverse order (the backward produces the last layers' gradients
-    first), a small first bucket so that the first all-reduce starts early."""
-    out, group, size = [], [], 0
-    cap = FIRST_BUCKET_CAP_BYTES
-    for p in reversed(params):
-        if group and (size + p.numel() * p.element_size() > cap or p.dtype != group[0].dtype):
-            out.append(_Bucket(group))
-            group, size, cap = [], 0, BUCKET_CAP_BYTES
-        group.append(p)
-        size += p.numel() * p.element_size()
-    if group:
-        out.append(_Bucket(group))
-    return out
+class _ScriptErrors:
+    """Whether the script raised: an uncaught exception goes through ``sys.excepthook``
+    (under plain Python and the warm fork server alike) before the interpreter's exit
+    handlers run, which must then not announce the end of training."""
+
+    raised = False
+    _installed = False
+
+    @classmethod
+    def watch(cls) -> None:
+        if cls._installed:
+            return
+        cls._installed = True
+        previous = sys.excepthook
+
+        def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+            cls.raised = True
+            previous(kind, value, tb)
+
+        sys.excepthook = hook
 
 
-class DataParallel(nn.Module):
+@dataclass(frozen=True)
+class Outcome:
+    """What ``step()`` returns for one turn of the loop; every optimizer of the model
+    stepped in that turn gets the same."""
+
+    turn: int
+    committed: bool
+
+
+class ElasticDataParallel(nn.Module):
     """In place of ``DistributedDataParallel(module)``; ``sampler`` deals the micro-batches
     this wrapper's forward passes run (chameleon_runtime.sampler). Under ``chameleon
-    run`` it recovers in place (chameleon_runtime.elastic)."""
+    run`` it recovers in place (chameleon_runtime.elastic).
 
-    def __init__(self, module: nn.Module, sampler: ElasticSampler) -> None:
+    ``find_unused_parameters``: as DDP's; parameters no member's backward reached keep
+    ``.grad`` None. ``check_every``: compare the replicas' weights every this many steps
+    (0: never; chameleon_runtime.consistency)."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        sampler: ElasticSampler,
+        *,
+        find_unused_parameters: bool = False,
+        check_every: int = DEFAULT_CHECK_EVERY,
+    ) -> None:
         super().__init__()
         self.module = module
         self.sampler = sampler
@@ -135,17 +189,35 @@ class DataParallel(nn.Module):
                 f"fewer than the {self.world_size} workers: each needs one at least"
             )
         sampler.rank, sampler.members = self.rank, list(range(self.world_size))
+        sampler.before_loop = self._before_loop
         self._params = [p for p in module.parameters() if p.requires_grad]
-        self._buckets = _buckets(self._params)
-        self._bucket_of = {p: k for k, b in enumerate(self._buckets) for p in b.params}
-        self._launched = 0  # buckets launched in this step's sync, in order
-        self._armed = False  # the current backward is this worker's last of the step
-        self._queued = False  # its end-of-backward sync is queued
-        self._discard = False  # the current micro-batch is a stale deal's: dropped
+        self._names = {p: name for name, p in module.named_parameters()}
+        self.grads = Gradients(self._params)
+        self.meta = StepMeta(module, self._params, find_unused=find_unused_parameters)
+        self.optimizers: list[Wrapped] = []
+        self.kept: list[Any] = []  # heal_with's objects
+        self._rng = _Rng(device)
+        self.consistency = Consistency(self, check_every)
+        # -- the turn of the loop in progress ----------------------------------------------
+        self.mb: MicroBatch | None = None  # the micro-batch its forwards run
+        self.ddp_mode = False  # a batch the sampler did not deal (the script's own loader)
+        self.discard = False  # a stale deal's micro-batch (a recovery happened since)
+        self.armed = False  # this worker's last micro-batch of the step: its backward syncs
+        self.trained = False  # a training forward since the last step()
+        self.synced = False  # the step's sums are reduced and in .grad
+        self.repeat = False  # a backward after the sync is being summed apart
+        self.step_open = False  # the step's first micro-batch has begun
         self.failure: tuple[str, bool] | None = None  # (why, pending) of a failed sync
-        self.current: MicroBatch | None = None  # what the last training forward ran
+        self._sync_queued = False
+        self._shown_queued = False
+        self._launched = 0
+        self._mb_rng: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        self._ran_first = False  # this worker ran micro-batch 0 of the step
+        self._buffer_snapshot: torch.Tensor | None = None  # the buffers micro-batch 0 left
+        self._unused: list[nn.Parameter] = []
+        self._outcome = Outcome(0, False)
         self._timing: list[float] = []  # the first step's forward start, end (described)
-        self._seeder = Seeder(str(device))
+        self._last_commit = time.perf_counter()
         if self.elastic is not None and not self.elastic.joining:
             self.elastic.start(sampler.step)
             self._broadcast_elastic()
@@ -153,9 +225,13 @@ class DataParallel(nn.Module):
             with torch.no_grad():
                 for t in [*module.parameters(), *module.buffers()]:
                     dist.broadcast(t.data, 0)
+        self.meta.committed = self.meta.flat_buffers()
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._accumulated) for p in self._params
         ]
+        if self.elastic is not None:
+            _ScriptErrors.watch()
+            atexit.register(self._at_exit)
 
     def _broadcast_elastic(self) -> None:
         """Rank 0's weights on every member: the others add zeros to them (exact)."""
@@ -172,68 +248,191 @@ class DataParallel(nn.Module):
     def distributed(self) -> bool:
         return self.group or self.elastic is not None
 
-    # -- the forward and the backward's hooks ---------------------------------------------
+    @property
+    def replica(self) -> ReplicaState:
+        return ReplicaState(
+            self.module, [o.optimizer for o in self.optimizers], self.sampler, self.kept
+        )
+
+    # -- the script's set-up ---------------------------------------------------------------
+
+    def heal_with(self, *objects: Any) -> None:
+        """Objects with ``state_dict``/``load_state_dict`` (a schedule, a GradScaler, an
+        EMA of the weights; tensors included) that a replacement takes from a live member
+        besides the model, the optimizers, the sampler's position and the random state."""
+        for obj in objects:
+            try:
+                check_travels(obj)
+            except TypeError as exc:
+                raise TypeError(f"heal_with: {exc}") from None
+            self.kept.append(obj)
+
+    def _before_loop(self) -> None:
+        """The loop starts (the sampler is iterated): a replacement is taken in here, once
+        the script has built everything and loaded whatever checkpoint it loads, so that
+        what it heals from a live member is what it trains from."""
+        elastic = self.elastic
+        if elastic is None or not elastic.joining or elastic.joined:
+            return
+        resume = elastic.join(self.replica.export, self._install)
+        self.sampler.rewind(resume, elastic.members)
+        self.meta.committed = self.meta.flat_buffers()
+
+    def _install(self, header: dict, tensors: list[torch.Tensor]) -> None:
+        """What a live member sent (chameleon_runtime.heal), over what the script built and
+        loaded: the optimizers' groups (learning rates a schedule's constructor set from
+        this process's start) come with their states, the heal_with objects after."""
+        for obj, state in zip(self.kept, self.replica.install(header, tensors), strict=False):
+            obj.load_state_dict(state)
+
+    # -- the forward ---------------------------------------------------------------------
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if torch.is_grad_enabled() and self.training:
-            # The loader yields in the order the sampler dealt (also with prefetching
-            # workers), so the oldest issued micro-batch is this one.
-            issued = self.sampler.issued
-            self.current = issued.pop(0) if issued else None
-            self._discard = self.current is not None and self.current.deal != self.sampler.deal_id
-            self._armed = not self._discard and (self.current is None or self.current.last)
-            self._queued = False
-            if self._armed:
-                self._launched = 0
-                for b in self._buckets:
-                    b.ready = 0
-            # The step's gradients show in .grad only from its last backward on (what a
-            # loop does to them between backward() and step(), such as clipping, must
-            # see the whole step's); before, each micro-batch's is added to the bucket
-            # and .grad left empty.
-            for b in self._buckets:
-                for p, view in b.views.items():
-                    p.grad = view if self._armed else None
-            if self.current is not None:
-                # Random ops (dropout) draw the same numbers for a micro-batch wherever it
-                # runs: a run that lost a worker, whose micro-batches others computed,
-                # trains the same weights as one that did not.
-                self._seeder.seed(
-                    op_seed(self.sampler.seed, self.current.step, self.current.index, 0)
-                )
-            if self.elastic is not None and not self.elastic.described:
+        if not (torch.is_grad_enabled() and self.training):
+            return self.module(*args, **kwargs)
+        if self.mb is None and not self._begin():
+            return self.module(*args, **kwargs)  # after step(), before the next batch
+        self.trained = True
+        if self.ddp_mode:  # the script's own loader: its own random state, as under DDP
+            out = self.module(*args, **kwargs)
+            self._watch_backward(out)
+            return out
+        user = self._rng.get()
+        if self._mb_rng is None:
+            # Random ops (dropout) draw the same numbers for a micro-batch wherever it
+            # runs: a run that lost a worker, whose micro-batches others computed,
+            # trains the same weights as one that did not.
+            self._rng.seed(op_seed(self.sampler.seed, self.mb.step, self.mb.index, 0))
+        else:
+            self._rng.set(self._mb_rng)
+        timed = self.elastic is not None and not self.elastic.described and not self._timing
+        try:
+            if timed:
                 self._timing = [time.perf_counter()]
-                out = self.module(*args, **kwargs)
+            out = self.module(*args, **kwargs)
+            if timed:
                 self._timing.append(time.perf_counter())
-                return out
-        return self.module(*args, **kwargs)
+        finally:
+            self._mb_rng = self._rng.get()
+            self._rng.set(user)  # the script's own random state, as it left it
+        self._watch_backward(out)
+        return out
+
+    def _begin(self) -> bool:
+        """The first training forward of a turn of the loop: which micro-batch it runs.
+        False for a forward between ``step()`` and the loader's next batch."""
+        issued = self.sampler.issued
+        if issued:
+            mb = issued[0]
+            self.ddp_mode = False
+        elif self.sampler.iterating:
+            return False
+        else:
+            if self.elastic is not None:
+                raise RuntimeError(
+                    "chameleon run: the loader must draw its batches from the "
+                    "ElasticSampler (DataLoader(dataset, batch_sampler=sampler)): a "
+                    "recovery deals a step's samples again"
+                )
+            # The script's own loader (DistributedSampler): one batch per worker a step.
+            mb = MicroBatch(self.sampler.step, self.rank, last=True, deal=self.sampler.deal_id)
+            self.ddp_mode = True
+        self.mb = mb
+        self._mb_rng = None
+        self.discard = mb.deal != self.sampler.deal_id
+        self.armed = not self.discard and mb.last
+        if self.discard:
+            return True
+        if not self.step_open:
+            self.step_open = True
+            self.synced = False
+            if self.elastic is not None:  # (a fault injected at this step fires here)
+                self.elastic.control.step_failpoint(mb.step)
+            self._check_consistency()
+            self.grads.open_step()
+            self._ran_first = False
+            self._buffer_snapshot = None
+        elif self.grads.scratch_exposed:
+            self.grads.hide()  # the zeros shown after the last micro-batch's backward
+        if self._ran_first and self._buffer_snapshot is None and self.meta.buffers:
+            # The buffers micro-batch 0's forwards left, before this worker's next
+            # micro-batches of the step move them again (chameleon_runtime.stepmeta).
+            self._buffer_snapshot = self.meta.flat_buffers()
+        if mb.index == 0 or (self.ddp_mode and self.rank == 0):
+            self._ran_first = True
+        if self.armed:
+            self._launched = 0
+            for b in self.grads.buckets:
+                b.ready = 0
+        return True
+
+    def _watch_backward(self, out: Any) -> None:
+        """A backward reaches the forward's outputs before any parameter's gradient: the
+        moment to tell a second backward of a turn, whose gradients must be summed apart
+        from the step's reduced mean (chameleon_runtime.buckets)."""
+        for t in _tensors(out):
+            if t.requires_grad and t.grad_fn is not None:
+                t.grad_fn.register_prehook(self._backward_begins)
+
+    def _backward_begins(self, grad_outputs: Any) -> None:
+        if self.synced and not self.repeat and not self.discard:
+            self.repeat = True
+            self.grads.hide()
+            torch.autograd.Variable._execution_engine.queue_callback(self._repeat_done)
+        elif self.grads.scratch_exposed:
+            self.grads.hide()
+
+    def _backward_ended(self) -> None:
+        """A backward that left the step's sums hidden (accumulating, or a stale deal's
+        micro-batch): ``.grad`` shows zeros (chameleon_runtime.buckets)."""
+        self._shown_queued = False
+        if not self.synced and not self.repeat:
+            self.grads.expose_scratch()
+
+    # -- the backward's hooks --------------------------------------------------------------
 
     def _accumulated(self, param: nn.Parameter) -> None:
-        if self._discard:  # a stale deal's micro-batch (a recovery happened since)
-            param.grad = None
+        if self.mb is None or self.discard:
+            param.grad = None  # a stale deal's micro-batch, or no micro-batch: not counted
+            self._show_zeros_after()
             return
-        if not self._armed:  # accumulating: into the bucket, out of sight
-            self._buckets[self._bucket_of[param]].views[param].add_(param.grad)
-            param.grad = None
+        if self.repeat:
+            self.grads.take_extra(param)
             return
-        if not self._queued:
+        if self.synced:
+            name = self._names.get(param, "?")
+            raise RuntimeError(
+                f"chameleon: parameter {name!r} got a gradient after the step's gradients "
+                "were summed, by a backward that did not pass through the model's outputs "
+                "(a parameter used outside ElasticDataParallel's forward): use it inside"
+            )
+        self.grads.take(param)
+        if not self.armed:
+            self._show_zeros_after()
+            return
+        if not self._sync_queued:
             # As DDP: the sums are complete when backward() returns, so that what the
             # loop does between it and step() (clipping, logging a norm) sees them.
             torch.autograd.Variable._execution_engine.queue_callback(self.sync)
-            self._queued = True
+            self._sync_queued = True
         if not self.distributed or self.failure is not None:
             return
-        bucket = self._buckets[self._bucket_of[param]]
-        bucket.ready += 1
+        buckets = self.grads.buckets
+        buckets[self.grads.bucket_of[param]].ready += 1
         # Buckets go out in one order on every worker (a collective's order must agree):
         # a complete bucket waits for those before it.
-        while self._launched < len(self._buckets) and self._buckets[self._launched].ready == len(
-            self._buckets[self._launched].params
+        while self._launched < len(buckets) and buckets[self._launched].ready == len(
+            buckets[self._launched].params
         ):
             self._launch(self._launched)
 
+    def _show_zeros_after(self) -> None:
+        if not self._shown_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
+            self._shown_queued = True
+
     def _launch(self, k: int) -> None:
-        bucket = self._buckets[k]
+        bucket = self.grads.buckets[k]
         self._launched = k + 1
         if self.elastic is not None:
             try:
@@ -243,224 +442,245 @@ class DataParallel(nn.Module):
             return
         bucket.work = dist.all_reduce(bucket.flat, op=dist.ReduceOp.SUM, async_op=True)
 
+    def _allreduce(self, tensor: torch.Tensor) -> None:
+        """A blocking sum over the members: the generation's group, or the default one."""
+        if self.elastic is not None:
+            self.elastic.wait(self.elastic.allreduce(tensor))
+        elif self.group:
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+
     def sync(self) -> None:
         """The step's sums, divided into its mean: what the last backward did not launch
         (a parameter with no gradient in it) goes out now, in order; then each is waited
         for. Under chameleon run a failure here is not raised (it would end the user's
         backward()): it is kept, and ``ElasticOptimizer.step`` recovers."""
-        if not self._armed:  # done at the end of the backward already
+        self._sync_queued = False
+        if self.synced or not self.armed:
             return
-        self._armed = False
-        if self._timing and self.elastic is not None and not self.elastic.described:
+        if self._timing and len(self._timing) == 2:
             self._timing.append(time.perf_counter())
-        if self.elastic is not None:
-            self._sync_elastic()
-            if self.failure is not None and not self.failure[1]:
-                return  # the sums are incomplete: the step is redone
-        elif self.group:
-            while self._launched < len(self._buckets):
-                self._launch(self._launched)
-            for b in self._buckets:
-                b.work.wait()
-                b.work = None
-        self._mean()  # (pending ones too: complete sums, which the plan may apply)
-
-    def _sync_elastic(self) -> None:
-        elastic = self.elastic
-        assert elastic is not None
-        try:
-            if self.failure is None:
-                while self._launched < len(self._buckets):
+        grads = self.grads
+        grads.zero_unwritten()
+        if not self.meta.find_unused:
+            unused = grads.unused()
+            if unused:
+                names = ", ".join(repr(self._names.get(p, "?")) for p in unused[:3])
+                raise RuntimeError(
+                    f"chameleon: parameter(s) {names}{' ...' if len(unused) > 3 else ''} got "
+                    f"no gradient in step {self.mb.step if self.mb else '?'} on rank "
+                    f"{self.rank}: pass find_unused_parameters=True to "
+                    "cr.ElasticDataParallel, as DDP needs it"
+                )
+        if self.distributed and self.failure is None:
+            try:
+                while self._launched < len(grads.buckets):
                     self._launch(self._launched)
-            if self.failure is not None:
-                return
-            for b in self._buckets:
-                elastic.wait(b.work)
-                b.work = None
+                if self.failure is None:
+                    for b in grads.buckets:
+                        if self.elastic is not None:
+                            self.elastic.wait(b.work)
+                        else:
+                            b.work.wait()
+                        b.work = None
+            except (Aborted, CommError) as exc:
+                self.failure = (str(exc), False)
+        if self.failure is not None:
+            grads.expose_scratch()  # the sums are incomplete: the step is redone
+            return
+        grads.divide(self._count())
+        grads.add_carried()
+        grads.expose()
+        self.synced = True
+
+    def _repeat_done(self) -> None:
+        """A second backward after the sync: its sums, all-reduced (every bucket, in order:
+        the members' collectives must agree), divided and added to the step's mean."""
+        self.repeat = False
+        grads = self.grads
+        try:
+            if self.distributed and self.failure is None:
+                for b in grads.buckets:
+                    if b.extra is None:
+                        b.extra = torch.zeros_like(b.flat)
+                    self._allreduce(b.extra)
         except (Aborted, CommError) as exc:
             self.failure = (str(exc), False)
+        if self.failure is not None:
+            grads.expose_scratch()  # the step is redone
             return
-        # Every member has the step's sums once this one-element all-reduce ends: the
-        # commit (module doc of chameleon_runtime.elastic). Posted and not seen to end,
-        # the step may be applied elsewhere: pending, the next plan says.
-        try:
-            elastic.wait(elastic.allreduce(torch.ones(1)))
-        except (Aborted, CommError) as exc:
-            self.failure = (str(exc), True)
+        count = self._count()
+        with torch.no_grad():
+            for b in grads.buckets:
+                if b.extra is not None:
+                    b.flat.add_(b.extra.div_(count))
+                    b.extra = None
+        grads.expose()
 
-    def _mean(self) -> None:
+    def _count(self) -> int:
         # The global batch's mean: its micro-batches' count when the sampler dealt them;
         # DDP's world size for batches it did not deal.
-        count = self.sampler.num_micro_batches if self.current is not None else self.world_size
-        with torch.no_grad():
-            for b in self._buckets:
-                b.flat.div_(count)
+        return self.world_size if self.ddp_mode else self.sampler.num_micro_batches
 
-    def fresh_buckets(self) -> None:
-        """After an abandoned step: new buffers. An all-reduce of the old generation may
-        still be running on gloo's threads and would write its (stale) sums into the old
-        ones in place: into the next step's gradients, had they been reused (replicas
-        drifted apart so, after a kill that landed inside an all-reduce)."""
-        for p in self._params:
-            p.grad = None
-        self._buckets = [_Bucket(b.params) for b in self._buckets]
-        self._launched = 0
-        self._armed = False
+    # -- the turn's end: step() ----------------------------------------------------------
 
-    def zero_grad_buckets(self) -> None:
-        for b in self._buckets:
-            b.flat.zero_()
-            b.work = None
-        self._armed = False
+    def turn(self) -> Outcome:
+        """``step()`` of the turn in progress (every ElasticOptimizer of the model calls
+        it; the first call of a turn ends it, later ones get the same outcome)."""
+        if not self.trained:
+            return self._outcome
+        mb = self.mb
+        assert mb is not None
+        elastic = self.elastic
+        if self.discard:
+            return self._end_turn(False)
+        if elastic is not None and self.failure is None and elastic.aborted():
+            self.failure = (f"generation {elastic.generation} aborted", False)
+        if self.failure is not None:
+            return self._end_turn(self._recover(mb))
+        if not self.armed:
+            return self._end_turn(False)
+        if not self.synced:
+            self.sync()  # a turn whose backward reached no parameter of this worker
+            if self.failure is not None:
+                return self._end_turn(self._recover(mb))
+        if not self._exchange(mb):
+            return self._end_turn(self._recover(mb))
+        if elastic is not None and not self._commit(mb):
+            return self._end_turn(self._recover(mb))
+        return self._end_turn(self._committed(mb))
 
-
-class ElasticOptimizer(torch.optim.Optimizer):
-    """The user's optimizer, stepped once per global step: ``step()`` returns True when the
-    step committed (this worker's share of it done and the sums in), False while it
-    accumulates or when a recovery left the step to be redone; ``zero_grad()`` clears the
-    sums only after a commit. A learning-rate scheduler built on this wrapper steps the
-    inner optimizer's groups."""
-
-    def __init__(self, optimizer: torch.optim.Optimizer, model: DataParallel) -> None:
-        # (torch.optim.Optimizer.__init__ is not called: the state is the inner one's)
-        self.optimizer = optimizer
-        self.model = model
-        self._clear = True  # the sums belong to a committed step: zero_grad may clear them
-        self._last_commit = time.perf_counter()
-        self._kept: list[Any] = []  # heal_with's objects
-        self._healed: list[dict] = []  # their states, received by a replacement
-        self._groups: list[dict] = []  # the received optimizer groups' settings
-        elastic = model.elastic
-        if elastic is not None:
-            atexit.register(self._at_exit)
-            if elastic.joining:  # a replacement: healed from a live member, then trains
-                resume = elastic.join(self._export, self._install)
-                model.sampler.rewind(resume, elastic.members)
-
-    @property
-    def global_step(self) -> int:
-        """The job's committed steps: a loop's counter (a replacement joins mid-run)."""
-        return self.model.sampler.step
-
-    def heal_with(self, *objects: Any) -> None:
-        """Objects with ``state_dict``/``load_state_dict`` (JSON-able states: a learning-
-        rate schedule) that a replacement takes from a live member with the model and the
-        optimizer. On a replacement, each takes the received state at once."""
-        for obj in objects:
-            index = len(self._kept)
-            self._kept.append(obj)
-            if index < len(self._healed):
-                obj.load_state_dict(self._healed[index])
-                # A schedule's constructor set this process's learning rate from its own
-                # start: the live member's groups, received, are the ones to keep.
-                self._restore_groups()
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
-        return self.optimizer.param_groups
-
-    @param_groups.setter
-    def param_groups(self, groups: list[dict[str, Any]]) -> None:
-        self.optimizer.param_groups = groups
-
-    @property
-    def state(self) -> Any:  # type: ignore[override]
-        return self.optimizer.state
-
-    @property
-    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
-        return self.optimizer.defaults
-
-    def step(self, closure: Any = None) -> bool:  # type: ignore[override]
-        model, elastic = self.model, self.model.elastic
-        current = model.current
-        if model._discard:  # a stale deal's micro-batch: nothing of it counts
-            self._clear = True
+    def _exchange(self, mb: MicroBatch) -> bool:
+        """The step's metadata (chameleon_runtime.stepmeta), before the commit."""
+        if not self.meta.needed:
+            self._unused = []
+            return True
+        source = None
+        if self._ran_first:
+            source = (
+                self._buffer_snapshot
+                if self._buffer_snapshot is not None
+                else self.meta.flat_buffers()
+            )
+        mine = self.meta.pack(self.grads.written, source)
+        try:
+            self._allreduce(mine)
+        except (Aborted, CommError) as exc:
+            self.failure = (str(exc), False)
             return False
-        if elastic is not None and model.failure is None and elastic.aborted():
-            model.failure = (f"generation {elastic.generation} aborted", False)
-        if model.failure is not None:
-            return self._recover(current)
-        if current is not None and not current.last:
-            self._clear = False
-            return False
-        model.sync()
-        if model.failure is not None:
-            return self._recover(current)
-        self._apply(closure)
-        if current is not None:
-            model.sampler.step = current.step + 1
+        self._unused = self.meta.unpack(mine)
         return True
 
-    def _apply(self, closure: Any = None) -> None:
-        self.optimizer.step(closure) if closure is not None else self.optimizer.step()
-        self._clear = True
-        elastic = self.model.elastic
+    def _commit(self, mb: MicroBatch) -> bool:
+        """Every member has the step's sums once this all-reduce ends (the commit: module
+        doc of chameleon_runtime.elastic), and it says which step each commits: a member
+        at another step is never applied silently. Posted and not seen to end, the step
+        may be applied elsewhere: pending, the next plan says."""
+        assert self.elastic is not None
+        s = float(mb.step % STEP_MODULUS)
+        record = torch.tensor([1.0, s, s * s], dtype=torch.float64)
+        try:
+            self._allreduce(record)
+        except (Aborted, CommError) as exc:
+            self.failure = (str(exc), True)
+            return False
+        count, total, squares = record.tolist()
+        if total != count * s or squares != count * s * s:
+            raise RuntimeError(
+                f"chameleon: the {int(count)} members of generation "
+                f"{self.elastic.generation} disagree on the step they commit (rank "
+                f"{self.rank} is at step {mb.step}, the mean of theirs is "
+                f"{total / max(count, 1):.2f} mod {STEP_MODULUS}): stopped before applying it"
+            )
+        return True
+
+    def _committed(self, mb: MicroBatch) -> bool:
+        """The step holds: globally unused parameters drop their gradient, the sampler
+        moves on, the launcher hears of the progress."""
+        for p in self._unused:
+            p.grad = None
+        self._unused = []
+        self.sampler.step = mb.step + 1
+        self.step_open = False
+        elastic = self.elastic
         if elastic is not None:
             now = time.perf_counter()
-            step = self.model.sampler.step + 1
-            elastic.progress(step, now - self._last_commit)
+            elastic.progress(mb.step + 1, now - self._last_commit)
             self._last_commit = now
-            timing = self.model._timing
-            if not elastic.described and len(timing) == 3:
-                forward_s, backward_s = timing[1] - timing[0], timing[2] - timing[1]
-                params = sum(p.numel() for p in self.model.module.parameters())
-                elastic.describe(forward_s, backward_s, params, self.optimizer)
+            if not elastic.described and len(self._timing) == 3 and self.optimizers:
+                forward_s = self._timing[1] - self._timing[0]
+                backward_s = self._timing[2] - self._timing[1]
+                params = sum(p.numel() for p in self.module.parameters())
+                elastic.describe(forward_s, backward_s, params, self.optimizers[0].optimizer)
+        return True
 
-    def _recover(self, current: MicroBatch | None) -> bool:
+    def _end_turn(self, committed: bool) -> Outcome:
+        if self.mb is not None and self.sampler.issued and self.sampler.issued[0] is self.mb:
+            self.sampler.issued.pop(0)
+        self.mb = None
+        self.trained = False
+        self.discard = False
+        self.armed = False
+        if not committed:
+            self.synced = False
+        self._outcome = Outcome(self._outcome.turn + 1, committed)
+        return self._outcome
+
+    def after_apply(self) -> None:
+        """An optimizer applied the step: what it did to .grad in place is not the
+        script's (chameleon_runtime.buckets); the next turn begins a new step."""
+        self.synced = False
+        self.grads.mark_exposed()
+
+    # -- recovery --------------------------------------------------------------------------
+
+    def _recover(self, mb: MicroBatch) -> bool:
         """A failure during this step: the launcher's next plan, then the step again (or,
-        rolled forward, applied as the others applied it)."""
-        model, elastic = self.model, self.model.elastic
-        assert elastic is not None and model.failure is not None
-        why, pending = model.failure
-        model.failure = None
-        step = current.step if current is not None else model.sampler.step
+        rolled forward, applied as the others applied it: True)."""
+        elastic = self.elastic
+        assert elastic is not None and self.failure is not None
+        why, pending = self.failure
+        self.failure = None
         resume, roll = elastic.recover(
-            why, step=step, pending=pending, export=self._export, install=self._install
+            why, step=mb.step, pending=pending, export=self.replica.export, install=self._install
         )
-        if roll:  # the step was committed elsewhere: these sums (their mean) are final
-            self._apply()
-        model.fresh_buckets()
-        self._clear = True
-        model.sampler.rewind(resume, elastic.members)
-        return roll
+        self.sampler.rewind(resume, elastic.members)
+        if roll:  # committed elsewhere: these sums (their mean) are final
+            return self._committed(mb)
+        self.grads.renew_in_flight()
+        self.meta.restore()  # the abandoned step's forwards moved the buffers
+        self.synced = False
+        self.repeat = False
+        self.step_open = False
+        self._sync_queued = False
+        return False
 
-    def _export(self) -> tuple[dict, list[torch.Tensor]]:
-        return export_state(self.model.module, self.optimizer, self.model.sampler, self._kept)
-
-    def _install(self, header: dict, tensors: list[torch.Tensor]) -> None:
-        self._healed = install_state(
-            header, tensors, self.model.module, self.optimizer, self.model.sampler
-        )
-        self._groups = [
-            {k: v for k, v in g.items() if k != "params"} for g in header["param_groups"]
-        ]
-        for obj, state in zip(self._kept, self._healed, strict=False):
-            obj.load_state_dict(state)
-
-    def _restore_groups(self) -> None:
-        for group, healed in zip(self.optimizer.param_groups, self._groups, strict=True):
-            group.update(healed)
+    def _check_consistency(self) -> None:
+        try:
+            self.consistency.maybe_check(self.sampler.step)
+        except (Aborted, CommError) as exc:
+            self.failure = (str(exc), False)  # step() recovers
 
     def _at_exit(self) -> None:
-        elastic = self.model.elastic
+        elastic = self.elastic
         if elastic is None:
             return
-        with contextlib.suppress(Exception):
-            elastic.finish(self.model.sampler.step)
+        if not _ScriptErrors.raised:  # an error is not the end of training (module doc)
+            with contextlib.suppress(Exception):
+                elastic.finish(self.sampler.step)
         with contextlib.suppress(Exception):
             elastic.close()
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        del set_to_none  # the gradients are views of the buckets: zeroed, never dropped
-        if self._clear:
-            self.model.zero_grad_buckets()
 
-    def state_dict(self) -> dict[str, Any]:
-        return self.optimizer.state_dict()
+def _tensors(out: Any) -> list[torch.Tensor]:
+    """The tensors of a forward's output (a tensor, a tuple, a dict, a ModelOutput)."""
+    if torch.is_tensor(out):
+        return [out]
+    if isinstance(out, Mapping):
+        return [t for v in out.values() for t in _tensors(v)]
+    if isinstance(out, list | tuple):
+        return [t for v in out for t in _tensors(v)]
+    return []
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.optimizer.load_state_dict(state_dict)
 
-    def __repr__(self) -> str:
-        return f"ElasticOptimizer({self.optimizer!r})"
+# The old name, kept: it read as torch.nn.DataParallel, which it does not replace.
+DataParallel = ElasticDataParallel

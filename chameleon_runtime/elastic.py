@@ -36,10 +36,10 @@ import torch
 
 from chameleon_runtime.comm import COLLECTIVE_RELEASE, Aborted, Collective, CommError, Generation
 from chameleon_runtime.control import STORE_LOST, Control, Finished
+from chameleon_runtime.heal import receive_state, send_state
 from chameleon_runtime.profile import host_cores, memory_per_worker, optimizer_bytes_per_param
 from chameleon_runtime.protocol.messages import Applied, Finish, Joined, Ready
 from chameleon_runtime.protocol.wire import JobDescription, PlanMessage
-from chameleon_runtime.shard import pack_layers, pack_optimizer_state, unpack_layers
 from chameleon_runtime.transport import GlooTransport
 from planner.job.costtable import LayerCost
 from planner.plans.plan import Plan, pipelines_plan, split_evenly
@@ -92,6 +92,7 @@ class Membership:
         self.members: list[int] = list(range(self.world_size))
         self.described = False
         self.joining = env.get("CHAMELEON_JOIN")
+        self.joined = False  # a replacement taken in (or told training ended)
         self._progress = 0  # steps this process committed
         self._slowest = 0.0
 
@@ -250,17 +251,14 @@ class Membership:
         self.control.status.update(phase="migrate")
         t0 = time.perf_counter()
         received = None
+        gen = self.gen
+        assert gen is not None
         for t in sorted(message.transfers, key=lambda t: t.round):
-            assert self.gen is not None
-            if t.src == self.rank:
-                blob, header_len = pack_layers([export()])
-                self.gen.send(torch.tensor([header_len, blob.numel()], dtype=torch.int64), t.dst)
-                self.gen.send(blob, t.dst)
-                self.gen.flush_sends()
+            if t.src == self.rank:  # streamed in chunks (chameleon_runtime.heal)
+                header, tensors = export()
+                send_state(lambda x, d=t.dst: gen.send(x, d), gen.flush_sends, header, tensors)
             elif t.dst == self.rank:
-                sizes = self.gen.recv(torch.zeros(2, dtype=torch.int64), t.src)
-                blob = self.gen.recv(torch.empty(int(sizes[1]), dtype=torch.uint8), t.src)
-                received = unpack_layers(blob, int(sizes[0]))[0]
+                received = receive_state(lambda x, s=t.src: gen.recv(x, s))
         if not self.control.agree(message.generation, "migrated", len(members)).held:
             raise Aborted(f"generation {message.generation} aborted during its migration")
         if received is not None:
@@ -300,6 +298,7 @@ class Membership:
             "a replacement waits to be taken in",
             step=0, pending=False, export=export, install=install, held=False,
         )  # fmt: skip
+        self.joined = True
         return resume
 
     def _idle(self) -> None:
@@ -318,9 +317,17 @@ class Membership:
             self.collectives.popitem()[1].let_go(self.transport, COLLECTIVE_RELEASE)
 
     def _end(self) -> None:
-        """Training ended while this worker waited: nothing left for it to do."""
+        """Training ended while this worker waited as a spare: it holds no trained state
+        (never taken in, or left out by a plan and stale since), so the script's code
+        after its loop (a final save, an evaluation) must not run here. Said, then exit 0."""
         self.control.status.update(phase="done")
         self.close()
+        print(
+            f"chameleon_runtime: rank {self.rank} waited as a spare when training ended; it "
+            "exits here without running the script's code after its loop",
+            file=sys.stderr,
+            flush=True,
+        )
         sys.stdout.flush()
         os._exit(0)  # the script's loop has no step left to run here
 
@@ -338,45 +345,3 @@ class Membership:
     def close(self) -> None:
         self._leave()
         self.control.close_settled()
-
-
-def export_state(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, sampler: Any, kept: list[Any]
-) -> tuple[dict, list[torch.Tensor]]:
-    """Model, optimizer and sampler as a header and tensors (shard.pack_layers' format)."""
-    names = list(model.state_dict().keys())
-    tensors = [t.detach().cpu().contiguous() for t in model.state_dict().values()]
-    opt = optimizer.state_dict()
-    state_items = pack_optimizer_state(opt["state"].items(), tensors)
-    header = {
-        "layer": 0,
-        "names": names,
-        "params": [[list(t.shape), str(t.dtype)] for t in tensors[: len(names)]],
-        "state": state_items,
-        "param_groups": opt["param_groups"],
-        "sampler": sampler.state_dict(),
-        "torch_rng": torch.get_rng_state().tolist(),
-        # what the script asked to heal besides (ElasticOptimizer.heal_with: a schedule)
-        "kept": [o.state_dict() for o in kept],
-    }
-    return header, tensors
-
-
-def install_state(
-    header: dict,
-    tensors: list[torch.Tensor],
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    sampler: Any,
-) -> list[dict]:
-    """Install what ``export_state`` sent; returns the states of the objects it kept."""
-    names = header["names"]
-    model.load_state_dict(dict(zip(names, tensors[: len(names)], strict=True)))
-    rest = iter(tensors[len(names) :])
-    state: dict[int, dict[str, Any]] = {}
-    for index, key, shape, value in header["state"]:
-        state.setdefault(int(index), {})[key] = next(rest) if shape is not None else value
-    optimizer.load_state_dict({"state": state, "param_groups": header["param_groups"]})
-    sampler.load_state_dict(header["sampler"])
-    torch.set_rng_state(torch.tensor(header["torch_rng"], dtype=torch.uint8))
-    return list(header.get("kept", []))

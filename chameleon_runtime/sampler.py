@@ -19,10 +19,11 @@ per iteration, and ``set_epoch`` as for DistributedSampler.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Sized
+from collections.abc import Callable, Iterator, Sized
 from dataclasses import dataclass
 
 import torch
+from torch.utils.data import IterableDataset
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,12 @@ class ElasticSampler:
         rank: int | None = None,
         world_size: int | None = None,
     ) -> None:
+        if isinstance(dataset, IterableDataset):
+            raise TypeError(
+                "ElasticSampler deals samples by index, so it needs a map-style dataset "
+                "(len() and [i]); an IterableDataset cannot be dealt again after a recovery: "
+                "wrap the data in a map-style Dataset"
+            )
         if global_batch_size % micro_batch_size:
             raise ValueError(
                 f"global_batch_size {global_batch_size} is not a multiple of "
@@ -81,6 +88,10 @@ class ElasticSampler:
         self.issued: list[MicroBatch] = []  # yielded, not yet run (DataParallel pops them)
         self.deal_id = 0  # which deal (membership) the micro-batches issued now belong to
         self._rewound: int | None = None
+        self.iterating = False  # a loader draws from it (else the script deals its own)
+        # Called when a loop starts drawing (ElasticDataParallel: a replacement is taken
+        # in there, after the script's set-up and checkpoint loading).
+        self.before_loop: Callable[[], None] | None = None
 
     # -- what a step is ----------------------------------------------------------------
 
@@ -124,6 +135,12 @@ class ElasticSampler:
         self.step = max(self.step, epoch * self.steps_per_epoch)
 
     def __iter__(self) -> Iterator[list[int]]:
+        self.iterating = True
+        if self.before_loop is not None:
+            self.before_loop()
+        return self._iterate()
+
+    def _iterate(self) -> Iterator[list[int]]:
         if self.step >= (self.epoch + 1) * self.steps_per_epoch:
             # A pass without set_epoch goes on with the next epoch (DistributedSampler
             # would repeat the last one's order).

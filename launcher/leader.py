@@ -226,6 +226,12 @@ class Leader:
         coordinator = self._coordinator()
         if coordinator is None:
             return failures, None
+        new = [f for f in failures if f not in coordinator.failures]
+        errors = [f for f in new if f.script_error]
+        if errors:
+            # An exception in the script ends the job (or restarts it, as --max-restarts
+            # allows), with that member's error and code; never recovered in place.
+            return new, f"rank {errors[0].rank} raised {errors[0].message}"
         if not self.aware:
             try:
                 self.aware = coordinator.all_aware()

@@ -57,6 +57,13 @@ class Failure:
         return Cause.INFRASTRUCTURE
 
     @property
+    def script_error(self) -> bool:
+        """The script raised (a traceback from its own code, not the backend reporting a
+        broken peer): an error of the job, which recovering in place would only meet
+        again on the member that takes over the work."""
+        return self.cause is Cause.USER_CODE and self.where is not None
+
+    @property
     def job_exit_code(self) -> int:
         """The code the job exits with when this is its root cause."""
         if self.exit_code is not None and self.exit_code > 0:

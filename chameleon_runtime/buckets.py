@@ -1,0 +1,270 @@
+"""Gradient buckets of the drop-in data-parallel API (chameleon_runtime.dataparallel): where
+a worker's share of a step is summed before, and while, it is all-reduced.
+
+One flat buffer per bucket; its parameters share a dtype and a device (the buffer is one
+tensor on one device). DDP's bucketing: reverse parameter order (the backward produces
+the last layers' gradients first), a small first bucket so that the first all-reduce
+starts early.
+
+What the user's ``.grad`` is, and when:
+
+- While a step accumulates (every backward of its micro-batches on this worker), every
+  gradient the backward produces is moved into its bucket: a loop's clipping, unscaling
+  or zeroing between micro-batches touches nothing of the step's sums. After such a
+  backward each ``.grad`` is zeros, a view of one scratch buffer per dtype and device
+  (as long as the largest parameter) that every parameter shares: what the loop does to
+  it between micro-batches is a no-op that does not fail (``clip_grad_value_`` raises on
+  a model with no gradient at all), and it costs one small buffer, not a second copy of
+  the gradients. A parameter's first contribution of a step is copied in (no pass to
+  zero the buckets at each step), later ones added.
+- Once the step's sums are all-reduced (the end of the backward of this worker's last
+  micro-batch), each ``.grad`` is a view of its bucket, holding the global batch's mean,
+  as under DDP when ``backward()`` returns; clipping, unscaling or logging a norm before
+  ``step()`` sees the whole step's gradient.
+- What the user leaves in ``.grad`` after a commit (no ``zero_grad``) is carried into the
+  next step as DDP carries it: added to the next step's mean, not summed again.
+- A second backward after the sums were all-reduced (an auxiliary loss) is summed into
+  a buffer of its own, all-reduced, and added: as DDP, which reduces every backward.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+BUCKET_CAP_BYTES = 25 << 20
+FIRST_BUCKET_CAP_BYTES = 1 << 20
+
+
+class Bucket:
+    """Parameters whose gradients are summed together: one flat buffer."""
+
+    def __init__(self, params: list[nn.Parameter]) -> None:
+        self.params = params
+        self.flat = torch.zeros(
+            sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device
+        )
+        self.spans: dict[nn.Parameter, tuple[int, int]] = {}
+        offset = 0
+        for p in params:
+            self.spans[p] = (offset, offset + p.numel())
+            offset += p.numel()
+        self.views = self._views(self.flat)
+        self.ready = 0  # parameters whose gradient of the current backward is in
+        self.work: Any = None  # the all-reduce in flight
+        self.extra: torch.Tensor | None = None  # a repeated backward's sums
+
+    def _views(self, flat: torch.Tensor) -> dict[nn.Parameter, torch.Tensor]:
+        return {p: flat[a:b].view_as(p) for p, (a, b) in self.spans.items()}
+
+    def renew(self) -> None:
+        """A new buffer: after an abandoned step whose all-reduce of this bucket may still
+        be running (gloo's threads write its stale sums into the old one in place)."""
+        self.flat = torch.zeros_like(self.flat)
+        self.views = self._views(self.flat)
+        self.work = None
+        self.extra = None
+
+    def extra_view(self, p: nn.Parameter) -> torch.Tensor:
+        if self.extra is None:
+            self.extra = torch.zeros_like(self.flat)
+        a, b = self.spans[p]
+        return self.extra[a:b].view_as(p)
+
+
+def make_buckets(params: list[nn.Parameter]) -> list[Bucket]:
+    out: list[Bucket] = []
+    group: list[nn.Parameter] = []
+    size, cap = 0, FIRST_BUCKET_CAP_BYTES
+    for p in reversed(params):
+        nbytes = p.numel() * p.element_size()
+        if group and (
+            size + nbytes > cap or p.dtype != group[0].dtype or p.device != group[0].device
+        ):
+            out.append(Bucket(group))
+            group, size, cap = [], 0, BUCKET_CAP_BYTES
+        group.append(p)
+        size += nbytes
+    if group:
+        out.append(Bucket(group))
+    return out
+
+
+class Gradients:
+    """The buckets of one model and what this step has put in them."""
+
+    def __init__(self, params: list[nn.Parameter]) -> None:
+        self.params = params
+        self.buckets = make_buckets(params)
+        self.bucket_of = {p: k for k, b in enumerate(self.buckets) for p in b.params}
+        self.index = {p: i for i, p in enumerate(params)}
+        self.written: set[nn.Parameter] = set()  # got a gradient this step (locally)
+        self.carried: dict[nn.Parameter, torch.Tensor] = {}  # left in .grad by the user
+        self.exposed = False  # each .grad is its bucket's view (the step's mean)
+        self.exposed_versions: list[int] = []  # the buffers' versions when last exposed
+        self.scratch: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+        self.scratch_exposed = False  # each .grad is zeros in the shared scratch
+
+    # -- a step begins -------------------------------------------------------------------
+
+    def open_step(self) -> None:
+        """The first micro-batch of a step: what the user left in ``.grad`` since the last
+        commit is kept aside (carried, module doc), and every ``.grad`` hidden."""
+        self.written.clear()
+        self.carried.clear()
+        for k, bucket in enumerate(self.buckets):
+            bucket.ready = 0
+            bucket.extra = None
+            # Views of ours still in .grad hold the last step's mean, unless written in
+            # place since the commit: most likely zeroed (zero_grad(set_to_none=False)),
+            # which one look at the bucket tells (only then: a read of the gradients).
+            untouched = bool(self.exposed_versions) and (
+                bucket.flat._version == self.exposed_versions[k]
+            )
+            zeroed: bool | None = None
+            for p in bucket.params:
+                grad = p.grad
+                if grad is None:
+                    continue
+                if self.scratch_exposed and self._in_scratch(grad):
+                    p.grad = None  # the zeros shown between micro-batches: not the user's
+                    continue
+                if _same_storage(grad, bucket.views[p]):
+                    if untouched:
+                        self.carried[p] = grad.clone()
+                    else:
+                        if zeroed is None:
+                            zeroed = not bool(bucket.flat.any())
+                        if not zeroed and bool(grad.any()):
+                            self.carried[p] = grad.clone()
+                elif bool(grad.any()):  # a tensor the user put there
+                    self.carried[p] = grad.detach().clone()
+                p.grad = None
+        self.exposed = False
+        self.scratch_exposed = False
+
+    # -- what a backward produces --------------------------------------------------------
+
+    def take(self, p: nn.Parameter) -> None:
+        """``p``'s gradient of this backward into its bucket; ``.grad`` hidden again."""
+        grad = p.grad
+        if grad is None:
+            return
+        if self.scratch_exposed and self._in_scratch(grad):
+            raise RuntimeError(
+                f"chameleon: a parameter of shape {tuple(p.shape)} got its gradient added to "
+                "the zeros shown between micro-batches: a backward that did not pass "
+                "through the model's outputs (a parameter used outside "
+                "ElasticDataParallel's forward): use it inside"
+            )
+        view = self.buckets[self.bucket_of[p]].views[p]
+        if p in self.written:
+            view.add_(grad)
+        else:
+            view.copy_(grad)
+            self.written.add(p)
+        p.grad = None
+
+    def take_extra(self, p: nn.Parameter) -> None:
+        """A repeated backward's gradient (after the step's sums were reduced)."""
+        grad = p.grad
+        if grad is None:
+            return
+        self.buckets[self.bucket_of[p]].extra_view(p).add_(grad)
+        self.written.add(p)
+        p.grad = None
+
+    def hide(self) -> None:
+        """A backward or a micro-batch begins: what .grad shows (the step's mean, or the
+        shared zeros) must not be accumulated into."""
+        for p in self.params:
+            p.grad = None
+        self.exposed = False
+        self.scratch_exposed = False
+
+    def expose_scratch(self) -> None:
+        """Between micro-batches: every ``.grad`` zeros in the shared scratch (module
+        doc), zeroed again each time (the loop may have written into it)."""
+        used: dict[tuple[torch.dtype, torch.device], int] = {}
+        for p in self.params:
+            key = (p.dtype, p.device)
+            used[key] = max(used.get(key, 0), p.numel())
+        for key, n in used.items():
+            buf = self.scratch.get(key)
+            if buf is None or buf.numel() < n:
+                buf = self.scratch[key] = torch.zeros(n, dtype=key[0], device=key[1])
+            else:
+                buf[:n].zero_()
+        for p in self.params:
+            p.grad = self.scratch[(p.dtype, p.device)][: p.numel()].view_as(p)
+        self.scratch_exposed = True
+
+    def _in_scratch(self, grad: torch.Tensor) -> bool:
+        buf = self.scratch.get((grad.dtype, grad.device))
+        return buf is not None and grad.data_ptr() == buf.data_ptr()
+
+    def zero_unwritten(self) -> None:
+        """Parameters with no gradient this step hold zeros in the sums (copy-first
+        accumulation never wrote their slots)."""
+        if len(self.written) == len(self.params):
+            return
+        for p in self.params:
+            if p not in self.written:
+                self.buckets[self.bucket_of[p]].views[p].zero_()
+
+    def unused(self) -> list[nn.Parameter]:
+        return [p for p in self.params if p not in self.written]
+
+    # -- the step's sums ---------------------------------------------------------------
+
+    def divide(self, count: int) -> None:
+        with torch.no_grad():
+            for b in self.buckets:
+                b.flat.div_(count)
+
+    def add_carried(self) -> None:
+        with torch.no_grad():
+            for p, grad in self.carried.items():
+                self.buckets[self.bucket_of[p]].views[p].add_(grad)
+        self.carried.clear()
+
+    def expose(self) -> None:
+        """Every ``.grad`` its bucket's view: the step's mean, what the optimizer steps."""
+        self.scratch_exposed = False
+        for b in self.buckets:
+            for p, view in b.views.items():
+                p.grad = view
+        self.exposed = True
+        self.exposed_versions = [b.flat._version for b in self.buckets]
+
+    def mark_exposed(self) -> None:
+        """After the commit's step: what the optimizer did in place is not the user's."""
+        self.exposed_versions = [b.flat._version for b in self.buckets]
+
+    def renew_in_flight(self) -> None:
+        """After an abandoned step: a bucket whose all-reduce may still run gets a new
+        buffer (module doc of Bucket.renew); the others are reused, so a recovery does not
+        allocate every gradient buffer at once."""
+        for b in self.buckets:
+            work, b.work = b.work, None
+            b.extra = None
+            if work is not None and not work.is_completed():
+                b.renew()
+        for p in self.params:
+            p.grad = None
+        self.written.clear()
+        self.carried.clear()
+        self.exposed = False
+        self.scratch_exposed = False
+        self.exposed_versions = []
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (
+        a.device == b.device
+        and a.data_ptr() == b.data_ptr()
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+    )

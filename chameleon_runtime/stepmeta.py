@@ -1,0 +1,80 @@
+"""What the members of the drop-in data-parallel API exchange at each step besides the
+gradients (chameleon_runtime.dataparallel), in one small all-reduce before the commit:
+
+- **Which parameters got a gradient anywhere** (``find_unused_parameters=True``, as DDP's):
+  a parameter no member's backward reached keeps ``.grad`` None, so the optimizer leaves
+  it alone (no weight decay, no momentum), as DDP leaves it. Without the flag a parameter
+  with no gradient on this worker is an error naming it, as under DDP.
+- **The buffers** (BatchNorm's running statistics; DDP's ``broadcast_buffers``): after a
+  step every replica holds what the forwards of micro-batch 0 left, on the member that
+  computed it (DDP broadcasts rank 0's, which computed exactly that micro-batch). The
+  holder contributes its buffers, every other member zeros, so the sum is the holder's
+  values to the bit; a step whose deal changed (a recovery) still ends with the same
+  buffers. Boolean buffers (masks) never change and are left out.
+
+Both travel as float64 (exact for every float and for integers below 2**53). The
+exchange ends before the commit is posted, so a member that rolls a step forward after
+a recovery has seen it too. Models with neither need no exchange.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class StepMeta:
+    def __init__(self, module: nn.Module, params: list[nn.Parameter], *, find_unused: bool) -> None:
+        self.params = params
+        self.find_unused = find_unused
+        self.buffers = [b for b in module.buffers() if b.dtype != torch.bool]
+        self._buffer_numel = sum(b.numel() for b in self.buffers)
+        self.committed: torch.Tensor | None = None  # the buffers as the last step left them
+
+    @property
+    def needed(self) -> bool:
+        return self.find_unused or bool(self.buffers)
+
+    def flat_buffers(self) -> torch.Tensor:
+        if not self.buffers:
+            return torch.zeros(0, dtype=torch.float64)
+        return torch.cat([b.detach().reshape(-1).to("cpu", torch.float64) for b in self.buffers])
+
+    def pack(self, used: set[nn.Parameter], buffers: torch.Tensor | None) -> torch.Tensor:
+        """This member's share: a 1 per parameter it gave a gradient (with the flag), and
+        the buffers when it holds micro-batch 0 (else zeros)."""
+        n_used = len(self.params) if self.find_unused else 0
+        out = torch.zeros(n_used + self._buffer_numel, dtype=torch.float64)
+        if n_used:
+            out[:n_used] = torch.tensor(
+                [float(p in used) for p in self.params], dtype=torch.float64
+            )
+        if buffers is not None and self._buffer_numel:
+            out[n_used:] = buffers
+        return out
+
+    def unpack(self, summed: torch.Tensor) -> list[nn.Parameter]:
+        """Install the exchanged buffers; returns the parameters no member gave a gradient."""
+        n_used = len(self.params) if self.find_unused else 0
+        counts = summed[:n_used].tolist()
+        unused = [p for p, c in zip(self.params, counts, strict=True) if c == 0] if n_used else []
+        if self._buffer_numel:
+            self.install(summed[n_used:].clone())
+        return unused
+
+    def install(self, flat: torch.Tensor) -> None:
+        """Set the buffers from ``flat`` (float64) and keep it as the committed copy, which
+        an abandoned step's forwards are undone to (``restore``)."""
+        offset = 0
+        with torch.no_grad():
+            for b in self.buffers:
+                n = b.numel()
+                b.copy_(flat[offset : offset + n].view(b.shape).to(b.dtype))
+                offset += n
+        self.committed = flat
+
+    def restore(self) -> None:
+        """A step was abandoned: its forwards' updates to the buffers are undone, so the
+        step redone starts from the buffers of the last commit."""
+        if self.committed is not None and self._buffer_numel:
+            self.install(self.committed)

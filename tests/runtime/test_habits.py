@@ -1,0 +1,131 @@
+"""The habits of real training loops on the drop-in data-parallel API: each one is run as
+plain DDP (torchrun, DistributedDataParallel), as the drop-in under torchrun, and as the
+drop-in under chameleon run with a kill -9 of one of the two workers in the middle (the
+survivor then accumulates both micro-batches of every step). In float64 the final
+weights must equal plain DDP's within 1e-9 relative (they are equal to the bit here:
+with two workers the survivor's sum is gloo's, and halving is exact), or the job must
+fail with a one-line error naming the habit. tests/runtime/habits_script.py is the loop.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.launcher.helpers import events, leftovers, run
+from tests.runtime.habits_script import FLOAT32, HABITS
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = str(ROOT / "tests" / "runtime" / "habits_script.py")
+TOLERANCE = 1e-9
+FLOAT32_TOLERANCE = 1e-6  # autocast leaves float64 alone: these train in float32
+
+pytestmark = pytest.mark.slow
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+
+
+def torchrun(tmp: Path, name: str, mode: str, habit: str, nproc: int = 2, *extra: str):
+    out = tmp / name
+    cmd = [SCRIPT, "--mode", mode, "--habit", habit, "--out", str(out), *extra]
+    if nproc > 1:
+        cmd = [
+            "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), *cmd,
+        ]  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, *cmd], cwd=tmp, env=_env(), capture_output=True, text=True, timeout=240
+    )
+    return done, states(tmp, name)
+
+
+def chameleon(tmp: Path, name: str, habit: str, kill: int | None, *extra: str):
+    log = tmp / f"{name}.events"
+    fault = ["--inject-fault", f"kill:rank={kill},step=5"] if kill is not None else []
+    done = run(
+        "run", "--standalone", "--nproc-per-node", "2", "--max-rejoins", "0",
+        "--events", str(log), *fault,
+        SCRIPT, "--mode", "chameleon", "--habit", habit, "--out", str(tmp / name), *extra,
+        cwd=tmp, timeout=240,
+    )  # fmt: skip
+    assert leftovers(tmp) == [], "workers outlived the launcher"
+    return done, states(tmp, name), events(log)
+
+
+def states(tmp: Path, name: str) -> dict[int, dict[str, list[float]]]:
+    return {
+        int(f.name.split(".rank")[1].split(".")[0]): json.loads(f.read_text())["state"]
+        for f in tmp.glob(f"{name}.rank*.json")
+    }
+
+
+def assert_close(reference: dict[str, list[float]], state: dict[str, list[float]], rel: float):
+    assert reference.keys() == state.keys()
+    for key, want in reference.items():
+        got = state[key]
+        diff = sum((a - b) ** 2 for a, b in zip(want, got)) ** 0.5
+        size = sum(a * a for a in want) ** 0.5 or 1.0
+        assert diff <= rel * size, f"{key}: {diff / size:.3g} relative"
+
+
+@pytest.mark.parametrize("habit", [h for h in HABITS if h != "two_backwards"])
+def test_a_habit_trains_as_ddp_does_through_a_kill(tmp_path, habit):
+    rel = FLOAT32_TOLERANCE if habit in FLOAT32 else TOLERANCE
+    done, ddp = torchrun(tmp_path, "ddp", "ddp", habit)
+    assert done.returncode == 0, done.stderr[-2000:]
+    reference = ddp[0]
+    done, ours = torchrun(tmp_path, "ours", "chameleon", habit)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert sorted(ours) == [0, 1]
+    for state in ours.values():
+        assert_close(reference, state, rel)
+    # Killed: rank 0 (the first micro-batch's holder, the buffers' source) for every
+    # other habit, rank 1 for the rest.
+    kill = HABITS.index(habit) % 2
+    done, survived, evs = chameleon(tmp_path, "kill", habit, kill)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert sorted(survived) == [1 - kill]
+    assert [e["rank"] for e in evs if e["event"] == "fault_injected"] == [kill]
+    (recovered,) = [e for e in evs if e["event"] == "recovered"]
+    assert recovered["steps_lost"] == 0
+    assert_close(reference, survived[1 - kill], rel)
+
+
+def test_two_backwards_are_each_reduced(tmp_path):
+    # DDP reduces only the first backward after a forward: the second's gradients stay
+    # on their rank and the replicas drift apart (measured: 10% apart after 12 steps).
+    # The drop-in reduces each, so it is held to the one-process loop over the whole
+    # global batch instead (one worker accumulating both micro-batches).
+    done, alone = torchrun(tmp_path, "alone", "chameleon", "two_backwards", 1)
+    assert done.returncode == 0, done.stderr[-2000:]
+    done, ours = torchrun(tmp_path, "ours", "chameleon", "two_backwards")
+    assert done.returncode == 0, done.stderr[-2000:]
+    for state in ours.values():
+        assert_close(alone[0], state, TOLERANCE)
+    done, survived, _ = chameleon(tmp_path, "kill", "two_backwards", 1)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert_close(alone[0], survived[0], TOLERANCE)
+
+
+def test_an_unused_parameter_without_the_flag_is_a_one_line_error(tmp_path):
+    done, _ = torchrun(tmp_path, "ours", "chameleon", "unused", 2, "--no-find-unused")
+    assert done.returncode != 0
+    assert "'spare.weight'" in done.stderr and "find_unused_parameters=True" in done.stderr
+    done, _, _ = chameleon(tmp_path, "kill", "unused", 1, "--no-find-unused")
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert "find_unused_parameters=True" in done.stdout + done.stderr
+
+
+def test_an_exception_on_a_member_ends_the_job_with_its_error(tmp_path):
+    # On rank 0, the lowest-ranked member: its exit used to announce the end of
+    # training, and the other member exited 0 early.
+    done, finished, evs = chameleon(tmp_path, "raise", "plain", None, "--raise-at", "3")
+    assert done.returncode == 1, done.stdout[-2000:]
+    assert finished == {}, "a member ran past the error to the end"
+    (failure,) = [e for e in evs if e["event"] == "failure" and e["rank"] == 0]
+    assert "ValueError: a bug at step 3" in failure["message"]
+    assert not [e for e in evs if e["event"] == "recovered"]
