@@ -11,12 +11,13 @@ What the user's ``.grad`` is, and when:
 - While a step accumulates (every backward of its micro-batches on this worker), every
   gradient the backward produces is moved into its bucket: a loop's clipping, unscaling
   or zeroing between micro-batches touches nothing of the step's sums. After such a
-  backward each ``.grad`` is zeros, a view of one scratch buffer per dtype and device
-  (as long as the largest parameter) that every parameter shares: what the loop does to
-  it between micro-batches is a no-op that does not fail (``clip_grad_value_`` raises on
-  a model with no gradient at all), and it costs one small buffer, not a second copy of
-  the gradients. A parameter's first contribution of a step is copied in (no pass to
-  zero the buckets at each step), later ones added.
+  backward ``.grad`` is zeros for the parameters of up to SCRATCH_NUMEL elements (biases,
+  norms; the smallest one if none is that small), views of one scratch buffer per dtype
+  and device that they all share, and None for the others: what the loop does to them
+  between micro-batches is a no-op that does not fail (``clip_grad_value_`` raises on a
+  model with no gradient at all, GradScaler on an optimizer with none), at the cost of
+  one small buffer, not a second copy of the gradients. A parameter's first contribution
+  of a step is copied in (no pass to zero the buckets at each step), later ones added.
 - Once the step's sums are all-reduced (the end of the backward of this worker's last
   micro-batch), each ``.grad`` is a view of its bucket, holding the global batch's mean,
   as under DDP when ``backward()`` returns; clipping, unscaling or logging a norm before
@@ -29,6 +30,9 @@ What the user's ``.grad`` is, and when:
 
 from __future__ import annotations
 
+import contextlib
+import time
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -36,6 +40,7 @@ from torch import nn
 
 BUCKET_CAP_BYTES = 25 << 20
 FIRST_BUCKET_CAP_BYTES = 1 << 20
+SCRATCH_NUMEL = 1 << 18  # the largest parameter shown as zeros between micro-batches
 
 
 class Bucket:
@@ -105,6 +110,8 @@ class Gradients:
         self.exposed = False  # each .grad is its bucket's view (the step's mean)
         self.exposed_versions: list[int] = []  # the buffers' versions when last exposed
         self.scratch: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+        small = [p for p in params if p.numel() <= SCRATCH_NUMEL]
+        self._shown = small or sorted(params, key=lambda p: p.numel())[:1]
         self.scratch_exposed = False  # each .grad is zeros in the shared scratch
 
     # -- a step begins -------------------------------------------------------------------
@@ -187,8 +194,9 @@ class Gradients:
     def expose_scratch(self) -> None:
         """Between micro-batches: every ``.grad`` zeros in the shared scratch (module
         doc), zeroed again each time (the loop may have written into it)."""
+        shown = self._shown
         used: dict[tuple[torch.dtype, torch.device], int] = {}
-        for p in self.params:
+        for p in shown:
             key = (p.dtype, p.device)
             used[key] = max(used.get(key, 0), p.numel())
         for key, n in used.items():
@@ -197,7 +205,7 @@ class Gradients:
                 buf = self.scratch[key] = torch.zeros(n, dtype=key[0], device=key[1])
             else:
                 buf[:n].zero_()
-        for p in self.params:
+        for p in shown:
             p.grad = self.scratch[(p.dtype, p.device)][: p.numel()].view_as(p)
         self.scratch_exposed = True
 
@@ -243,14 +251,25 @@ class Gradients:
         """After the commit's step: what the optimizer did in place is not the user's."""
         self.exposed_versions = [b.flat._version for b in self.buckets]
 
-    def renew_in_flight(self) -> None:
+    def renew_in_flight(self, wait_s: float = 0.1) -> None:
         """After an abandoned step: a bucket whose all-reduce may still run gets a new
-        buffer (module doc of Bucket.renew); the others are reused, so a recovery does not
-        allocate every gradient buffer at once."""
+        buffer (module doc of Bucket.renew); the others are reused. An all-reduce with a
+        dead peer fails within milliseconds of its death, and one with a live peer ends
+        once that peer leaves the generation too, so each is given a moment (``wait_s``
+        in all) before its bucket is given up: a recovery then holds no second copy of
+        the gradients, which a bucket renewed while its old buffer waited on a stuck
+        all-reduce cost (measured: the gradients' size again at the survivor's peak)."""
+        deadline = time.monotonic() + wait_s
         for b in self.buckets:
             work, b.work = b.work, None
             b.extra = None
-            if work is not None and not work.is_completed():
+            if work is None or work.is_completed():
+                continue
+            left = deadline - time.monotonic()
+            if left > 0:
+                with contextlib.suppress(Exception):  # failed: over all the same
+                    work.wait(timedelta(seconds=left))
+            if not work.is_completed():
                 b.renew()
         for p in self.params:
             p.grad = None

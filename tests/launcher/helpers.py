@@ -38,10 +38,13 @@ def env() -> dict[str, str]:
 _env = env  # ``start`` takes an ``env`` argument of its own
 
 
-def run(*args: str, cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
+def run(
+    *args: str, cwd: Path, timeout: float = 120, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     return subprocess.run(
-        chameleon_cmd(*args), cwd=cwd, env=env(), capture_output=True, text=True, timeout=timeout
-    )
+        chameleon_cmd(*args), cwd=cwd, env={**_env(), **(env or {})}, capture_output=True,
+        text=True, timeout=timeout,
+    )  # fmt: skip
 
 
 def start(*args: str, cwd: Path, log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:

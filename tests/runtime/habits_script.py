@@ -66,6 +66,10 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--no-find-unused", action="store_true", help="leave DDP's flag off")
     p.add_argument("--raise-at", type=int, default=None, help="rank 0 raises at this step")
+    p.add_argument("--check-every", type=int, default=100, help="the consistency check's period")
+    p.add_argument(
+        "--perturb", default=None, help="RANK,STEP: that rank's weights move after that step"
+    )
     args = p.parse_args()
     habit = args.habit
     torch.set_num_threads(1)
@@ -91,7 +95,9 @@ def main() -> None:
             data, global_batch_size=args.global_batch, micro_batch_size=args.micro_batch, seed=0
         )
         loader = DataLoader(data, batch_sampler=sampler, **extra)
-        model = cr.ElasticDataParallel(inner, sampler, find_unused_parameters=find_unused)
+        model = cr.ElasticDataParallel(
+            inner, sampler, find_unused_parameters=find_unused, check_every=args.check_every
+        )
 
     def wrap(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         return optimizer if args.mode == "ddp" else cr.ElasticOptimizer(optimizer, model)
@@ -180,6 +186,9 @@ def main() -> None:
                 for s in schedules:
                     s.step()
                 step += 1
+                if args.perturb and [rank, step] == [int(v) for v in args.perturb.split(",")]:
+                    with torch.no_grad():  # a bit flip, a bug: one replica moves alone
+                        net.head.bias[0] += 1e-3
                 if step == args.steps:
                     break
         epoch += 1

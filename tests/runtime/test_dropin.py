@@ -27,14 +27,16 @@ pytestmark = pytest.mark.slow
 
 
 def train(tmp: Path, name: str, *flags: str, workers: int = 4, steps: int = STEPS):
-    """(weights' fingerprints per rank that finished, events)."""
+    """(weights' fingerprints per rank that finished, events). ``flags`` go to chameleon
+    run; after a "--", to the script."""
     out = tmp / name
     out.mkdir()
     log = out / "events.jsonl"
+    cut = flags.index("--") if "--" in flags else len(flags)
     result = run(
         "run", "--standalone", "--nproc-per-node", str(workers), "--events", str(log),
-        *flags, EXAMPLE, "--steps", str(steps), "--float64", "--dump", str(out / "dump"),
-        cwd=out, timeout=240,
+        *flags[:cut], EXAMPLE, "--steps", str(steps), "--float64", "--dump",
+        str(out / "dump"), *flags[cut + 1 :], cwd=out, timeout=240,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     assert leftovers(out) == [], "workers outlived the launcher"
@@ -184,3 +186,28 @@ def test_a_lost_node_is_recovered_in_place(tmp_path, reference):
     weights = dumps(tmp_path)
     assert set(weights) <= {0, 1}
     assert_same(full, weights)
+
+
+@pytest.mark.parametrize("spare", [False, True], ids=["taken-in", "left-a-spare"])
+def test_a_replacement_heals_after_the_script_resumed_from_its_checkpoint(
+    tmp_path, reference, spare
+):
+    # The script resumes from its own checkpoint before its loop, as scripts do. The
+    # replacement of rank 1 (killed at step 12, 7 steps after the last save) used to heal
+    # in the optimizer's constructor and then load the older checkpoint over it: its
+    # weights drifted from rank 0's and it exited without running the code after the
+    # loop. Healed when its loop starts, it trains on from the live member's state; left
+    # a spare (--policy reroute), it exits without that code and the member ends right.
+    testbed = (ROOT / "configs" / "cpu_testbed.toml").read_text()
+    config = tmp_path / "devices.toml"
+    config.write_text(testbed.replace("host_cores = 2", "host_cores = 0"))
+    flags = ["--policy", "reroute"] if spare else ["--config", str(config)]
+    weights, evs = train(
+        tmp_path, "ckpt", "--max-rejoins", "1", "--inject-fault", "kill:rank=1,step=12",
+        *flags, "--", "--checkpoint-dir", str(tmp_path / "ckpt" / "saved"),
+        "--checkpoint-every", "5", workers=2,
+    )  # fmt: skip
+    (rejoined,) = named(evs, "rejoined")
+    assert rejoined["ranks"] == [1] and rejoined["taken_in"] is not spare
+    assert sorted(weights) == ([0] if spare else [0, 1])  # every member ran its last lines
+    assert_same(reference, weights)
