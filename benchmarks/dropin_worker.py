@@ -68,7 +68,7 @@ def run_chameleon(args, data, net, global_batch) -> None:  # noqa: ANN001
     sampler = cr.ElasticSampler(
         data, global_batch_size=global_batch, micro_batch_size=args.micro_batch, seed=0
     )
-    model = cr.DataParallel(net, sampler)
+    model = cr.ElasticDataParallel(net, sampler)
     optimizer = cr.ElasticOptimizer(torch.optim.AdamW(model.parameters(), lr=3e-3), model)
     loader = DataLoader(data, batch_sampler=sampler)
     samples = 0
@@ -87,6 +87,8 @@ def run_chameleon(args, data, net, global_batch) -> None:  # noqa: ANN001
                 break
     if rank == 0:
         say(final_loss=held_out_loss(model.module, data))
+    # the replicas' consistency check (on, every 100 steps by default): what it cost here
+    say(rank=rank, checks=model.consistency.checks, check_s=model.consistency.seconds)
 
 
 def run_ddp(args, data, net, global_batch) -> None:  # noqa: ANN001

@@ -34,6 +34,7 @@ _EXPORTS = {
     "StepInfo": "chameleon_runtime.trainer",
     "Trainer": "chameleon_runtime.trainer",
     "heartbeat": "chameleon_runtime.scriptbeat",
+    "is_saver": "chameleon_runtime.usergroup",
     "section": "chameleon_runtime.scriptbeat",
 }
 
@@ -44,6 +45,7 @@ if TYPE_CHECKING:
     from chameleon_runtime.sampler import ElasticSampler
     from chameleon_runtime.scriptbeat import heartbeat, section
     from chameleon_runtime.trainer import FitResult, StepInfo, Trainer
+    from chameleon_runtime.usergroup import is_saver
 
 __all__ = [
     "DataParallel",
@@ -55,6 +57,7 @@ __all__ = [
     "StepInfo",
     "Trainer",
     "heartbeat",
+    "is_saver",
     "section",
 ]
 

@@ -332,6 +332,11 @@ class Generation:
         if self.interrupts.aborted(self.generation):
             raise Aborted(f"generation {self.generation} aborted")
 
+    def call(self, fn: Callable[[], Any], what: str) -> Any:
+        """Run ``fn`` (a blocking call among this generation's members, such as building
+        a group of theirs) on the helper: an abort ends the wait (module doc)."""
+        return self._run(fn, what, ())
+
     def _run(self, fn: Callable[[], Any], what: str, peers: Sequence[int]) -> Any:
         self._check()
         done, box = self._helper.submit(fn, f"{what} {list(peers)}")

@@ -25,6 +25,7 @@ benchmarks/dropin_vs_torchft.py (docs/dataparallel.md).
 from __future__ import annotations
 
 import sys
+import time
 from typing import Any, Protocol
 
 import torch
@@ -66,6 +67,7 @@ class Consistency:
         self.last_checked = -1
         self.checks = 0
         self.healed = 0
+        self.seconds = 0.0  # spent checking (benchmarks/dropin_vs_torchft.py reports it)
 
     def _members(self) -> tuple[list[int], int]:
         model = self.model
@@ -84,7 +86,9 @@ class Consistency:
             or not self.model.distributed
         ):
             return
+        start = time.perf_counter()
         self.check(step)
+        self.seconds += time.perf_counter() - start
         self.last_checked = step
 
     def _values(self) -> torch.Tensor:

@@ -175,6 +175,12 @@ class ElasticDataParallel(nn.Module):
         device = first.device if first is not None else torch.device("cpu")
         self.elastic: Membership | None = None
         if under_chameleon():
+            if dist.is_available() and dist.is_initialized():
+                raise RuntimeError(
+                    "under chameleon run the drop-in builds the default process group for "
+                    "each generation of workers: remove the script's init_process_group "
+                    "(docs/dataparallel.md)"
+                )
             self.group = False
             self.elastic = Membership(sampler, device.type)
             self.world_size, self.rank = self.elastic.world_size, self.elastic.rank

@@ -1,26 +1,29 @@
 """The drop-in data-parallel API under ``chameleon run``: in-place recovery for an
 ordinary loop (chameleon_runtime.dataparallel). Under torchrun the drop-in API sums on
 the default process group, as DDP; under chameleon run it speaks the runtime's protocol
-with the launcher (chameleon_runtime.protocol.messages), as the Trainer does, over groups of its own:
+with the launcher (chameleon_runtime.protocol.messages), as the Trainer does, over groups
+of its own:
 
 - The job is one stage (the whole model, "layer" 0) held by every member; the plan's
   workers are the members, and the sampler deals each step's micro-batches among them.
 - A step's gradients are all-reduced on a collective group of the generation's members
-  (chameleon_runtime.comm: an abort ends every wait), then a one-element all-reduce, the
-  commit, says every member has the step's sums. A worker that saw the commit applies
-  the step; one that posted it and did not see it end keeps the sums (``pending``), and
-  the next plan says whether the step was applied elsewhere (``roll_forward``): then it
-  applies it too. A failure before the commit leaves the step to be redone by the new
-  members, the sampler dealing its micro-batches among them.
+  (chameleon_runtime.comm: an abort ends every wait), then a small all-reduce, the
+  commit, says every member has the step's sums and which step each commits. A worker
+  that saw the commit applies the step; one that posted it and did not see it end keeps
+  the sums (``pending``), and the next plan says whether the step was applied elsewhere
+  (``roll_forward``): then it applies it too. A failure before the commit leaves the step
+  to be redone by the new members, the sampler dealing its micro-batches among them.
 - On a failure (a peer's death breaking the all-reduce, the launcher's abort), the
   worker reports ``Ready`` with the step it is at and waits for the next plan, builds
-  the new generation's group, heals whoever the plan says lacks the state (a
-  replacement: model, optimizer state, sampler position and random state, sent from a
-  live member), reports ``Applied`` and goes back to the loop, whose next micro-batches
-  are the interrupted step dealt anew.
-- A replacement started by the launcher announces itself (``Joined``) from the drop-in's
-  constructor and waits there, as a spare, until a plan takes it in (then heals) or
-  training ends (then the process exits 0: it has nothing to train).
+  the new generation's groups (its own, and the script's default process group:
+  chameleon_runtime.usergroup), heals whoever the plan says lacks the state (a
+  replacement: model, optimizers, sampler position, random state and the heal_with
+  objects, streamed from a live member: chameleon_runtime.heal), reports ``Applied`` and
+  goes back to the loop, whose next micro-batches are the interrupted step dealt anew.
+- A replacement started by the launcher announces itself (``Joined``) when its loop
+  starts (after the script's set-up and whatever checkpoint it loads) and waits there,
+  as a spare, until a plan takes it in (then heals and trains to the end, a member like
+  any other) or training ends (then the process exits 0: it has nothing to train).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from chameleon_runtime import usergroup
 from chameleon_runtime.comm import COLLECTIVE_RELEASE, Aborted, Collective, CommError, Generation
 from chameleon_runtime.control import STORE_LOST, Control, Finished
 from chameleon_runtime.heal import receive_state, send_state
@@ -107,6 +111,7 @@ class Membership:
             self.control.put_signed(self.control.keys.plan(0), message)
             self.control.put_signed(self.control.keys.latest, "0")
         self._enter(0, self.members, build_agreement=False)
+        self._user_group(0)
         self.control.status.update(phase="train", generation=0, step=step)
 
     def describe(self, forward_s: float, backward_s: float, params: int, optimizer: Any) -> None:
@@ -266,6 +271,10 @@ class Membership:
         self.applied = message.generation
         self.members = sorted(plan.workers)
         self.sampler.members = list(self.members)
+        if self.rank in self.members:
+            self._user_group(message.generation)
+        else:  # a source that gave its state away: a spare from now on
+            usergroup.remove()
         self.control.status.update(phase="train", step=message.resume_step)
         self.control.tell_leader(
             Applied(
@@ -309,7 +318,17 @@ class Membership:
         if self.control.interrupts.finished is not None:
             self._end()
 
+    def _user_group(self, generation: int) -> None:
+        """The script's default process group over this generation's workers
+        (chameleon_runtime.usergroup)."""
+        assert self.gen is not None
+        usergroup.install(
+            self.gen, self.control.store, self.control.keys.groups(generation), self.members,
+            self.rank,
+        )  # fmt: skip
+
     def _leave(self) -> None:
+        usergroup.remove()
         if self.gen is not None:
             self.gen.abandon()
             self.gen = None

@@ -8,8 +8,8 @@ The model is built from a config (``--family gpt2`` or ``llama``, a few small la
 random initial weights: nothing is downloaded); the text is Python's own documentation
 as it ships with the interpreter (``pydoc_data.topics``), read as bytes (a 256-token
 vocabulary, no tokenizer to fetch). The loop is the one a DDP script has, with three
-objects swapped: ``cr.ElasticSampler`` for DistributedSampler, ``cr.DataParallel`` for
-DistributedDataParallel, ``cr.ElasticOptimizer`` around AdamW. Rank 0 prints ``step N
+objects swapped: ``cr.ElasticSampler`` for DistributedSampler, ``cr.ElasticDataParallel``
+for DistributedDataParallel, ``cr.ElasticOptimizer`` around AdamW. Rank 0 prints ``step N
 loss X`` (its own micro-batches' mean) once a step commits. ``--checkpoint-dir`` saves
 model, optimizer, schedule and sampler every ``--checkpoint-every`` steps, atomically,
 and resumes from them (what a restart needs under torchrun).
@@ -104,7 +104,7 @@ def main() -> None:
     )
     loader = DataLoader(data, batch_sampler=sampler)
     net = build_model(args.family, args.layers, args.hidden, args.heads, args.seq_len)
-    model = cr.DataParallel(net.double() if args.float64 else net, sampler)
+    model = cr.ElasticDataParallel(net.double() if args.float64 else net, sampler)
     optimizer = cr.ElasticOptimizer(torch.optim.AdamW(model.parameters(), lr=args.lr), model)
     warmup = 5
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
@@ -140,7 +140,9 @@ def main() -> None:
             mine = []
             if rank == 0:
                 print(f"step {step} loss {losses[step]:.4f}", flush=True)
-            if ckpt is not None and (step + 1) % args.checkpoint_every == 0 and rank == 0:
+            # cr.is_saver(): the lowest-ranked member now (rank 0 under torchrun), so the
+            # saves go on when rank 0 is lost
+            if ckpt is not None and (step + 1) % args.checkpoint_every == 0 and cr.is_saver():
                 ckpt.parent.mkdir(parents=True, exist_ok=True)
                 save(ckpt, model, optimizer, schedule, sampler)
             if optimizer.global_step >= args.steps:

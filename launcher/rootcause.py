@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 _MAX_ERROR_FILE = 1 << 20  # a call stack, not a dump: anything longer is cut
+_RANK_PREFIX = re.compile(r"^\[rank\d+\]:\s?")
 _FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+)(?:, in (?P<func>.+))?$')
 # Exceptions a rank raises because a peer failed, not because of its own code.
 _PEER_ERRORS = ("DistBackendError", "DistNetworkError", "DistStoreError")
@@ -90,7 +91,9 @@ def from_stderr(lines: Sequence[str], *, any_line: bool) -> ErrorReport | None:
     """The last traceback in a worker's stderr: its exception line and innermost frame;
     else (``any_line``, a worker that exited by itself) its last line. A worker killed by
     a signal wrote no last words: its last line is whatever it printed before."""
-    lines = [line for line in lines if line.strip()]
+    # (torch prefixes every line of a traceback with "[rankN]: " once a default process
+    # group exists: sys.excepthook is torch.distributed's then)
+    lines = [_RANK_PREFIX.sub("", line) for line in lines if line.strip()]
     start = max((i for i, line in enumerate(lines) if line.startswith("Traceback")), default=None)
     if start is not None:
         block = lines[start + 1 :]

@@ -67,6 +67,20 @@ def test_stderr_gives_the_last_traceback_of_a_chain():
     )
 
 
+def test_a_traceback_torch_prefixed_with_the_rank_is_read_as_any_other():
+    # Once a default process group exists, torch.distributed's excepthook prefixes every
+    # line; read raw, the script's exception was not found and it was recovered in place.
+    lines = [
+        "[rank0]: Traceback (most recent call last):",
+        '[rank0]:   File "/job/train.py", line 138, in main',
+        '[rank0]:     raise ValueError("x")',
+        "[rank0]: ValueError: a bug at step 3",
+    ]
+    report = from_stderr(lines, any_line=True)
+    assert report.message == "ValueError: a bug at step 3"
+    assert report.where == "/job/train.py:138 in main"
+
+
 def test_a_signal_death_does_not_take_a_stray_line_for_its_cause():
     assert from_stderr(["loading shards 3/8"], any_line=False) is None
     assert from_stderr(["loading shards 3/8"], any_line=True).message == "loading shards 3/8"

@@ -38,6 +38,9 @@ HABITS = (
     "compile",  # a torch.compile'd inner module (backend aot_eager)
     "bf16_autocast",  # torch.autocast(bfloat16) (float32 weights)
     "fp16_scaler",  # torch.autocast(float16) and torch.amp.GradScaler (float32 weights)
+    # the script's own torch.distributed: a metrics all-reduce every turn, a barrier every
+    # third step, a torch.distributed.checkpoint save at the end, cr.is_saver()'s marker
+    "user_collectives",
 )
 # Autocast leaves float64 alone: these habits train in float32 (test_habits compares
 # them at float32's tolerance).
@@ -182,6 +185,11 @@ def main() -> None:
             elif habit != "zero_grad_first":
                 for o in optimizers:
                     o.zero_grad()
+            if habit == "user_collectives":
+                metric = loss.detach().clone()
+                dist.all_reduce(metric)
+                if committed and step % 3 == 0:
+                    dist.barrier()
             if committed:
                 for s in schedules:
                     s.step()
@@ -192,6 +200,13 @@ def main() -> None:
                 if step == args.steps:
                     break
         epoch += 1
+    if habit == "user_collectives":
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save({"model": net.state_dict()}, checkpoint_id=f"{args.out}.dcp")
+        if cr.is_saver():
+            with open(f"{args.out}.saver{rank}", "w") as f:
+                f.write(f"{dist.get_rank()} of {dist.get_world_size()}")
     state = {k: v.double().flatten().tolist() for k, v in net.state_dict().items()}
     with open(f"{args.out}.rank{rank}.json", "w") as f:
         json.dump({"state": state, "step": step}, f)

@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -83,9 +84,9 @@ def test_a_habit_trains_as_ddp_does_through_a_kill(tmp_path, habit):
     assert sorted(ours) == [0, 1]
     for state in ours.values():
         assert_close(reference, state, rel)
-    # Killed: rank 0 (the first micro-batch's holder, the buffers' source) for every
-    # other habit, rank 1 for the rest.
-    kill = HABITS.index(habit) % 2
+    # Killed: rank 0 (the first micro-batch's holder, the buffers' source, the saver)
+    # for every other habit and the script's own collectives, rank 1 for the rest.
+    kill = 0 if habit == "user_collectives" else HABITS.index(habit) % 2
     done, survived, evs = chameleon(tmp_path, "kill", habit, kill)
     assert done.returncode == 0, done.stderr[-2000:]
     assert sorted(survived) == [1 - kill]
@@ -93,6 +94,26 @@ def test_a_habit_trains_as_ddp_does_through_a_kill(tmp_path, habit):
     (recovered,) = [e for e in evs if e["event"] == "recovered"]
     assert recovered["steps_lost"] == 0
     assert_close(reference, survived[1 - kill], rel)
+    if habit == "user_collectives":
+        assert_saved(tmp_path, "kill", survived[1 - kill], saver=1 - kill)
+
+
+def assert_saved(tmp: Path, name: str, state: dict[str, list[float]], saver: int) -> None:
+    """The torch.distributed.checkpoint the members saved holds the final weights; one
+    member, the generation's lowest-ranked, said it was the saver."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from tests.runtime.habits_script import Net
+
+    shapes = Net("user_collectives").double().state_dict()
+    loaded = {"model": {k: torch.zeros_like(v) for k, v in shapes.items()}}
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(loaded, checkpoint_id=str(tmp / f"{name}.dcp"))
+    for key, values in state.items():
+        assert loaded["model"][key].flatten().tolist() == values, key
+    assert [p.name for p in tmp.glob(f"{name}.saver*")] == [f"{name}.saver{saver}"]
 
 
 def test_two_backwards_are_each_reduced(tmp_path):

@@ -1,0 +1,91 @@
+"""The script's own ``torch.distributed`` under ``chameleon run``: the default process
+group, over the members of the current generation, rebuilt by every recovery.
+
+A script ported to the drop-in API (docs/dataparallel.md) no longer calls
+``init_process_group``; under torchrun the drop-in initialises the default group from the
+environment, and under chameleon run this module does, for each generation, so that the
+script's collectives (a metrics all-reduce, a barrier, ``all_gather_object``,
+``torch.distributed.checkpoint`` saving and loading) run among the workers that train now:
+``dist.get_rank()`` is the member's place among them (lowest global rank first) and
+``dist.get_world_size()`` their number. A spare (a worker a plan leaves out) has none.
+
+How: the group is a gloo group built on the generation's helper thread, so that a member
+lost while it is built ends the wait at the launcher's abort, as the runtime's own groups
+do (chameleon_runtime.comm); it is then installed as the default group through a backend
+registered under the name "chameleon" whose constructor hands that group over (torch has
+no other public way to install a group built beforehand). gloo takes CPU and CUDA
+tensors. Its keys live under the generation's prefix in the worker store, which the
+leader deletes with the generation's.
+
+What a failure does to the script's own collective: one that a lost peer interrupts
+raises the backend's error in the script, as under torchrun, and that member is lost too
+(the launcher sees a peer's error, not the script's: it recovers in place). The drop-in's
+step, which the script's collectives usually follow, has recovered by then in nearly
+every case.
+
+``is_saver()``: whether this worker is the one to write what one worker writes (a final
+save, a log): the lowest-ranked member of the current generation, which survives the loss
+of rank 0; rank 0 under torchrun; True alone.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from chameleon_runtime.comm import OP_TIMEOUT_S, Generation
+
+BACKEND = "chameleon"
+_built: list[Any] = []  # the group the next init_process_group installs
+_ours = False  # the default group is one this module installed
+
+
+def _hand_over(store: Any, rank: int, size: int, timeout: Any) -> Any:
+    del store, rank, size, timeout  # built already, on the generation's helper
+    return _built[0]
+
+
+def install(gen: Generation, store: dist.Store, prefix: str, members: list[int], me: int) -> None:
+    """The default group of generation ``gen`` over ``members`` (sorted global ranks)."""
+    global _ours
+    remove()
+    if BACKEND not in dist.Backend.backend_list:
+        dist.Backend.register_backend(BACKEND, _hand_over, devices=["cpu", "cuda"])
+    group_store = dist.PrefixStore(f"{prefix}/user", store)
+    index, size = members.index(me), len(members)
+    group = gen.call(
+        lambda: dist.ProcessGroupGloo(group_store, index, size, timedelta(seconds=OP_TIMEOUT_S)),
+        "groups",
+    )
+    _built[:] = [group]
+    # init_process_group wraps sys.excepthook in one that prefixes "[rankN]: " with the
+    # group rank: one more wrapper per recovery, each with a stale rank. The launcher
+    # prefixes workers' lines already; the hook as it was is put back.
+    hook = sys.excepthook
+    try:
+        dist.init_process_group(
+            BACKEND, store=dist.PrefixStore(f"{prefix}/init", store), rank=index, world_size=size
+        )
+    finally:
+        _built.clear()
+        sys.excepthook = hook
+    _ours = True
+
+
+def remove() -> None:
+    """Leave the generation's default group (a recovery, the end)."""
+    global _ours
+    if _ours and dist.is_initialized():
+        dist.destroy_process_group()
+    _ours = False
+
+
+def is_saver() -> bool:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank() == 0
+    under_chameleon = "CHAMELEON_RUN_DIR" in os.environ and "MASTER_ADDR" in os.environ
+    return not under_chameleon and int(os.environ.get("WORLD_SIZE", "1")) <= 1
