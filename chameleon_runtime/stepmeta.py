@@ -10,7 +10,11 @@ gradients (chameleon_runtime.dataparallel), in one small all-reduce before the c
   computed it (DDP broadcasts rank 0's, which computed exactly that micro-batch). The
   holder contributes its buffers, every other member zeros, so the sum is the holder's
   values to the bit; a step whose deal changed (a recovery) still ends with the same
-  buffers. Boolean buffers (masks) never change and are left out.
+  buffers. Only the buffers a state dict holds travel: those a model registers as not
+  persistent are caches of constants (a causal mask, GPT-2's ``masked_bias``, Llama's
+  ``inv_freq``), and sending them made every Hugging Face model pay a second all-reduce
+  a step (about 10% of examples/train_hf.py's failure-free step, measured). Nor do
+  boolean ones (masks).
 
 Both travel as float64 (exact for every float and for integers below 2**53). The
 exchange ends before the commit is posted, so a member that rolls a step forward after
@@ -27,7 +31,10 @@ class StepMeta:
     def __init__(self, module: nn.Module, params: list[nn.Parameter], *, find_unused: bool) -> None:
         self.params = params
         self.find_unused = find_unused
-        self.buffers = [b for b in module.buffers() if b.dtype != torch.bool]
+        saved = set(module.state_dict(keep_vars=True))
+        self.buffers = [
+            b for name, b in module.named_buffers() if name in saved and b.dtype != torch.bool
+        ]
         self._buffer_numel = sum(b.numel() for b in self.buffers)
         self.committed: torch.Tensor | None = None  # the buffers as the last step left them
 
