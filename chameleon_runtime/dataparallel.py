@@ -70,6 +70,8 @@ class Wrapped(Protocol):
 
     optimizer: torch.optim.Optimizer
 
+    def apply_rolled(self, turn: int) -> None: ...
+
 
 # The commit's step number is sent modulo this (its square must stay exact in float64
 # summed over thousands of members); members a multiple of it apart are not told apart.
@@ -221,6 +223,8 @@ class ElasticDataParallel(nn.Module):
         self._ran_first = False  # this worker ran micro-batch 0 of the step
         self._buffer_snapshot: torch.Tensor | None = None  # the buffers micro-batch 0 left
         self._unused: list[nn.Parameter] = []
+        self._pending_buffers: torch.Tensor | None = None  # the exchange's, until the commit
+        self._rolled = False  # a step rolled forward was applied before a heal's export
         self._outcome = Outcome(0, False)
         self._timing: list[float] = []  # the first step's forward start, end (described)
         self._last_commit = time.perf_counter()
@@ -573,7 +577,7 @@ class ElasticDataParallel(nn.Module):
         except (Aborted, CommError) as exc:
             self.failure = (str(exc), False)
             return False
-        self._unused = self.meta.unpack(mine)
+        self._unused, self._pending_buffers = self.meta.unpack(mine)
         return True
 
     def _commit(self, mb: MicroBatch) -> bool:
@@ -605,6 +609,9 @@ class ElasticDataParallel(nn.Module):
         for p in self._unused:
             p.grad = None
         self._unused = []
+        if self._pending_buffers is not None:
+            self.meta.install(self._pending_buffers)
+            self._pending_buffers = None
         self.sampler.step = mb.step + 1
         self.step_open = False
         elastic = self.elastic
@@ -646,19 +653,37 @@ class ElasticDataParallel(nn.Module):
         assert elastic is not None and self.failure is not None
         why, pending = self.failure
         self.failure = None
+        # The abandoned step's forwards moved the buffers: back to the last commit's, before
+        # a heal exports them (a replacement got the uncommitted ones: BatchNorm's count
+        # one ahead after 3 replacements in a 3,000-step soak).
+        self.meta.restore()
+        self._rolled = False
         resume, roll = elastic.recover(
-            why, step=mb.step, pending=pending, export=self.replica.export, install=self._install
-        )
+            why, step=mb.step, pending=pending, export=self.replica.export,
+            install=self._install, roll_now=lambda: self._roll_now(mb),
+        )  # fmt: skip
         self.sampler.rewind(resume, elastic.members)
         if roll:  # committed elsewhere: these sums (their mean) are final
+            if self._rolled:
+                return True
             return self._committed(mb)
+        self._pending_buffers = None
         self.grads.renew_in_flight()
-        self.meta.restore()  # the abandoned step's forwards moved the buffers
         self.synced = False
         self.repeat = False
         self.step_open = False
         self._sync_queued = False
         return False
+
+    def _roll_now(self, mb: MicroBatch) -> None:
+        """Apply the step rolled forward at once, every optimizer of the model, before this
+        member sends its state to a replacement (chameleon_runtime.elastic); their step()
+        calls of this turn then find it applied."""
+        self._committed(mb)
+        turn = self._outcome.turn + 1  # the turn _end_turn is about to close
+        for optimizer in self.optimizers:
+            optimizer.apply_rolled(turn)
+        self._rolled = True
 
     def _check_consistency(self) -> None:
         try:

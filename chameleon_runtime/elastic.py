@@ -199,6 +199,7 @@ class Membership:
         export: Callable[[], tuple[dict, list[torch.Tensor]]],
         install: Callable[[dict, list[torch.Tensor]], None],
         held: bool = True,
+        roll_now: Callable[[], None] | None = None,
     ) -> tuple[int, bool]:
         """Leave the generation, report, apply the next plan. Returns (the step to resume
         at, whether the pending step is to be applied: rolled forward)."""
@@ -216,14 +217,24 @@ class Membership:
                     )
                 )  # fmt: skip
                 message = self.control.next_plan(left)
-            except Finished:
+            except Finished as done:
+                if held and step > done.step:
+                    # The others left their loops after the job's last step; this one's
+                    # loop went on: it ends on a count of its own, which a replacement
+                    # starts at 0. Said, not trained on alone.
+                    raise RuntimeError(
+                        f"chameleon: the other members ended training after step "
+                        f"{done.step}, but rank {self.rank}'s loop went on to step {step}: "
+                        "end the loop on optimizer.global_step (the job's count of "
+                        "steps), not on a count of the script's own"
+                    ) from None
                 self._end()
             except STORE_LOST:
                 if not self.control.reconnect():
                     raise
                 continue
             try:
-                return self._apply(message, step, pending, export, install)
+                return self._apply(message, step, pending, export, install, roll_now)
             except (Aborted, CommError) as exc:
                 self._leave()
                 left, reason = message.generation, str(exc)
@@ -242,6 +253,7 @@ class Membership:
         pending: bool,
         export: Callable[[], tuple[dict, list[torch.Tensor]]],
         install: Callable[[dict, list[torch.Tensor]], None],
+        roll_now: Callable[[], None] | None = None,
     ) -> tuple[int, bool]:
         plan = message.plan.to_plan()
         members = sorted(set(plan.workers) | {t.src for t in message.transfers})
@@ -260,6 +272,11 @@ class Membership:
         assert gen is not None
         for t in sorted(message.transfers, key=lambda t: t.round):
             if t.src == self.rank:  # streamed in chunks (chameleon_runtime.heal)
+                if roll and roll_now is not None:
+                    # The replacement resumes after the step rolled forward: it must get
+                    # the weights with that step applied, not the ones before it.
+                    roll_now()
+                    roll_now = None
                 header, tensors = export()
                 send_state(lambda x, d=t.dst: gen.send(x, d), gen.flush_sends, header, tensors)
             elif t.dst == self.rank:

@@ -70,6 +70,7 @@ class ElasticOptimizer(torch.optim.Optimizer):
         self.model = model
         self._applied_turn = -1
         self._bridges: dict[int, _ScalerBridge] = {}
+        self._last_scaler: Any = None  # the GradScaler of the last step() that applied
         model.optimizers.append(self)
 
     @property
@@ -110,6 +111,8 @@ class ElasticOptimizer(torch.optim.Optimizer):
         if self._applied_turn == outcome.turn:  # stepped twice in one turn: once only
             return True
         self._applied_turn = outcome.turn
+        if grad_scaler is not None:
+            self._last_scaler = grad_scaler
         if grad_scaler is None or self._finite(grad_scaler):
             if closure is not None:
                 self.optimizer.step(closure)
@@ -117,6 +120,18 @@ class ElasticOptimizer(torch.optim.Optimizer):
                 self.optimizer.step()
         self.model.after_apply()
         return True
+
+    def apply_rolled(self, turn: int) -> None:
+        """Apply turn ``turn``'s step now, a step rolled forward whose state a replacement
+        is about to receive (ElasticDataParallel._roll_now); through the scaler this
+        optimizer last stepped with, as its step() would."""
+        if self._applied_turn == turn:
+            return
+        self._applied_turn = turn
+        scaler = self._last_scaler
+        if scaler is None or self._finite(scaler):
+            self.optimizer.step()
+        self.model.after_apply()
 
     def _finite(self, scaler: Any) -> bool:
         """The scaler's check, as GradScaler.step makes it for an ordinary optimizer: the

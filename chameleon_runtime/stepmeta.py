@@ -60,14 +60,13 @@ class StepMeta:
             out[n_used:] = buffers
         return out
 
-    def unpack(self, summed: torch.Tensor) -> list[nn.Parameter]:
-        """Install the exchanged buffers; returns the parameters no member gave a gradient."""
+    def unpack(self, summed: torch.Tensor) -> tuple[list[nn.Parameter], torch.Tensor | None]:
+        """The parameters no member gave a gradient, and the buffers the step leaves (to
+        ``install`` once the step commits: until then it may still be redone)."""
         n_used = len(self.params) if self.find_unused else 0
         counts = summed[:n_used].tolist()
         unused = [p for p, c in zip(self.params, counts, strict=True) if c == 0] if n_used else []
-        if self._buffer_numel:
-            self.install(summed[n_used:].clone())
-        return unused
+        return unused, (summed[n_used:].clone() if self._buffer_numel else None)
 
     def install(self, flat: torch.Tensor) -> None:
         """Set the buffers from ``flat`` (float64) and keep it as the committed copy, which

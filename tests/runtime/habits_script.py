@@ -69,6 +69,12 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--no-find-unused", action="store_true", help="leave DDP's flag off")
     p.add_argument("--raise-at", type=int, default=None, help="rank 0 raises at this step")
+    p.add_argument(
+        "--own-count",
+        action="store_true",
+        help="end the loop on the script's own count of steps, not optimizer.global_step "
+        "(a replacement's starts at 0)",
+    )
     p.add_argument("--check-every", type=int, default=100, help="the consistency check's period")
     p.add_argument(
         "--perturb", default=None, help="RANK,STEP: that rank's weights move after that step"
@@ -193,7 +199,8 @@ def main() -> None:
             if committed:
                 for s in schedules:
                     s.step()
-                step += 1
+                own = args.mode == "ddp" or args.own_count
+                step = step + 1 if own else optimizers[0].global_step
                 if args.perturb and [rank, step] == [int(v) for v in args.perturb.split(",")]:
                     with torch.no_grad():  # a bit flip, a bug: one replica moves alone
                         net.head.bias[0] += 1e-3

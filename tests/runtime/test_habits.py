@@ -150,3 +150,48 @@ def test_an_exception_on_a_member_ends_the_job_with_its_error(tmp_path):
     (failure,) = [e for e in evs if e["event"] == "failure" and e["rank"] == 0]
     assert "ValueError: a bug at step 3" in failure["message"]
     assert not [e for e in evs if e["event"] == "recovered"]
+
+
+def _devices_config(tmp: Path) -> Path:
+    """The CPU test bed planned as if each worker had a device: replacements are taken in."""
+    config = tmp / "devices.toml"
+    testbed = (ROOT / "configs" / "cpu_testbed.toml").read_text()
+    config.write_text(testbed.replace("host_cores = 2", "host_cores = 0"))
+    return config
+
+
+def test_replacements_heal_through_kills_of_either_rank(tmp_path):
+    # BatchNorm, 2,000 steps, rank 1 killed at step 100 and rank 0 (the one that healed
+    # the first replacement) at 1,600, each replaced and healed from the other. A heal
+    # used to send the buffers as the interrupted step's forwards had left them:
+    # BatchNorm's count ended one ahead.
+    done, ddp = torchrun(tmp_path, "ddp", "ddp", "batchnorm", 2, "--steps", "2000")
+    assert done.returncode == 0, done.stderr[-2000:]
+    log = tmp_path / "soak.events"
+    done = run(
+        "run", "--standalone", "--nproc-per-node", "2", "--config", str(_devices_config(tmp_path)),
+        "--max-rejoins", "2", "--events", str(log),
+        "--inject-fault", "kill:rank=1,step=100", "--inject-fault", "kill:rank=0,step=1600",
+        SCRIPT, "--mode", "chameleon", "--habit", "batchnorm", "--steps", "2000",
+        "--check-every", "50", "--out", str(tmp_path / "soak"), cwd=tmp_path, timeout=240,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    evs = events(log)
+    assert [e["ranks"] for e in evs if e["event"] == "rejoined" and e["taken_in"]][:1] == [[1]]
+    survived = states(tmp_path, "soak")
+    assert survived
+    for state in survived.values():
+        assert_close(ddp[0], state, TOLERANCE)
+
+
+def test_a_loop_that_counts_its_own_steps_fails_when_a_replacement_joins(tmp_path):
+    # The replacement's own count starts at 0: it would train on alone after the others
+    # ended. Said in one line, with the fix.
+    done = run(
+        "run", "--standalone", "--nproc-per-node", "2", "--config", str(_devices_config(tmp_path)),
+        "--max-rejoins", "1", "--inject-fault", "kill:rank=1,step=100",
+        SCRIPT, "--mode", "chameleon", "--habit", "plain", "--steps", "1500", "--own-count",
+        "--out", str(tmp_path / "own"), cwd=tmp_path, timeout=240,
+    )  # fmt: skip
+    assert done.returncode == 1
+    assert "end the loop on optimizer.global_step" in done.stdout + done.stderr
