@@ -116,11 +116,15 @@ class Gradients:
 
     # -- a step begins -------------------------------------------------------------------
 
-    def open_step(self) -> None:
-        """The first micro-batch of a step: what the user left in ``.grad`` since the last
-        commit is kept aside (carried, module doc), and every ``.grad`` hidden."""
+    def open_step(self, taking: nn.Parameter | None = None) -> bool:
+        """The step's first backward, before it accumulates: what the user left in
+        ``.grad`` since the last commit is kept aside (carried, module doc), and every
+        ``.grad`` hidden. A step redone after a recovery keeps what its first attempt
+        carried (``.grad`` is empty by then). ``taking``: a parameter whose gradient this
+        backward already accumulated (it reached it before the model's outputs): its
+        ``.grad`` is that gradient, left to ``take``; False if it went into a view of ours
+        (mixed with the last step's mean: it cannot be told apart)."""
         self.written.clear()
-        self.carried.clear()
         for k, bucket in enumerate(self.buckets):
             bucket.ready = 0
             bucket.extra = None
@@ -133,6 +137,10 @@ class Gradients:
             zeroed: bool | None = None
             for p in bucket.params:
                 grad = p.grad
+                if p is taking:
+                    if grad is not None and _same_storage(grad, bucket.views[p]):
+                        return False
+                    continue
                 if grad is None:
                     continue
                 if self.scratch_exposed and self._in_scratch(grad):
@@ -151,6 +159,7 @@ class Gradients:
                 p.grad = None
         self.exposed = False
         self.scratch_exposed = False
+        return True
 
     # -- what a backward produces --------------------------------------------------------
 
@@ -274,7 +283,7 @@ class Gradients:
         for p in self.params:
             p.grad = None
         self.written.clear()
-        self.carried.clear()
+        # (what the step carried stays: its attempt again adds it)
         self.exposed = False
         self.scratch_exposed = False
         self.exposed_versions = []

@@ -120,8 +120,9 @@ class Consistency:
         members, me = self._members()
         self.checks += 1
         rows = self._gather(self.fingerprint(), members, me)
-        classes: dict[tuple[float, ...], list[int]] = {}
-        for i, row in enumerate(rows.tolist()):
+        classes: dict[tuple[int, ...], list[int]] = {}
+        # by their bits: replicas that all hold NaN agree (NaN != NaN as floats)
+        for i, row in enumerate(rows.contiguous().view(torch.int64).tolist()):
             classes.setdefault(tuple(row), []).append(i)
         if len(classes) == 1:
             return
@@ -130,7 +131,8 @@ class Consistency:
         # Which parameter: the per-parameter values of every member (rare: only here).
         values = self._gather(self._values(), members, me)
         names = [n for n, _ in self.model.module.named_parameters()]
-        differ = (values[drifted[0]] != values[majority[0]]).nonzero().flatten().tolist()
+        bits = values.contiguous().view(torch.int64)
+        differ = (bits[drifted[0]] != bits[majority[0]]).nonzero().flatten().tolist()
         where = repr(names[differ[0] // 2]) if differ else "a parameter"
         if len(majority) < 2 or len(majority) * 2 <= len(members):
             raise ReplicasDiverged(

@@ -89,7 +89,9 @@ def _default_group(device: torch.device) -> bool:
         return True
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return False
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    # On CUDA, NCCL for the gradients and gloo for the small host tensors a step
+    # exchanges besides (stepmeta, the commit, the consistency check).
+    dist.init_process_group("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo")
     atexit.register(_destroy)
     return True
 
@@ -105,21 +107,23 @@ class _Rng:
 
     def __init__(self, device: torch.device) -> None:
         self._accel = None if device.type == "cpu" else torch.get_device_module(device.type)
+        # the model's device, not the current one (a model on cuda:1 without set_device)
+        self._index = device.index if device.index is not None else 0
 
     def get(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         return torch.get_rng_state(), (
-            self._accel.get_rng_state() if self._accel is not None else None
+            self._accel.get_rng_state(self._index) if self._accel is not None else None
         )
 
     def set(self, state: tuple[torch.Tensor, torch.Tensor | None]) -> None:
         torch.set_rng_state(state[0])
         if self._accel is not None and state[1] is not None:
-            self._accel.set_rng_state(state[1])
+            self._accel.set_rng_state(state[1], self._index)
 
     def seed(self, value: int) -> None:
         torch.default_generator.manual_seed(value)
         if self._accel is not None:
-            self._accel.manual_seed(value)
+            self._accel.default_generators[self._index].manual_seed(value)
 
 
 class _ScriptErrors:
@@ -197,6 +201,11 @@ class ElasticDataParallel(nn.Module):
                 f"fewer than the {self.world_size} workers: each needs one at least"
             )
         sampler.rank, sampler.members = self.rank, list(range(self.world_size))
+        # A default group with no CPU backend (the script's own init_process_group("nccl")):
+        # host tensors are summed through the model's device.
+        self._host_via: torch.device | None = None
+        if self.group and device.type != "cpu" and "gloo" not in str(dist.get_backend()):
+            self._host_via = device
         sampler.before_loop = self._before_loop
         self._params = [p for p in module.parameters() if p.requires_grad]
         self._names = {p: name for name, p in module.named_parameters()}
@@ -218,6 +227,8 @@ class ElasticDataParallel(nn.Module):
         self.failure: tuple[str, bool] | None = None  # (why, pending) of a failed sync
         self._sync_queued = False
         self._shown_queued = False
+        self._grads_open = False  # the step's first backward has judged .grad
+        self._discarded = False  # a stale deal's forwards ran since the buffers were put back
         self._launched = 0
         self._mb_rng: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self._ran_first = False  # this worker ran micro-batch 0 of the step
@@ -281,12 +292,15 @@ class ElasticDataParallel(nn.Module):
         """The loop starts (the sampler is iterated): a replacement is taken in here, once
         the script has built everything and loaded whatever checkpoint it loads, so that
         what it heals from a live member is what it trains from."""
+        if not self.step_open:  # the buffers the script set up (a checkpoint it loaded)
+            self.meta.committed = self.meta.flat_buffers()
         elastic = self.elastic
         if elastic is None or not elastic.joining or elastic.joined:
             return
         resume = elastic.join(self.replica.export, self._install)
         self.sampler.rewind(resume, elastic.members)
         self.meta.committed = self.meta.flat_buffers()
+        self.consistency.last_checked = -1
 
     def _install(self, header: dict, tensors: list[torch.Tensor]) -> None:
         """What a live member sent (chameleon_runtime.heal), over what the script built and
@@ -352,14 +366,20 @@ class ElasticDataParallel(nn.Module):
         self.discard = mb.deal != self.sampler.deal_id
         self.armed = not self.discard and mb.last
         if self.discard:
+            self._discarded = True
             return True
         if not self.step_open:
             self.step_open = True
             self.synced = False
+            # What .grad holds since the last commit is judged at the step's first
+            # backward, not here: a loop may zero it between its forward and backward.
+            self._grads_open = False
+            if self._discarded:  # a stale deal's forwards moved the buffers: undone
+                self.meta.restore()
+                self._discarded = False
             if self.elastic is not None:  # (a fault injected at this step fires here)
                 self.elastic.control.step_failpoint(mb.step)
             self._check_consistency()
-            self.grads.open_step()
             self._ran_first = False
             self._buffer_snapshot = None
         elif self.grads.scratch_exposed:
@@ -385,12 +405,33 @@ class ElasticDataParallel(nn.Module):
                 t.grad_fn.register_prehook(self._backward_begins)
 
     def _backward_begins(self, grad_outputs: Any) -> None:
+        """The backward reached the forward's outputs: on the backward's own graph task
+        (an inner one, such as reentrant activation checkpointing's, would run its
+        callbacks before the other layers' gradients arrived), before any parameter's
+        gradient is accumulated."""
+        if self.mb is None:
+            return
         if self.synced and not self.repeat and not self.discard:
             self.repeat = True
             self.grads.hide()
             torch.autograd.Variable._execution_engine.queue_callback(self._repeat_done)
+            return
+        if not self._grads_open:
+            self.grads.open_step()
+            self._grads_open = True
         elif self.grads.scratch_exposed:
             self.grads.hide()
+        if self.armed and not self.synced:
+            self._queue_sync()
+        elif not self.armed:
+            self._show_zeros_after()
+
+    def _queue_sync(self) -> None:
+        if not self._sync_queued:
+            # As DDP: the sums are complete when backward() returns, so that what the
+            # loop does between it and step() (clipping, logging a norm) sees them.
+            torch.autograd.Variable._execution_engine.queue_callback(self.sync)
+            self._sync_queued = True
 
     def _backward_ended(self) -> None:
         """A backward that left the step's sums hidden (accumulating, or a stale deal's
@@ -410,21 +451,19 @@ class ElasticDataParallel(nn.Module):
             self.grads.take_extra(param)
             return
         if self.synced:
-            name = self._names.get(param, "?")
-            raise RuntimeError(
-                f"chameleon: parameter {name!r} got a gradient after the step's gradients "
-                "were summed, by a backward that did not pass through the model's outputs "
-                "(a parameter used outside ElasticDataParallel's forward): use it inside"
-            )
+            raise self._outside(param)
+        if not self._grads_open:
+            # A backward that reached this parameter before the model's outputs (used
+            # outside the forward too, by a regularizer): the others are judged now,
+            # this one's gradient is the backward's own unless it went into a view of ours.
+            if not self.grads.open_step(taking=param):
+                raise self._outside(param)
+            self._grads_open = True
         self.grads.take(param)
         if not self.armed:
             self._show_zeros_after()
             return
-        if not self._sync_queued:
-            # As DDP: the sums are complete when backward() returns, so that what the
-            # loop does between it and step() (clipping, logging a norm) sees them.
-            torch.autograd.Variable._execution_engine.queue_callback(self.sync)
-            self._sync_queued = True
+        self._queue_sync()
         if not self.distributed or self.failure is not None:
             return
         buckets = self.grads.buckets
@@ -435,6 +474,15 @@ class ElasticDataParallel(nn.Module):
             buckets[self._launched].params
         ):
             self._launch(self._launched)
+
+    def _outside(self, param: nn.Parameter) -> RuntimeError:
+        name = self._names.get(param, "?")
+        return RuntimeError(
+            f"chameleon: parameter {name!r} got a gradient the step's sums cannot take, by a "
+            "backward that did not pass through the model's outputs (a parameter used "
+            "outside ElasticDataParallel's forward, with its last gradient still in .grad): "
+            "zero the gradients first, or use it inside the forward"
+        )
 
     def _show_zeros_after(self) -> None:
         if not self._shown_queued:
@@ -453,10 +501,16 @@ class ElasticDataParallel(nn.Module):
         bucket.work = dist.all_reduce(bucket.flat, op=dist.ReduceOp.SUM, async_op=True)
 
     def _allreduce(self, tensor: torch.Tensor) -> None:
-        """A blocking sum over the members: the generation's group, or the default one."""
+        """A blocking sum over the members: the generation's group, or the default one
+        (a script's own NCCL-only group takes host tensors through the model's device)."""
         if self.elastic is not None:
             self.elastic.wait(self.elastic.allreduce(tensor))
         elif self.group:
+            if tensor.device.type == "cpu" and self._host_via is not None:
+                moved = tensor.to(self._host_via)
+                dist.all_reduce(moved, op=dist.ReduceOp.SUM)
+                tensor.copy_(moved.cpu())
+                return
             dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
 
     def sync(self) -> None:
@@ -663,8 +717,9 @@ class ElasticDataParallel(nn.Module):
             install=self._install, roll_now=lambda: self._roll_now(mb),
         )  # fmt: skip
         self.sampler.rewind(resume, elastic.members)
-        if roll:  # committed elsewhere: these sums (their mean) are final
-            if self._rolled:
+        self.consistency.last_checked = -1  # (as every member of the new generation)
+        if roll or self._rolled:  # committed elsewhere: these sums (their mean) are final
+            if self._rolled:  # (applied already, before this member sent its state)
                 return True
             return self._committed(mb)
         self._pending_buffers = None

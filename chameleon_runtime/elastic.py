@@ -205,6 +205,16 @@ class Membership:
         at, whether the pending step is to be applied: rolled forward)."""
         left = self.generation
         self._leave()
+
+        def rolled_now() -> None:
+            # The pending step is applied here now (before a heal's export): a later
+            # report must say so, or a plan made without the member that was ahead
+            # would have it redone on weights that hold it already.
+            nonlocal step, pending
+            assert roll_now is not None
+            roll_now()
+            step, pending = step + 1, False
+
         while True:
             self.control.status.update(phase="ready", generation=left)
             try:
@@ -218,6 +228,12 @@ class Membership:
                 )  # fmt: skip
                 message = self.control.next_plan(left)
             except Finished as done:
+                if held and pending and step == done.step:
+                    # The others applied the last step and left; this one posted its
+                    # commit and did not see it end: its sums are complete, so it
+                    # applies the step too and its loop ends as theirs did.
+                    self.generation = left
+                    return done.step + 1, True
                 if held and step > done.step:
                     # The others left their loops after the job's last step; this one's
                     # loop went on: it ends on a count of its own, which a replacement
@@ -234,7 +250,9 @@ class Membership:
                     raise
                 continue
             try:
-                return self._apply(message, step, pending, export, install, roll_now)
+                return self._apply(
+                    message, step, pending, export, install, rolled_now if roll_now else None
+                )
             except (Aborted, CommError) as exc:
                 self._leave()
                 left, reason = message.generation, str(exc)

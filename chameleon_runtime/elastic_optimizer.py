@@ -100,6 +100,8 @@ class ElasticOptimizer(torch.optim.Optimizer):
         return self.optimizer.defaults
 
     def step(self, closure: Any = None, grad_scaler: Any = None) -> bool:  # type: ignore[override]
+        if grad_scaler is not None:  # (a step rolled forward inside the turn applies with it)
+            self._last_scaler = grad_scaler
         outcome = self.model.turn()
         if grad_scaler is not None:
             bridge = self._bridges.get(id(grad_scaler))
@@ -111,8 +113,6 @@ class ElasticOptimizer(torch.optim.Optimizer):
         if self._applied_turn == outcome.turn:  # stepped twice in one turn: once only
             return True
         self._applied_turn = outcome.turn
-        if grad_scaler is not None:
-            self._last_scaler = grad_scaler
         if grad_scaler is None or self._finite(grad_scaler):
             if closure is not None:
                 self.optimizer.step(closure)

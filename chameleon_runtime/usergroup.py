@@ -45,8 +45,10 @@ _ours = False  # the default group is one this module installed
 
 
 def _hand_over(store: Any, rank: int, size: int, timeout: Any) -> Any:
-    del store, rank, size, timeout  # built already, on the generation's helper
-    return _built[0]
+    if _built:  # the generation's default group, built already on its helper
+        return _built[0]
+    # A group the script asks for itself (dist.new_group) on the default backend.
+    return dist.ProcessGroupGloo(store, rank, size, timeout)
 
 
 def install(gen: Generation, store: dist.Store, prefix: str, members: list[int], me: int) -> None:

@@ -13,6 +13,7 @@ import os
 
 import torch
 import torch.distributed as dist
+import torch.utils.checkpoint
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
@@ -24,11 +25,14 @@ HABITS = (
     "inner_zero_grad",  # the inner optimizer's zero_grad()
     "keep_grads",  # optimizer.zero_grad(set_to_none=False)
     "zero_grad_first",  # zero_grad at the top of the turn, before the forward
+    "zero_grad_middle",  # zero_grad between the forward and the backward
     "eval_forward",  # an eval-mode, no_grad forward in every turn (a metric)
     "no_grad_forward",  # a train-mode forward under no_grad
     "extra_forward",  # a second train-mode forward with grad, not backpropagated
     "two_forwards",  # two forwards, one backward of both (R-Drop style)
     "two_backwards",  # loss.backward(retain_graph=True), then an auxiliary loss's
+    "l2_penalty",  # a penalty on the parameters added to the loss, outside the forward
+    "checkpointing",  # torch.utils.checkpoint around the body, use_reentrant=True
     "unused",  # a parameter the forward never uses (find_unused_parameters=True)
     "batchnorm",  # BatchNorm buffers (DDP's broadcast_buffers)
     "two_optimizers",  # one optimizer for the body, another for the head
@@ -38,7 +42,7 @@ HABITS = (
     "compile",  # a torch.compile'd inner module (backend aot_eager)
     "bf16_autocast",  # torch.autocast(bfloat16) (float32 weights)
     "fp16_scaler",  # torch.autocast(float16) and torch.amp.GradScaler (float32 weights)
-    # the script's own torch.distributed: a metrics all-reduce every turn, a barrier every
+    # the script's own torch.distributed: a metrics all-reduce every step, a barrier every
     # third step, a torch.distributed.checkpoint save at the end, cr.is_saver()'s marker
     "user_collectives",
 )
@@ -50,13 +54,19 @@ FLOAT32 = {"bf16_autocast", "fp16_scaler"}
 class Net(nn.Module):
     def __init__(self, habit: str) -> None:
         super().__init__()
+        self.reentrant = habit == "checkpointing"
         self.body = nn.Linear(8, 16)
         self.norm = nn.BatchNorm1d(16) if habit == "batchnorm" else nn.Identity()
         self.head = nn.Linear(16, 4)
         self.spare = nn.Linear(4, 4) if habit == "unused" else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(torch.tanh(self.norm(self.body(x))))
+        if self.reentrant:  # recomputed in the backward, in a backward of its own
+            x = x.requires_grad_()
+            hidden = torch.utils.checkpoint.checkpoint(self.body, x, use_reentrant=True)
+        else:
+            hidden = self.body(x)
+        return self.head(torch.tanh(self.norm(hidden)))
 
 
 def main() -> None:
@@ -161,6 +171,11 @@ def main() -> None:
                     model(x)
             elif habit == "extra_forward":
                 model(x).sum()  # a metric's pass, never backpropagated
+            if habit == "l2_penalty":
+                loss = loss + 1e-3 * sum(p.square().sum() for p in net.parameters())
+            elif habit == "zero_grad_middle":
+                for o in optimizers:
+                    o.zero_grad()
             if scaler is not None:
                 scaler.scale(loss).backward()
                 for o in optimizers:
@@ -188,13 +203,15 @@ def main() -> None:
             elif habit == "keep_grads":
                 for o in optimizers:
                     o.zero_grad(set_to_none=False)
-            elif habit != "zero_grad_first":
+            elif habit not in ("zero_grad_first", "zero_grad_middle"):
                 for o in optimizers:
                     o.zero_grad()
-            if habit == "user_collectives":
+            if habit == "user_collectives" and committed:
+                # once a step, as a loop logs: every member takes as many steps, not
+                # as many turns (a member dealt two micro-batches takes two a step)
                 metric = loss.detach().clone()
                 dist.all_reduce(metric)
-                if committed and step % 3 == 0:
+                if step % 3 == 0:
                     dist.barrier()
             if committed:
                 for s in schedules:

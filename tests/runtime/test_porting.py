@@ -37,6 +37,13 @@ AFTER = """
 state = {k: v.flatten().tolist() for k, v in model.module.state_dict().items()}
 with open(f"{os.environ['OUT']}.rank{os.environ['RANK']}.json", "w") as f:
     json.dump(state, f)
+if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+    # as a DDP script ends: a gloo group its reducer still holds at the interpreter's
+    # exit aborted the process in about one exit in eight ("terminate called ...")
+    import gc
+    del model, optimizer, schedule
+    gc.collect()
+    torch.distributed.destroy_process_group()
 """
 
 
