@@ -9,10 +9,12 @@ random initial weights: nothing is downloaded); the text is Python's own documen
 as it ships with the interpreter (``pydoc_data.topics``), read as bytes (a 256-token
 vocabulary, no tokenizer to fetch). The loop is the one a DDP script has, with three
 objects swapped: ``cr.ElasticSampler`` for DistributedSampler, ``cr.ElasticDataParallel``
-for DistributedDataParallel, ``cr.ElasticOptimizer`` around AdamW. Rank 0 prints ``step N
-loss X`` (its own micro-batches' mean) once a step commits. ``--checkpoint-dir`` saves
-model, optimizer, schedule and sampler every ``--checkpoint-every`` steps, atomically,
-and resumes from them (what a restart needs under torchrun).
+for DistributedDataParallel, ``cr.ElasticOptimizer`` around AdamW. The saver
+(``cr.is_saver()``: rank 0 until it is lost, then the lowest-ranked member) prints
+``step N loss X`` (its own micro-batches' mean) once a step commits. ``--checkpoint-dir``
+saves model, optimizer, schedule and sampler every ``--checkpoint-every`` steps,
+atomically, and resumes from them (what a restart needs under torchrun; a replacement
+heals from a live member after it, when its loop starts).
 """
 
 from __future__ import annotations
@@ -138,7 +140,7 @@ def main() -> None:
             step = optimizer.global_step - 1
             losses[step] = sum(mine) / len(mine)
             mine = []
-            if rank == 0:
+            if cr.is_saver():
                 print(f"step {step} loss {losses[step]:.4f}", flush=True)
             # cr.is_saver(): the lowest-ranked member now (rank 0 under torchrun), so the
             # saves go on when rank 0 is lost
