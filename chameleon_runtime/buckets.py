@@ -32,11 +32,14 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
 import torch
 from torch import nn
+
+Post = Callable[[torch.Tensor], Any]  # posts an all-reduce of a bucket, returns its work
 
 BUCKET_CAP_BYTES = 25 << 20
 FIRST_BUCKET_CAP_BYTES = 1 << 20
@@ -104,15 +107,14 @@ class Gradients:
         self.params = params
         self.buckets = make_buckets(params)
         self.bucket_of = {p: k for k, b in enumerate(self.buckets) for p in b.params}
-        self.index = {p: i for i, p in enumerate(params)}
         self.written: set[nn.Parameter] = set()  # got a gradient this step (locally)
         self.carried: dict[nn.Parameter, torch.Tensor] = {}  # left in .grad by the user
-        self.exposed = False  # each .grad is its bucket's view (the step's mean)
         self.exposed_versions: list[int] = []  # the buffers' versions when last exposed
         self.scratch: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
         small = [p for p in params if p.numel() <= SCRATCH_NUMEL]
         self._shown = small or sorted(params, key=lambda p: p.numel())[:1]
         self.scratch_exposed = False  # each .grad is zeros in the shared scratch
+        self.launched = 0  # buckets whose all-reduce of this step is posted
 
     # -- a step begins -------------------------------------------------------------------
 
@@ -157,24 +159,20 @@ class Gradients:
                 elif bool(grad.any()):  # a tensor the user put there
                     self.carried[p] = grad.detach().clone()
                 p.grad = None
-        self.exposed = False
         self.scratch_exposed = False
         return True
 
     # -- what a backward produces --------------------------------------------------------
 
-    def take(self, p: nn.Parameter) -> None:
-        """``p``'s gradient of this backward into its bucket; ``.grad`` hidden again."""
+    def take(self, p: nn.Parameter) -> bool:
+        """``p``'s gradient of this backward into its bucket; ``.grad`` hidden again. False
+        if it was added to the zeros shown between micro-batches (a backward that did not
+        pass through the model's outputs first): it cannot be told apart from them."""
         grad = p.grad
         if grad is None:
-            return
+            return True
         if self.scratch_exposed and self._in_scratch(grad):
-            raise RuntimeError(
-                f"chameleon: a parameter of shape {tuple(p.shape)} got its gradient added to "
-                "the zeros shown between micro-batches: a backward that did not pass "
-                "through the model's outputs (a parameter used outside "
-                "ElasticDataParallel's forward): use it inside"
-            )
+            return False
         view = self.buckets[self.bucket_of[p]].views[p]
         if p in self.written:
             view.add_(grad)
@@ -182,6 +180,7 @@ class Gradients:
             view.copy_(grad)
             self.written.add(p)
         p.grad = None
+        return True
 
     def take_extra(self, p: nn.Parameter) -> None:
         """A repeated backward's gradient (after the step's sums were reduced)."""
@@ -197,7 +196,6 @@ class Gradients:
         shared zeros) must not be accumulated into."""
         for p in self.params:
             p.grad = None
-        self.exposed = False
         self.scratch_exposed = False
 
     def expose_scratch(self) -> None:
@@ -231,6 +229,52 @@ class Gradients:
             if p not in self.written:
                 self.buckets[self.bucket_of[p]].views[p].zero_()
 
+    # -- all-reducing the sums: in one order on every worker (a collective's order must
+    # agree), a bucket as soon as the last backward of the step has filled it, and those
+    # before it --------------------------------------------------------------------------
+
+    def arm(self) -> None:
+        """The backward that completes this worker's share of the step is coming."""
+        self.launched = 0
+        for b in self.buckets:
+            b.ready = 0
+
+    def filled(self, p: nn.Parameter, post: Post) -> None:
+        """``p``'s gradient of the last backward is in: post what is complete, in order."""
+        self.buckets[self.bucket_of[p]].ready += 1
+        while self.launched < len(self.buckets) and self.buckets[self.launched].ready == len(
+            self.buckets[self.launched].params
+        ):
+            self._post(post)
+
+    def post_rest(self, post: Post) -> None:
+        """The backward ended: what it did not complete (a parameter with no gradient)."""
+        while self.launched < len(self.buckets):
+            self._post(post)
+
+    def _post(self, post: Post) -> None:
+        bucket = self.buckets[self.launched]
+        self.launched += 1
+        bucket.work = post(bucket.flat)
+
+    def wait_all(self, wait: Callable[[Any], None]) -> None:
+        for b in self.buckets:
+            wait(b.work)
+            b.work = None
+
+    def reduce_extra(self, allreduce: Callable[[torch.Tensor], None], count: int) -> None:
+        """A repeated backward's sums: every bucket's (the members' collectives must
+        agree whichever buckets it touched here), all-reduced, divided, added."""
+        for b in self.buckets:
+            if b.extra is None:
+                b.extra = torch.zeros_like(b.flat)
+            allreduce(b.extra)
+        with torch.no_grad():
+            for b in self.buckets:
+                assert b.extra is not None
+                b.flat.add_(b.extra.div_(count))
+                b.extra = None
+
     def unused(self) -> list[nn.Parameter]:
         return [p for p in self.params if p not in self.written]
 
@@ -253,7 +297,6 @@ class Gradients:
         for b in self.buckets:
             for p, view in b.views.items():
                 p.grad = view
-        self.exposed = True
         self.exposed_versions = [b.flat._version for b in self.buckets]
 
     def mark_exposed(self) -> None:
@@ -280,12 +323,9 @@ class Gradients:
                     work.wait(timedelta(seconds=left))
             if not work.is_completed():
                 b.renew()
-        for p in self.params:
-            p.grad = None
+        self.hide()
         self.written.clear()
         # (what the step carried stays: its attempt again adds it)
-        self.exposed = False
-        self.scratch_exposed = False
         self.exposed_versions = []
 
 

@@ -31,23 +31,17 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from chameleon_runtime.replicagroup import ReplicaGroup
 from chameleon_runtime.stepmeta import StepMeta
 
 
 class Replica(Protocol):
     """What the check reads of the model it watches (chameleon_runtime.dataparallel)."""
 
-    elastic: Any  # the Membership under chameleon run, else None
-    world_size: int
-    rank: int
+    replicas: ReplicaGroup
     module: nn.Module
     meta: StepMeta
     optimizers: list[Any]  # each with .optimizer, the inner one
-
-    @property
-    def distributed(self) -> bool: ...
-
-    def _allreduce(self, tensor: torch.Tensor) -> None: ...
 
 
 DEFAULT_CHECK_EVERY = 100
@@ -66,16 +60,7 @@ class Consistency:
         self.every = every
         self.last_checked = -1
         self.checks = 0
-        self.healed = 0
         self.seconds = 0.0  # spent checking (benchmarks/dropin_vs_torchft.py reports it)
-
-    def _members(self) -> tuple[list[int], int]:
-        model = self.model
-        if model.elastic is not None:
-            members = sorted(model.elastic.members)
-        else:
-            members = list(range(model.world_size))
-        return members, members.index(model.rank)
 
     def maybe_check(self, step: int) -> None:
         if (
@@ -83,7 +68,7 @@ class Consistency:
             or step <= 0
             or step % self.every
             or step == self.last_checked
-            or not self.model.distributed
+            or not self.model.replicas.distributed
         ):
             return
         start = time.perf_counter()
@@ -113,11 +98,13 @@ class Consistency:
         width = mine.numel()
         slots = torch.zeros(len(members) * width, dtype=torch.float64)
         slots[me * width : (me + 1) * width] = mine
-        self.model._allreduce(slots)
+        self.model.replicas.allreduce(slots)
         return slots.view(len(members), width)
 
     def check(self, step: int) -> None:
-        members, me = self._members()
+        group = self.model.replicas
+        members = group.members()
+        me = members.index(group.rank)
         self.checks += 1
         rows = self._gather(self.fingerprint(), members, me)
         classes: dict[tuple[int, ...], list[int]] = {}
@@ -137,13 +124,12 @@ class Consistency:
         if len(majority) < 2 or len(majority) * 2 <= len(members):
             raise ReplicasDiverged(
                 f"chameleon: replicas hold different weights at step {step} (ranks "
-                f"{[members[i] for i in range(len(members))]} fall into {len(classes)} "
+                f"{members} fall into {len(classes)} "
                 f"groups; first difference in {where}) and no majority says which are "
                 "right: stopped"
             )
         source = members[majority[0]]
         self._heal_from(source)
-        self.healed += 1
         if members[me] == source:
             print(
                 f"chameleon_runtime: replica consistency check at step {step}: rank(s) "
@@ -154,8 +140,7 @@ class Consistency:
             )
 
     def _heal_from(self, source: int) -> None:
-        """Every parameter, buffer and optimizer state as ``source`` holds it: the others
-        add zeros to it (exact)."""
+        """Every parameter, buffer and optimizer state as ``source`` holds it."""
         model = self.model
         tensors = [*model.module.parameters(), *model.meta.buffers]
         for optimizer in model.optimizers:  # in parameter order: the same on every member
@@ -164,13 +149,5 @@ class Consistency:
                 for p in group["params"]:
                     state = inner.state.get(p, {})
                     tensors += [state[k] for k in sorted(state) if torch.is_tensor(state[k])]
-        with torch.no_grad():
-            for t in tensors:
-                if t.dtype == torch.bool:
-                    continue
-                host = t.detach().to("cpu", copy=True)
-                if model.rank != source:
-                    host.zero_()
-                model._allreduce(host)
-                t.copy_(host)
+        model.replicas.broadcast_from(source, [t for t in tensors if t.dtype != torch.bool])
         model.meta.committed = model.meta.flat_buffers()

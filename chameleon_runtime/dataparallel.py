@@ -40,11 +40,6 @@ fingerprint of their weights (chameleon_runtime.consistency).
 
 from __future__ import annotations
 
-import atexit
-import contextlib
-import gc
-import os
-import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -57,10 +52,10 @@ from torch import nn
 from chameleon_runtime.buckets import Gradients
 from chameleon_runtime.comm import Aborted, CommError
 from chameleon_runtime.consistency import DEFAULT_CHECK_EVERY, Consistency
-from chameleon_runtime.elastic import Membership, under_chameleon
 from chameleon_runtime.heal import ReplicaState, check_travels
+from chameleon_runtime.replicagroup import ReplicaGroup
 from chameleon_runtime.sampler import ElasticSampler, MicroBatch
-from chameleon_runtime.shard import op_seed
+from chameleon_runtime.shard import Streams, op_seed
 from chameleon_runtime.stepmeta import StepMeta
 
 
@@ -71,81 +66,6 @@ class Wrapped(Protocol):
     optimizer: torch.optim.Optimizer
 
     def apply_rolled(self, turn: int) -> None: ...
-
-
-# The commit's step number is sent modulo this (its square must stay exact in float64
-# summed over thousands of members); members a multiple of it apart are not told apart.
-STEP_MODULUS = 1 << 16
-
-
-def _default_group(device: torch.device) -> bool:
-    """Whether there is a default group to sum on (False alone): the script's, or one
-    initialised here from torchrun's environment, then destroyed at exit. Only the default
-    group is named (group=None), never held: a gloo group still referenced when the
-    interpreter ends is destroyed with its threads running, which aborted the process
-    ("terminate called without an active exception") in about 1 exit of 8 here, plain
-    DDP's included."""
-    if dist.is_available() and dist.is_initialized():
-        return True
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-        return False
-    # On CUDA, NCCL for the gradients and gloo for the small host tensors a step
-    # exchanges besides (stepmeta, the commit, the consistency check).
-    dist.init_process_group("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo")
-    atexit.register(_destroy)
-    return True
-
-
-def _destroy() -> None:
-    if dist.is_initialized():
-        gc.collect()  # what still holds the group in a reference cycle lets go of it now
-        dist.destroy_process_group()
-
-
-class _Rng:
-    """The random state of the host and of the model's accelerator: read, set, seeded."""
-
-    def __init__(self, device: torch.device) -> None:
-        self._accel = None if device.type == "cpu" else torch.get_device_module(device.type)
-        # the model's device, not the current one (a model on cuda:1 without set_device)
-        self._index = device.index if device.index is not None else 0
-
-    def get(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return torch.get_rng_state(), (
-            self._accel.get_rng_state(self._index) if self._accel is not None else None
-        )
-
-    def set(self, state: tuple[torch.Tensor, torch.Tensor | None]) -> None:
-        torch.set_rng_state(state[0])
-        if self._accel is not None and state[1] is not None:
-            self._accel.set_rng_state(state[1], self._index)
-
-    def seed(self, value: int) -> None:
-        torch.default_generator.manual_seed(value)
-        if self._accel is not None:
-            self._accel.default_generators[self._index].manual_seed(value)
-
-
-class _ScriptErrors:
-    """Whether the script raised: an uncaught exception goes through ``sys.excepthook``
-    (under plain Python and the warm fork server alike) before the interpreter's exit
-    handlers run, which must then not announce the end of training."""
-
-    raised = False
-    _installed = False
-
-    @classmethod
-    def watch(cls) -> None:
-        if cls._installed:
-            return
-        cls._installed = True
-        previous = sys.excepthook
-
-        def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
-            cls.raised = True
-            previous(kind, value, tb)
-
-        sys.excepthook = hook
 
 
 @dataclass(frozen=True)
@@ -179,21 +99,10 @@ class ElasticDataParallel(nn.Module):
         self.sampler = sampler
         first = next(module.parameters(), None)
         device = first.device if first is not None else torch.device("cpu")
-        self.elastic: Membership | None = None
-        if under_chameleon():
-            if dist.is_available() and dist.is_initialized():
-                raise RuntimeError(
-                    "under chameleon run the drop-in builds the default process group for "
-                    "each generation of workers: remove the script's init_process_group "
-                    "(docs/dataparallel.md)"
-                )
-            self.group = False
-            self.elastic = Membership(sampler, device.type)
-            self.world_size, self.rank = self.elastic.world_size, self.elastic.rank
-        else:
-            self.group = _default_group(device)  # True: sum on the default group
-            self.world_size = dist.get_world_size() if self.group else 1
-            self.rank = dist.get_rank() if self.group else 0
+        # who the replicas are and how they sum: the generation, the default group, none
+        self.replicas = ReplicaGroup(sampler, device)
+        self.elastic = self.replicas.elastic
+        self.world_size, self.rank = self.replicas.world_size, self.replicas.rank
         if sampler.num_micro_batches < self.world_size:
             raise ValueError(
                 f"a step of {sampler.global_batch_size} samples is "
@@ -201,11 +110,6 @@ class ElasticDataParallel(nn.Module):
                 f"fewer than the {self.world_size} workers: each needs one at least"
             )
         sampler.rank, sampler.members = self.rank, list(range(self.world_size))
-        # A default group with no CPU backend (the script's own init_process_group("nccl")):
-        # host tensors are summed through the model's device.
-        self._host_via: torch.device | None = None
-        if self.group and device.type != "cpu" and "gloo" not in str(dist.get_backend()):
-            self._host_via = device
         sampler.before_loop = self._before_loop
         self._params = [p for p in module.parameters() if p.requires_grad]
         self._names = {p: name for name, p in module.named_parameters()}
@@ -213,7 +117,7 @@ class ElasticDataParallel(nn.Module):
         self.meta = StepMeta(module, self._params, find_unused=find_unused_parameters)
         self.optimizers: list[Wrapped] = []
         self.kept: list[Any] = []  # heal_with's objects
-        self._rng = _Rng(device)
+        self._streams = Streams(device)  # a micro-batch's random numbers
         self.consistency = Consistency(self, check_every)
         # -- the turn of the loop in progress ----------------------------------------------
         self.mb: MicroBatch | None = None  # the micro-batch its forwards run
@@ -228,21 +132,13 @@ class ElasticDataParallel(nn.Module):
         self._sync_queued = False
         self._shown_queued = False
         self._grads_open = False  # the step's first backward has judged .grad
-        self._discarded = False  # a stale deal's forwards ran since the buffers were put back
-        self._launched = 0
-        self._mb_rng: tuple[torch.Tensor, torch.Tensor | None] | None = None
-        self._ran_first = False  # this worker ran micro-batch 0 of the step
-        self._buffer_snapshot: torch.Tensor | None = None  # the buffers micro-batch 0 left
-        self._unused: list[nn.Parameter] = []
-        self._pending_buffers: torch.Tensor | None = None  # the exchange's, until the commit
         self._rolled = False  # a step rolled forward was applied before a heal's export
         self._outcome = Outcome(0, False)
-        self._timing: list[float] = []  # the first step's forward start, end (described)
         self._last_commit = time.perf_counter()
         if self.elastic is not None and not self.elastic.joining:
             self.elastic.start(sampler.step)
             self._broadcast_elastic()
-        elif self.group:  # every replica starts from rank 0's weights, as DDP's
+        elif self.replicas.group:  # every replica starts from rank 0's weights, as DDP's
             with torch.no_grad():
                 for t in [*module.parameters(), *module.buffers()]:
                     dist.broadcast(t.data, 0)
@@ -251,28 +147,21 @@ class ElasticDataParallel(nn.Module):
             p.register_post_accumulate_grad_hook(self._accumulated) for p in self._params
         ]
         if self.elastic is not None:
-            _ScriptErrors.watch()
-            atexit.register(self._at_exit)
+            self.elastic.end_at_exit(lambda: self.sampler.step)
 
     def _broadcast_elastic(self) -> None:
-        """Rank 0's weights on every member: the others add zeros to them (exact)."""
-        assert self.elastic is not None
-        with torch.no_grad():
-            for t in [*self.module.parameters(), *self.module.buffers()]:
-                if not t.is_floating_point():
-                    continue
-                if self.rank != 0:
-                    t.data.zero_()
-                self.elastic.wait(self.elastic.allreduce(t.data))
-
-    @property
-    def distributed(self) -> bool:
-        return self.group or self.elastic is not None
+        """Rank 0's weights on every member."""
+        tensors = [*self.module.parameters(), *self.module.buffers()]
+        self.replicas.broadcast_from(0, [t for t in tensors if t.is_floating_point()])
 
     @property
     def replica(self) -> ReplicaState:
         return ReplicaState(
-            self.module, [o.optimizer for o in self.optimizers], self.sampler, self.kept
+            self.module,
+            [o.optimizer for o in self.optimizers],
+            self.sampler,
+            self._streams.seeder,
+            self.kept,
         )
 
     # -- the script's set-up ---------------------------------------------------------------
@@ -321,24 +210,15 @@ class ElasticDataParallel(nn.Module):
             out = self.module(*args, **kwargs)
             self._watch_backward(out)
             return out
-        user = self._rng.get()
-        if self._mb_rng is None:
-            # Random ops (dropout) draw the same numbers for a micro-batch wherever it
-            # runs: a run that lost a worker, whose micro-batches others computed,
-            # trains the same weights as one that did not.
-            self._rng.seed(op_seed(self.sampler.seed, self.mb.step, self.mb.index, 0))
-        else:
-            self._rng.set(self._mb_rng)
-        timed = self.elastic is not None and not self.elastic.described and not self._timing
-        try:
-            if timed:
-                self._timing = [time.perf_counter()]
+        # Random ops (dropout) draw the same numbers for a micro-batch wherever it runs: a
+        # run that lost a worker, whose micro-batches others computed, trains the same
+        # weights as one that did not.
+        if self.elastic is not None:
+            self.elastic.mark(0)  # (the first step's forward, timed for the planner)
+        with self._streams.drawing(op_seed(self.sampler.seed, self.mb.step, self.mb.index, 0)):
             out = self.module(*args, **kwargs)
-            if timed:
-                self._timing.append(time.perf_counter())
-        finally:
-            self._mb_rng = self._rng.get()
-            self._rng.set(user)  # the script's own random state, as it left it
+        if self.elastic is not None:
+            self.elastic.mark(1)
         self._watch_backward(out)
         return out
 
@@ -362,11 +242,11 @@ class ElasticDataParallel(nn.Module):
             mb = MicroBatch(self.sampler.step, self.rank, last=True, deal=self.sampler.deal_id)
             self.ddp_mode = True
         self.mb = mb
-        self._mb_rng = None
+        self._streams.new()
         self.discard = mb.deal != self.sampler.deal_id
         self.armed = not self.discard and mb.last
         if self.discard:
-            self._discarded = True
+            self.meta.stale_forward()
             return True
         if not self.step_open:
             self.step_open = True
@@ -374,26 +254,16 @@ class ElasticDataParallel(nn.Module):
             # What .grad holds since the last commit is judged at the step's first
             # backward, not here: a loop may zero it between its forward and backward.
             self._grads_open = False
-            if self._discarded:  # a stale deal's forwards moved the buffers: undone
-                self.meta.restore()
-                self._discarded = False
+            self.meta.begin_step()
             if self.elastic is not None:  # (a fault injected at this step fires here)
                 self.elastic.control.step_failpoint(mb.step)
             self._check_consistency()
-            self._ran_first = False
-            self._buffer_snapshot = None
         elif self.grads.scratch_exposed:
             self.grads.hide()  # the zeros shown after the last micro-batch's backward
-        if self._ran_first and self._buffer_snapshot is None and self.meta.buffers:
-            # The buffers micro-batch 0's forwards left, before this worker's next
-            # micro-batches of the step move them again (chameleon_runtime.stepmeta).
-            self._buffer_snapshot = self.meta.flat_buffers()
-        if mb.index == 0 or (self.ddp_mode and self.rank == 0):
-            self._ran_first = True
+        # (the buffers follow micro-batch 0's holder: chameleon_runtime.stepmeta)
+        self.meta.micro_batch(first=mb.index == 0 or (self.ddp_mode and self.rank == 0))
         if self.armed:
-            self._launched = 0
-            for b in self.grads.buckets:
-                b.ready = 0
+            self.grads.arm()
         return True
 
     def _watch_backward(self, out: Any) -> None:
@@ -459,28 +329,24 @@ class ElasticDataParallel(nn.Module):
             if not self.grads.open_step(taking=param):
                 raise self._outside(param)
             self._grads_open = True
-        self.grads.take(param)
+        if not self.grads.take(param):
+            raise self._outside(param)
         if not self.armed:
             self._show_zeros_after()
             return
         self._queue_sync()
-        if not self.distributed or self.failure is not None:
-            return
-        buckets = self.grads.buckets
-        buckets[self.grads.bucket_of[param]].ready += 1
-        # Buckets go out in one order on every worker (a collective's order must agree):
-        # a complete bucket waits for those before it.
-        while self._launched < len(buckets) and buckets[self._launched].ready == len(
-            buckets[self._launched].params
-        ):
-            self._launch(self._launched)
+        if self.replicas.distributed and self.failure is None:
+            try:
+                self.grads.filled(param, self.replicas.post)
+            except (Aborted, CommError) as exc:
+                self.failure = (str(exc), False)
 
     def _outside(self, param: nn.Parameter) -> RuntimeError:
         name = self._names.get(param, "?")
         return RuntimeError(
             f"chameleon: parameter {name!r} got a gradient the step's sums cannot take, by a "
             "backward that did not pass through the model's outputs (a parameter used "
-            "outside ElasticDataParallel's forward, with its last gradient still in .grad): "
+            "outside ElasticDataParallel's forward, with a gradient still in .grad): "
             "zero the gradients first, or use it inside the forward"
         )
 
@@ -488,30 +354,6 @@ class ElasticDataParallel(nn.Module):
         if not self._shown_queued:
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
             self._shown_queued = True
-
-    def _launch(self, k: int) -> None:
-        bucket = self.grads.buckets[k]
-        self._launched = k + 1
-        if self.elastic is not None:
-            try:
-                bucket.work = self.elastic.allreduce(bucket.flat)
-            except (Aborted, CommError) as exc:
-                self.failure = (str(exc), False)
-            return
-        bucket.work = dist.all_reduce(bucket.flat, op=dist.ReduceOp.SUM, async_op=True)
-
-    def _allreduce(self, tensor: torch.Tensor) -> None:
-        """A blocking sum over the members: the generation's group, or the default one
-        (a script's own NCCL-only group takes host tensors through the model's device)."""
-        if self.elastic is not None:
-            self.elastic.wait(self.elastic.allreduce(tensor))
-        elif self.group:
-            if tensor.device.type == "cpu" and self._host_via is not None:
-                moved = tensor.to(self._host_via)
-                dist.all_reduce(moved, op=dist.ReduceOp.SUM)
-                tensor.copy_(moved.cpu())
-                return
-            dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
 
     def sync(self) -> None:
         """The step's sums, divided into its mean: what the last backward did not launch
@@ -521,8 +363,8 @@ class ElasticDataParallel(nn.Module):
         self._sync_queued = False
         if self.synced or not self.armed:
             return
-        if self._timing and len(self._timing) == 2:
-            self._timing.append(time.perf_counter())
+        if self.elastic is not None:
+            self.elastic.mark(2)
         grads = self.grads
         grads.zero_unwritten()
         if not self.meta.find_unused:
@@ -535,17 +377,10 @@ class ElasticDataParallel(nn.Module):
                     f"{self.rank}: pass find_unused_parameters=True to "
                     "cr.ElasticDataParallel, as DDP needs it"
                 )
-        if self.distributed and self.failure is None:
+        if self.replicas.distributed and self.failure is None:
             try:
-                while self._launched < len(grads.buckets):
-                    self._launch(self._launched)
-                if self.failure is None:
-                    for b in grads.buckets:
-                        if self.elastic is not None:
-                            self.elastic.wait(b.work)
-                        else:
-                            b.work.wait()
-                        b.work = None
+                grads.post_rest(self.replicas.post)
+                grads.wait_all(self.replicas.wait)
             except (Aborted, CommError) as exc:
                 self.failure = (str(exc), False)
         if self.failure is not None:
@@ -557,28 +392,18 @@ class ElasticDataParallel(nn.Module):
         self.synced = True
 
     def _repeat_done(self) -> None:
-        """A second backward after the sync: its sums, all-reduced (every bucket, in order:
-        the members' collectives must agree), divided and added to the step's mean."""
+        """A second backward after the sync: its sums, all-reduced, divided and added to
+        the step's mean (chameleon_runtime.buckets)."""
         self.repeat = False
-        grads = self.grads
         try:
-            if self.distributed and self.failure is None:
-                for b in grads.buckets:
-                    if b.extra is None:
-                        b.extra = torch.zeros_like(b.flat)
-                    self._allreduce(b.extra)
+            if self.failure is None:
+                self.grads.reduce_extra(self.replicas.allreduce, self._count())
         except (Aborted, CommError) as exc:
             self.failure = (str(exc), False)
         if self.failure is not None:
-            grads.expose_scratch()  # the step is redone
+            self.grads.expose_scratch()  # the step is redone
             return
-        count = self._count()
-        with torch.no_grad():
-            for b in grads.buckets:
-                if b.extra is not None:
-                    b.flat.add_(b.extra.div_(count))
-                    b.extra = None
-        grads.expose()
+        self.grads.expose()
 
     def _count(self) -> int:
         # The global batch's mean: its micro-batches' count when the sampler dealt them;
@@ -615,23 +440,11 @@ class ElasticDataParallel(nn.Module):
 
     def _exchange(self, mb: MicroBatch) -> bool:
         """The step's metadata (chameleon_runtime.stepmeta), before the commit."""
-        if not self.meta.needed:
-            self._unused = []
-            return True
-        source = None
-        if self._ran_first:
-            source = (
-                self._buffer_snapshot
-                if self._buffer_snapshot is not None
-                else self.meta.flat_buffers()
-            )
-        mine = self.meta.pack(self.grads.written, source)
         try:
-            self._allreduce(mine)
+            self.meta.exchange(self.grads.written, self.replicas.allreduce)
         except (Aborted, CommError) as exc:
             self.failure = (str(exc), False)
             return False
-        self._unused, self._pending_buffers = self.meta.unpack(mine)
         return True
 
     def _commit(self, mb: MicroBatch) -> bool:
@@ -640,32 +453,20 @@ class ElasticDataParallel(nn.Module):
         at another step is never applied silently. Posted and not seen to end, the step
         may be applied elsewhere: pending, the next plan says."""
         assert self.elastic is not None
-        s = float(mb.step % STEP_MODULUS)
-        record = torch.tensor([1.0, s, s * s], dtype=torch.float64)
         try:
-            self._allreduce(record)
+            self.meta.commit(
+                mb.step, self.replicas.allreduce, f"generation {self.elastic.generation}"
+            )
         except (Aborted, CommError) as exc:
             self.failure = (str(exc), True)
             return False
-        count, total, squares = record.tolist()
-        if total != count * s or squares != count * s * s:
-            raise RuntimeError(
-                f"chameleon: the {int(count)} members of generation "
-                f"{self.elastic.generation} disagree on the step they commit (rank "
-                f"{self.rank} is at step {mb.step}, the mean of theirs is "
-                f"{total / max(count, 1):.2f} mod {STEP_MODULUS}): stopped before applying it"
-            )
         return True
 
     def _committed(self, mb: MicroBatch) -> bool:
         """The step holds: globally unused parameters drop their gradient, the sampler
         moves on, the launcher hears of the progress."""
-        for p in self._unused:
+        for p in self.meta.committed_step():
             p.grad = None
-        self._unused = []
-        if self._pending_buffers is not None:
-            self.meta.install(self._pending_buffers)
-            self._pending_buffers = None
         self.sampler.step = mb.step + 1
         self.step_open = False
         elastic = self.elastic
@@ -673,11 +474,11 @@ class ElasticDataParallel(nn.Module):
             now = time.perf_counter()
             elastic.progress(mb.step + 1, now - self._last_commit)
             self._last_commit = now
-            if not elastic.described and len(self._timing) == 3 and self.optimizers:
-                forward_s = self._timing[1] - self._timing[0]
-                backward_s = self._timing[2] - self._timing[1]
-                params = sum(p.numel() for p in self.module.parameters())
-                elastic.describe(forward_s, backward_s, params, self.optimizers[0].optimizer)
+            if self.optimizers:
+                elastic.describe_measured(
+                    lambda: sum(p.numel() for p in self.module.parameters()),
+                    self.optimizers[0].optimizer,
+                )
         return True
 
     def _end_turn(self, committed: bool) -> Outcome:
@@ -722,7 +523,7 @@ class ElasticDataParallel(nn.Module):
             if self._rolled:  # (applied already, before this member sent its state)
                 return True
             return self._committed(mb)
-        self._pending_buffers = None
+        self.meta.abandon_step()
         self.grads.renew_in_flight()
         self.synced = False
         self.repeat = False
@@ -745,16 +546,6 @@ class ElasticDataParallel(nn.Module):
             self.consistency.maybe_check(self.sampler.step)
         except (Aborted, CommError) as exc:
             self.failure = (str(exc), False)  # step() recovers
-
-    def _at_exit(self) -> None:
-        elastic = self.elastic
-        if elastic is None:
-            return
-        if not _ScriptErrors.raised:  # an error is not the end of training (module doc)
-            with contextlib.suppress(Exception):
-                elastic.finish(self.sampler.step)
-        with contextlib.suppress(Exception):
-            elastic.close()
 
 
 def _tensors(out: Any) -> list[torch.Tensor]:

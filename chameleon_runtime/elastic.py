@@ -28,6 +28,8 @@ of its own:
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import os
 import sys
 import threading
@@ -50,6 +52,28 @@ from planner.plans.plan import Plan, pipelines_plan, split_evenly
 
 if TYPE_CHECKING:
     from chameleon_runtime.sampler import ElasticSampler
+
+
+class _ScriptErrors:
+    """Whether the script raised: an uncaught exception goes through ``sys.excepthook``
+    (under plain Python and the warm fork server alike) before the interpreter's exit
+    handlers run, which must then not announce the end of training."""
+
+    raised = False
+    _installed = False
+
+    @classmethod
+    def watch(cls) -> None:
+        if cls._installed:
+            return
+        cls._installed = True
+        previous = sys.excepthook
+
+        def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+            cls.raised = True
+            previous(kind, value, tb)
+
+        sys.excepthook = hook
 
 
 def under_chameleon() -> bool:
@@ -95,8 +119,9 @@ class Membership:
         self.collectives: dict[tuple[int, ...], Collective] = {}
         self.members: list[int] = list(range(self.world_size))
         self.described = False
+        self._timing: list[float] = []  # the first step's forward start and end, backward end
         self.joining = env.get("CHAMELEON_JOIN")
-        self.joined = False  # a replacement taken in (or told training ended)
+        self.joined = False  # a replacement taken in
         self._progress = 0  # steps this process committed
         self._slowest = 0.0
 
@@ -113,6 +138,19 @@ class Membership:
         self._enter(0, self.members, build_agreement=False)
         self._user_group(0)
         self.control.status.update(phase="train", generation=0, step=step)
+
+    def mark(self, point: int) -> None:
+        """The first step's forward starts (0), ends (1), its backward ends (2): what
+        ``describe_measured`` tells the planner."""
+        if not self.described and len(self._timing) == point:
+            self._timing.append(time.perf_counter())
+
+    def describe_measured(self, params: Callable[[], int], optimizer: Any) -> None:
+        """The job, from the first step's marks, once they are all in (``params``: the
+        model's parameter count, counted only then)."""
+        if not self.described and len(self._timing) == 3 and self.rank == min(self.members):
+            t = self._timing
+            self.describe(t[1] - t[0], t[2] - t[1], params(), optimizer)
 
     def describe(self, forward_s: float, backward_s: float, params: int, optimizer: Any) -> None:
         """The job for the planner, from the first step's measured pass (the chief)."""
@@ -384,6 +422,21 @@ class Membership:
         )
         sys.stdout.flush()
         os._exit(0)  # the script's loop has no step left to run here
+
+    def end_at_exit(self, step: Callable[[], int]) -> None:
+        """When the interpreter exits: announce the end of training at ``step()`` (unless
+        the script raised: an error is not the end of training, and the others must not
+        exit 0 early), then close."""
+        _ScriptErrors.watch()
+
+        def at_exit() -> None:
+            if not _ScriptErrors.raised:
+                with contextlib.suppress(Exception):
+                    self.finish(step())
+            with contextlib.suppress(Exception):
+                self.close()
+
+        atexit.register(at_exit)
 
     def finish(self, step: int) -> None:
         """The last step is done: spares and those waiting for a plan end too."""

@@ -110,27 +110,24 @@ class ElasticOptimizer(torch.optim.Optimizer):
             bridge.mid_step = not outcome.committed
         if not outcome.committed:
             return False
-        if self._applied_turn == outcome.turn:  # stepped twice in one turn: once only
-            return True
-        self._applied_turn = outcome.turn
-        if grad_scaler is None or self._finite(grad_scaler):
-            if closure is not None:
-                self.optimizer.step(closure)
-            else:
-                self.optimizer.step()
-        self.model.after_apply()
+        self._apply(outcome.turn, grad_scaler, closure)
         return True
 
     def apply_rolled(self, turn: int) -> None:
         """Apply turn ``turn``'s step now, a step rolled forward whose state a replacement
         is about to receive (ElasticDataParallel._roll_now); through the scaler this
         optimizer last stepped with, as its step() would."""
-        if self._applied_turn == turn:
+        self._apply(turn, self._last_scaler)
+
+    def _apply(self, turn: int, scaler: Any, closure: Any = None) -> None:
+        if self._applied_turn == turn:  # stepped twice in one turn: once only
             return
         self._applied_turn = turn
-        scaler = self._last_scaler
         if scaler is None or self._finite(scaler):
-            self.optimizer.step()
+            if closure is not None:
+                self.optimizer.step(closure)
+            else:
+                self.optimizer.step()
         self.model.after_apply()
 
     def _finite(self, scaler: Any) -> bool:

@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from chameleon_runtime.shard import Seeder
+
 CHUNK_ENV = "CHAMELEON_HEAL_CHUNK_BYTES"
 DEFAULT_CHUNK_BYTES = 64 << 20
 _TENSOR = "__chameleon_tensor__"
@@ -80,19 +82,6 @@ def join_state(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
     return skeleton
 
 
-def _rng_state() -> dict[str, Any]:
-    state: dict[str, Any] = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["cpu"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-
-
 @dataclass
 class ReplicaState:
     """What makes a replica: read from the live objects by ``export``, written into them by
@@ -101,6 +90,7 @@ class ReplicaState:
     model: torch.nn.Module
     optimizers: list[torch.optim.Optimizer]
     sampler: Any
+    rng: Seeder  # the script's generators: the host's and the model's device's
     kept: list[Any] = field(default_factory=list)  # heal_with's objects
 
     def export(self) -> tuple[dict, list[torch.Tensor]]:
@@ -112,7 +102,7 @@ class ReplicaState:
                 for o in self.optimizers
             ],
             "sampler": self.sampler.state_dict(),
-            "rng": split_state(_rng_state(), tensors),
+            "rng": split_state(self.rng.get(), tensors),
             "kept": [
                 split_state(o.state_dict(), tensors, f"{type(o).__name__}.state_dict()")
                 for o in self.kept
@@ -128,7 +118,7 @@ class ReplicaState:
         for optimizer, state in zip(self.optimizers, header["optimizers"], strict=True):
             optimizer.load_state_dict(join_state(state, tensors))
         self.sampler.load_state_dict(header["sampler"])
-        _set_rng_state(join_state(header["rng"], tensors))
+        self.rng.set(join_state(header["rng"], tensors))
         return [join_state(s, tensors) for s in header["kept"]]
 
 
@@ -187,30 +177,25 @@ def send_state(
     encoded = json.dumps(meta).encode()
     send(torch.tensor([len(encoded)], dtype=torch.int64))
     send(torch.frombuffer(bytearray(encoded), dtype=torch.uint8))
-    flush()
     sizes = [t.numel() * t.element_size() for t in tensors]
     staging: torch.Tensor | None = None
+    staged_posted = False  # a send from the staging chunk may still read it
     for kind, parts in _layout(sizes, chunk):
-        if kind == "slice":
+        if kind == "slice" and tensors[parts[0][0]].device.type == "cpu":
             i, start, end = parts[0]
-            t = tensors[i]
-            if t.device.type == "cpu":
-                send(_bytes(t)[start:end])  # a view: nothing copied
-            else:
-                if staging is None:
-                    staging = torch.empty(chunk, dtype=torch.uint8)
-                staging[: end - start].copy_(_bytes(t)[start:end])
-                send(staging[: end - start])
-            flush()
+            send(_bytes(tensors[i])[start:end])  # a view: nothing copied, nothing to wait for
             continue
         if staging is None:
             staging = torch.empty(chunk, dtype=torch.uint8)
+        elif staged_posted:
+            flush()  # the staging chunk is about to be reused
         fill = 0
         for i, start, end in parts:
             staging[fill : fill + end - start].copy_(_bytes(tensors[i])[start:end])
             fill += end - start
         send(staging[:fill])
-        flush()  # the staging chunk is reused for the next message
+        staged_posted = True
+    flush()
 
 
 def receive_state(

@@ -31,6 +31,7 @@ optimizer-state keys) that travels through the store: nothing received is unpick
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -63,18 +64,69 @@ def op_seed(seed: int, step: int, micro_batch: int, layer: int) -> int:
     return (seed * 1_000_003 + step * 104_729 + micro_batch * 7919 + layer * 31) % (2**63)
 
 
-class Seeder:
-    """Seeds the generators a layer's forward draws from on ``device``: the CPU's, and
-    the accelerator's own where the layer runs on one (module doc)."""
+RngState = tuple[torch.Tensor, torch.Tensor | None]  # the CPU's, the accelerator's
 
-    def __init__(self, device: str) -> None:
-        kind = torch.device(device).type
-        self._device = None if kind == "cpu" else torch.get_device_module(kind)
+
+class Seeder:
+    """The generators a forward draws from on ``device``: the CPU's, and the
+    accelerator's own where it runs on one (module doc): seeded, read and set. A device
+    with an index (``cuda:1``) is that device's generator, else the current device's."""
+
+    def __init__(self, device: str | torch.device) -> None:
+        device = torch.device(device)
+        self._device = None if device.type == "cpu" else torch.get_device_module(device.type)
+        self._index = device.index
 
     def seed(self, value: int) -> None:
         torch.default_generator.manual_seed(value)
-        if self._device is not None:
+        if self._device is None:
+            return
+        if self._index is None:
             self._device.manual_seed(value)  # the current device's generator only
+        else:
+            self._device.default_generators[self._index].manual_seed(value)
+
+    def get(self) -> RngState:
+        accel = None
+        if self._device is not None:
+            accel = self._device.get_rng_state(
+                self._device.current_device() if self._index is None else self._index
+            )
+        return torch.get_rng_state(), accel
+
+    def set(self, state: RngState) -> None:
+        torch.set_rng_state(state[0])
+        if self._device is not None and state[1] is not None:
+            index = self._device.current_device() if self._index is None else self._index
+            self._device.set_rng_state(state[1], index)
+
+
+class Streams:
+    """The random numbers a micro-batch's forwards draw (the drop-in API's: the Trainer
+    seeds per layer, ``Shard.forward``): a stream of its own, seeded at its first forward
+    and carried on by its later ones, drawn with the caller's generators put back after
+    each forward, so the script's own random state is its own."""
+
+    def __init__(self, device: str | torch.device) -> None:
+        self.seeder = Seeder(device)
+        self._current: RngState | None = None
+
+    def new(self) -> None:
+        """The next forward begins another micro-batch's stream."""
+        self._current = None
+
+    @contextlib.contextmanager
+    def drawing(self, seed: int) -> Iterator[None]:
+        caller = self.seeder.get()
+        if self._current is None:
+            self.seeder.seed(seed)
+        else:
+            self.seeder.set(self._current)
+        try:
+            yield
+        finally:
+            self._current = self.seeder.get()
+            self.seeder.set(caller)
 
 
 def build_layer(factory: LayerFactory, seed: int, index: int, device: str = "cpu") -> nn.Module:

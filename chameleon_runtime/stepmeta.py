@@ -19,12 +19,24 @@ gradients (chameleon_runtime.dataparallel), in one small all-reduce before the c
 Both travel as float64 (exact for every float and for integers below 2**53). The
 exchange ends before the commit is posted, so a member that rolls a step forward after
 a recovery has seen it too. Models with neither need no exchange.
+
+Then the commit itself (chameleon_runtime.elastic's module doc), one more small sum: every
+member's 1, its step and the step's square, so that members that would commit different
+steps are told apart and stop instead of applying either.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
+
+# The commit's step number is sent modulo this (its square must stay exact in float64
+# summed over thousands of members); members a multiple of it apart are not told apart.
+STEP_MODULUS = 1 << 16
+
+Sum = Callable[[torch.Tensor], None]  # an all-reduce over the members, in place
 
 
 class StepMeta:
@@ -37,6 +49,74 @@ class StepMeta:
         ]
         self._buffer_numel = sum(b.numel() for b in self.buffers)
         self.committed: torch.Tensor | None = None  # the buffers as the last step left them
+        # -- the step in progress
+        self.ran_first = False  # this worker ran micro-batch 0 of the step
+        self._snapshot: torch.Tensor | None = None  # the buffers micro-batch 0 left
+        self._stale = False  # a stale deal's forwards ran since the buffers were put back
+        self._pending: torch.Tensor | None = None  # the exchange's buffers, until the commit
+        self._unused: list[nn.Parameter] = []  # the exchange's: no member's gradient
+
+    # -- the step's micro-batches on this worker
+
+    def begin_step(self) -> None:
+        if self._stale:  # a stale deal's forwards moved the buffers: undone
+            self.restore()
+            self._stale = False
+        self.ran_first = False
+        self._snapshot = None
+
+    def stale_forward(self) -> None:
+        self._stale = True
+
+    def micro_batch(self, first: bool) -> None:
+        """One of this worker's micro-batches of the step begins (``first``: micro-batch 0)."""
+        if self.ran_first and self._snapshot is None and self.buffers:
+            # The buffers micro-batch 0's forwards left, before this worker's next
+            # micro-batches of the step move them again.
+            self._snapshot = self.flat_buffers()
+        if first:
+            self.ran_first = True
+
+    # -- the exchange and the commit
+
+    def exchange(self, used: set[nn.Parameter], allreduce: Sum) -> None:
+        """This step's metadata summed over the members (module doc); a failure of the
+        all-reduce is the caller's."""
+        self._unused, self._pending = [], None
+        if not self.needed:
+            return
+        source = None
+        if self.ran_first:
+            source = self._snapshot if self._snapshot is not None else self.flat_buffers()
+        mine = self.pack(used, source)
+        allreduce(mine)
+        self._unused, self._pending = self.unpack(mine)
+
+    def commit(self, step: int, allreduce: Sum, who: str) -> None:
+        """The commit's all-reduce (module doc); raises when the members' steps differ.
+        ``who``: this member, for the message."""
+        s = float(step % STEP_MODULUS)
+        record = torch.tensor([1.0, s, s * s], dtype=torch.float64)
+        allreduce(record)
+        count, total, squares = record.tolist()
+        if total != count * s or squares != count * s * s:
+            raise RuntimeError(
+                f"chameleon: the {int(count)} members of {who} disagree on the step they "
+                f"commit (this one is at step {step}, the mean of theirs is "
+                f"{total / max(count, 1):.2f} mod {STEP_MODULUS}): stopped before applying it"
+            )
+
+    def committed_step(self) -> list[nn.Parameter]:
+        """The step holds: its buffers are installed; returns the parameters no member
+        gave a gradient (their .grad is dropped)."""
+        if self._pending is not None:
+            self.install(self._pending)
+        unused, self._unused, self._pending = self._unused, [], None
+        return unused
+
+    def abandon_step(self) -> None:
+        """The step is redone: what its exchange said no longer holds."""
+        self._unused, self._pending = [], None
 
     @property
     def needed(self) -> bool:

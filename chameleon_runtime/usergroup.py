@@ -1,5 +1,6 @@
-"""The script's own ``torch.distributed`` under ``chameleon run``: the default process
-group, over the members of the current generation, rebuilt by every recovery.
+"""The script's own ``torch.distributed``: under ``chameleon run`` the default process
+group over the members of the current generation, rebuilt by every recovery; under
+torchrun the one its environment describes (``from_torchrun``).
 
 A script ported to the drop-in API (docs/dataparallel.md) no longer calls
 ``init_process_group``; under torchrun the drop-in initialises the default group from the
@@ -30,6 +31,8 @@ of rank 0; rank 0 under torchrun; True alone.
 
 from __future__ import annotations
 
+import atexit
+import gc
 import os
 import sys
 from datetime import timedelta
@@ -84,6 +87,30 @@ def remove() -> None:
     if _ours and dist.is_initialized():
         dist.destroy_process_group()
     _ours = False
+
+
+def from_torchrun(device: Any) -> bool:
+    """Under torchrun: whether there is a default group to sum on (False alone): the
+    script's, or one initialised here from torchrun's environment, then destroyed at
+    exit. Only the default group is named (group=None), never held: a gloo group still
+    referenced when the interpreter ends is destroyed with its threads running, which
+    aborted the process ("terminate called without an active exception") in about 1 exit
+    of 8 here, plain DDP's included."""
+    if dist.is_available() and dist.is_initialized():
+        return True
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return False
+    # On CUDA, NCCL for the gradients and gloo for the small host tensors a step
+    # exchanges besides (stepmeta, the commit, the consistency check).
+    dist.init_process_group("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo")
+    atexit.register(_destroy)
+    return True
+
+
+def _destroy() -> None:
+    if dist.is_initialized():
+        gc.collect()  # what still holds the group in a reference cycle lets go of it now
+        dist.destroy_process_group()
 
 
 def is_saver() -> bool:

@@ -91,8 +91,8 @@ def from_stderr(lines: Sequence[str], *, any_line: bool) -> ErrorReport | None:
     """The last traceback in a worker's stderr: its exception line and innermost frame;
     else (``any_line``, a worker that exited by itself) its last line. A worker killed by
     a signal wrote no last words: its last line is whatever it printed before."""
-    # (torch prefixes every line of a traceback with "[rankN]: " once a default process
-    # group exists: sys.excepthook is torch.distributed's then)
+    # (a script that initialises a default process group itself gets torch.distributed's
+    # sys.excepthook, which prefixes every line of a traceback with "[rankN]: ")
     lines = [_RANK_PREFIX.sub("", line) for line in lines if line.strip()]
     start = max((i for i, line in enumerate(lines) if line.startswith("Traceback")), default=None)
     if start is not None:

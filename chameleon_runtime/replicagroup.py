@@ -1,0 +1,86 @@
+"""Who a drop-in model's replicas are and how they sum (chameleon_runtime.dataparallel):
+under ``chameleon run`` the members of the current generation (``Membership``, whose
+groups a recovery rebuilds: chameleon_runtime.elastic), under torchrun the default
+process group, alone nobody.
+
+Every sum is exact in one sense the runtime relies on: a broadcast is a sum to which all
+but the source add zeros. The small host tensors a step exchanges (chameleon_runtime.
+stepmeta, the consistency check) go over the same group as the gradients; a script's
+own NCCL-only default group takes them through the model's device.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from chameleon_runtime import usergroup
+from chameleon_runtime.elastic import Membership, under_chameleon
+
+
+class ReplicaGroup:
+    def __init__(self, sampler: Any, device: torch.device) -> None:
+        self.elastic: Membership | None = None
+        self.group = False  # the default group (torchrun)
+        if under_chameleon():
+            if dist.is_available() and dist.is_initialized():
+                raise RuntimeError(
+                    "under chameleon run the drop-in builds the default process group for "
+                    "each generation of workers: remove the script's init_process_group "
+                    "(docs/dataparallel.md)"
+                )
+            self.elastic = Membership(sampler, device.type)
+            self.world_size, self.rank = self.elastic.world_size, self.elastic.rank
+        else:
+            self.group = usergroup.from_torchrun(device)
+            self.world_size = dist.get_world_size() if self.group else 1
+            self.rank = dist.get_rank() if self.group else 0
+        # A default group with no CPU backend (the script's own init_process_group("nccl")):
+        # host tensors are summed through the model's device.
+        self._host_via: torch.device | None = None
+        if self.group and device.type != "cpu" and "gloo" not in str(dist.get_backend()):
+            self._host_via = device
+
+    @property
+    def distributed(self) -> bool:
+        return self.group or self.elastic is not None
+
+    def members(self) -> list[int]:
+        """The members now, lowest global rank first."""
+        if self.elastic is not None:
+            return sorted(self.elastic.members)
+        return list(range(self.world_size))
+
+    def post(self, tensor: torch.Tensor) -> Any:
+        """Post an all-reduce (asynchronous); ``wait`` for its work."""
+        if self.elastic is not None:
+            return self.elastic.allreduce(tensor)
+        return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, async_op=True)
+
+    def wait(self, work: Any) -> None:
+        if self.elastic is not None:
+            self.elastic.wait(work)
+        else:
+            work.wait()
+
+    def allreduce(self, tensor: torch.Tensor) -> None:
+        """A blocking sum in place (nothing alone)."""
+        if self.elastic is not None:
+            self.elastic.wait(self.elastic.allreduce(tensor))
+        elif self.group:
+            if tensor.device.type == "cpu" and self._host_via is not None:
+                moved = tensor.to(self._host_via)
+                dist.all_reduce(moved, op=dist.ReduceOp.SUM)
+                tensor.copy_(moved.cpu())
+                return
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+
+    def broadcast_from(self, source: int, tensors: list[torch.Tensor]) -> None:
+        """``source``'s values on every member: the others add zeros to them (exact)."""
+        with torch.no_grad():
+            for t in tensors:
+                if self.rank != source:
+                    t.zero_()
+                self.allreduce(t)
