@@ -80,3 +80,20 @@ def wait_for_event(path: Path, name: str, timeout: float = 60, **match) -> dict:
                 return e
         time.sleep(0.05)
     raise AssertionError(f"no {name} event within {timeout} s in {path}: {events(path)}")
+
+
+def devices_config(tmp: Path) -> Path:
+    """The CPU test bed's config, planned as if each worker had a device of its own
+    (host_cores = 0): a larger layout is then faster, and replacements are taken in."""
+    config = tmp / "devices.toml"
+    testbed = (ROOT / "configs" / "cpu_testbed.toml").read_text()
+    config.write_text(testbed.replace("host_cores = 2", "host_cores = 0"))
+    return config
+
+
+def rank_outputs(folder: Path, name: str) -> dict[int, dict]:
+    """What each rank wrote to ``folder/name.rank<R>.json``, by rank."""
+    return {
+        int(f.name.split(".rank")[1].split(".")[0]): json.loads(f.read_text())
+        for f in folder.glob(f"{name}.rank*.json")
+    }

@@ -2,43 +2,29 @@
 moved by hand after a step (a bit flip, a bug) is found at the next check and healed from
 the majority, or, with no majority, the job stops with a one-line error."""
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.launcher.helpers import env, leftovers, run
-from tests.runtime.test_habits import assert_close, states
-
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = str(ROOT / "tests" / "runtime" / "habits_script.py")
+from tests.runtime import test_habits
+from tests.runtime.test_habits import assert_close
 
 pytestmark = pytest.mark.slow
 
 
 def chameleon(tmp: Path, name: str, workers: int, *extra: str):
-    done = run(
-        "run", "--standalone", "--nproc-per-node", str(workers), SCRIPT, "--mode", "chameleon",
-        "--global-batch", str(8 * workers), "--out", str(tmp / name), *extra,
-        cwd=tmp, timeout=240,
-    )  # fmt: skip
-    assert leftovers(tmp) == []
-    return done, states(tmp, name)
+    done, states, _ = test_habits.chameleon(
+        tmp, name, "plain", None, "--global-batch", str(8 * workers), *extra, workers=workers
+    )
+    return done, states
 
 
 @pytest.fixture(scope="module")
 def ddp3(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ddp3")
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
-         SCRIPT, "--mode", "ddp", "--global-batch", "24", "--out", str(tmp / "ddp")],
-        cwd=tmp, env={**env(), "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-        timeout=240,
-    )  # fmt: skip
+    done, states = test_habits.torchrun(tmp, "ddp", "ddp", "plain", 3, "--global-batch", "24")
     assert done.returncode == 0, done.stderr[-2000:]
-    return json.loads((tmp / "ddp.rank0.json").read_text())["state"]
+    return states[0]
 
 
 def test_a_drifted_replica_is_healed_from_the_majority_at_the_next_check(tmp_path, ddp3):
@@ -76,14 +62,11 @@ def test_two_replicas_that_disagree_stop_the_job(tmp_path):
 
 
 def test_the_check_heals_under_plain_torchrun_too(tmp_path, ddp3):
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
-         SCRIPT, "--mode", "chameleon", "--global-batch", "24", "--check-every", "1",
-         "--perturb", "0,5", "--out", str(tmp_path / "tr")],
-        cwd=tmp_path, env={**env(), "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-        timeout=240,
+    done, states = test_habits.torchrun(
+        tmp_path, "tr", "chameleon", "plain", 3, "--global-batch", "24", "--check-every", "1",
+        "--perturb", "0,5",
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     assert "rank(s) [0] held weights different" in done.stderr
-    for state in states(tmp_path, "tr").values():
+    for state in states.values():
         assert_close(ddp3, state, 1e-9)

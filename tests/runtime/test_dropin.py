@@ -10,13 +10,20 @@ float32 the same rounding, amplified by AdamW over 150 steps, reached 1e-2 relat
 small bias tensors: measured, docs/dataparallel.md). Replicas of the model must agree
 exactly, as DDP's do."""
 
-import json
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.launcher.helpers import events, free_port, leftovers, run, start
+from tests.launcher.helpers import (
+    devices_config,
+    events,
+    free_port,
+    leftovers,
+    rank_outputs,
+    run,
+    start,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = str(ROOT / "examples" / "train_hf.py")
@@ -44,10 +51,7 @@ def train(tmp: Path, name: str, *flags: str, workers: int = 4, steps: int = STEP
 
 
 def dumps(folder: Path) -> dict[int, dict[str, float]]:
-    return {
-        int(f.name.split(".rank")[1].split(".")[0]): json.loads(f.read_text())["weights"]
-        for f in folder.glob("dump.rank*.json")
-    }
+    return {rank: out["weights"] for rank, out in rank_outputs(folder, "dump").items()}
 
 
 def assert_same(reference: dict, weights: dict[int, dict[str, float]]) -> None:
@@ -139,9 +143,7 @@ def test_a_second_kill_during_the_recovery(tmp_path, reference):
 def test_a_replacement_heals_from_a_live_member_and_trains_on(tmp_path):
     # Planned as if every worker had a device of its own, the job with 4 workers is
     # clearly faster than with fewer: the replacement of rank 1 must be taken in.
-    testbed = (ROOT / "configs" / "cpu_testbed.toml").read_text()
-    config = tmp_path / "devices.toml"
-    config.write_text(testbed.replace("host_cores = 2", "host_cores = 0"))
+    config = devices_config(tmp_path)
     reference, _ = train(tmp_path, "ref", steps=150)
     weights, evs = train(
         tmp_path, "heal", "--config", str(config), "--inject-fault", "kill:rank=1,step=3",
@@ -198,9 +200,7 @@ def test_a_replacement_heals_after_the_script_resumed_from_its_checkpoint(
     # weights drifted from rank 0's and it exited without running the code after the
     # loop. Healed when its loop starts, it trains on from the live member's state; left
     # a spare (--policy reroute), it exits without that code and the member ends right.
-    testbed = (ROOT / "configs" / "cpu_testbed.toml").read_text()
-    config = tmp_path / "devices.toml"
-    config.write_text(testbed.replace("host_cores = 2", "host_cores = 0"))
+    config = devices_config(tmp_path)
     flags = ["--policy", "reroute"] if spare else ["--config", str(config)]
     weights, evs = train(
         tmp_path, "ckpt", "--max-rejoins", "1", "--inject-fault", "kill:rank=1,step=12",

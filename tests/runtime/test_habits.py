@@ -7,8 +7,6 @@ with two workers the survivor's sum is gloo's, and halving is exact), or the job
 fail with a one-line error naming the habit. tests/runtime/habits_script.py is the loop.
 """
 
-import json
-import os
 import subprocess
 import sys
 import warnings
@@ -16,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.launcher.helpers import events, leftovers, run
+from tests.launcher.helpers import devices_config, env, events, leftovers, rank_outputs, run
 from tests.runtime.habits_script import FLOAT32, HABITS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -27,10 +25,6 @@ FLOAT32_TOLERANCE = 1e-6  # autocast leaves float64 alone: these train in float3
 pytestmark = pytest.mark.slow
 
 
-def _env() -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-
-
 def torchrun(tmp: Path, name: str, mode: str, habit: str, nproc: int = 2, *extra: str):
     out = tmp / name
     cmd = [SCRIPT, "--mode", mode, "--habit", habit, "--out", str(out), *extra]
@@ -39,16 +33,21 @@ def torchrun(tmp: Path, name: str, mode: str, habit: str, nproc: int = 2, *extra
             "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), *cmd,
         ]  # fmt: skip
     done = subprocess.run(
-        [sys.executable, *cmd], cwd=tmp, env=_env(), capture_output=True, text=True, timeout=240
+        [sys.executable, *cmd],
+        cwd=tmp,
+        env={**env(), "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=240,
     )
     return done, states(tmp, name)
 
 
-def chameleon(tmp: Path, name: str, habit: str, kill: int | None, *extra: str):
+def chameleon(tmp: Path, name: str, habit: str, kill: int | None, *extra: str, workers: int = 2):
     log = tmp / f"{name}.events"
     fault = ["--inject-fault", f"kill:rank={kill},step=5"] if kill is not None else []
     done = run(
-        "run", "--standalone", "--nproc-per-node", "2", "--max-rejoins", "0",
+        "run", "--standalone", "--nproc-per-node", str(workers), "--max-rejoins", "0",
         "--events", str(log), *fault,
         SCRIPT, "--mode", "chameleon", "--habit", habit, "--out", str(tmp / name), *extra,
         cwd=tmp, timeout=240,
@@ -58,10 +57,7 @@ def chameleon(tmp: Path, name: str, habit: str, kill: int | None, *extra: str):
 
 
 def states(tmp: Path, name: str) -> dict[int, dict[str, list[float]]]:
-    return {
-        int(f.name.split(".rank")[1].split(".")[0]): json.loads(f.read_text())["state"]
-        for f in tmp.glob(f"{name}.rank*.json")
-    }
+    return {rank: out["state"] for rank, out in rank_outputs(tmp, name).items()}
 
 
 def assert_close(reference: dict[str, list[float]], state: dict[str, list[float]], rel: float):
@@ -152,14 +148,6 @@ def test_an_exception_on_a_member_ends_the_job_with_its_error(tmp_path):
     assert not [e for e in evs if e["event"] == "recovered"]
 
 
-def _devices_config(tmp: Path) -> Path:
-    """The CPU test bed planned as if each worker had a device: replacements are taken in."""
-    config = tmp / "devices.toml"
-    testbed = (ROOT / "configs" / "cpu_testbed.toml").read_text()
-    config.write_text(testbed.replace("host_cores = 2", "host_cores = 0"))
-    return config
-
-
 def test_replacements_heal_through_kills_of_either_rank(tmp_path):
     # BatchNorm, 2,000 steps, rank 1 killed at step 100 and rank 0 (the one that healed
     # the first replacement) at 1,600, each replaced and healed from the other. A heal
@@ -169,7 +157,7 @@ def test_replacements_heal_through_kills_of_either_rank(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     log = tmp_path / "soak.events"
     done = run(
-        "run", "--standalone", "--nproc-per-node", "2", "--config", str(_devices_config(tmp_path)),
+        "run", "--standalone", "--nproc-per-node", "2", "--config", str(devices_config(tmp_path)),
         "--max-rejoins", "2", "--events", str(log),
         "--inject-fault", "kill:rank=1,step=100", "--inject-fault", "kill:rank=0,step=1600",
         SCRIPT, "--mode", "chameleon", "--habit", "batchnorm", "--steps", "2000",
@@ -188,7 +176,7 @@ def test_a_loop_that_counts_its_own_steps_fails_when_a_replacement_joins(tmp_pat
     # The replacement's own count starts at 0: it would train on alone after the others
     # ended. Said in one line, with the fix.
     done = run(
-        "run", "--standalone", "--nproc-per-node", "2", "--config", str(_devices_config(tmp_path)),
+        "run", "--standalone", "--nproc-per-node", "2", "--config", str(devices_config(tmp_path)),
         "--max-rejoins", "1", "--inject-fault", "kill:rank=1,step=100",
         SCRIPT, "--mode", "chameleon", "--habit", "plain", "--steps", "1500", "--own-count",
         "--out", str(tmp_path / "own"), cwd=tmp_path, timeout=240,

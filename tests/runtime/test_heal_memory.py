@@ -6,12 +6,11 @@ fixed: left dynamic, glibc keeps freed gradient-sized blocks on its heap after t
 ones are freed, and a run's resident memory wandered by 16 MiB steps between otherwise
 identical runs (measured: 402 and 435 MiB peaks, failure-free)."""
 
-import json
 from pathlib import Path
 
 import pytest
 
-from tests.launcher.helpers import ROOT, events, leftovers, run
+from tests.launcher.helpers import ROOT, devices_config, events, leftovers, rank_outputs, run
 
 SCRIPT = str(ROOT / "tests" / "runtime" / "heal_script.py")
 CHUNK = 8 << 20
@@ -28,18 +27,12 @@ def train(tmp: Path, name: str, *flags: str) -> tuple[dict[int, dict], list[dict
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     assert leftovers(tmp) == []
-    found = {
-        int(f.name.split(".rank")[1].split(".")[0]): json.loads(f.read_text())
-        for f in tmp.glob(f"{name}.rank*.json")
-    }
-    return found, events(log)
+    return rank_outputs(tmp, name), events(log)
 
 
 def test_the_senders_peak_stays_within_a_chunk_of_its_failure_free_peak(tmp_path):
     free, _ = train(tmp_path, "free")
-    testbed = (ROOT / "configs" / "cpu_testbed.toml").read_text()
-    config = tmp_path / "devices.toml"  # planned as if each worker had a device: taken in
-    config.write_text(testbed.replace("host_cores = 2", "host_cores = 0"))
+    config = devices_config(tmp_path)  # planned as if each worker had a device: taken in
     healed, evs = train(
         tmp_path, "heal", "--config", str(config), "--max-rejoins", "1",
         "--inject-fault", "kill:rank=1,step=5",

@@ -4,7 +4,6 @@ new side the same script on the drop-in API. Both are completed by the same few 
 side under torchrun, the new side under torchrun and under chameleon run with a kill -9;
 the final float64 weights must agree."""
 
-import json
 import re
 import subprocess
 import sys
@@ -12,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.launcher.helpers import env, leftovers, run
+from tests.launcher.helpers import env, leftovers, rank_outputs, run
 from tests.runtime.test_habits import assert_close
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -67,13 +66,6 @@ def script(tmp: Path, name: str, body: str) -> Path:
     return path
 
 
-def weights(tmp: Path, name: str) -> dict[int, dict]:
-    return {
-        int(f.name.split(".rank")[1].split(".")[0]): json.loads(f.read_text())
-        for f in tmp.glob(f"{name}.rank*.json")
-    }
-
-
 def torchrun(tmp: Path, path: Path) -> dict[int, dict]:
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
@@ -82,7 +74,7 @@ def torchrun(tmp: Path, path: Path) -> dict[int, dict]:
         capture_output=True, text=True, timeout=240,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
-    return weights(tmp, path.stem)
+    return rank_outputs(tmp, path.stem)
 
 
 @pytest.mark.slow
@@ -101,7 +93,7 @@ def test_the_porting_diff_runs_as_written_and_trains_as_ddp(tmp_path):
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     assert leftovers(tmp_path) == []
-    survived = weights(tmp_path, "killed")
+    survived = rank_outputs(tmp_path, "killed")
     # (the planner may leave a survivor out as a spare: 2 workers on 2 shared cores can
     # be faster than 3, and a spare does not run the code after its loop)
     assert survived and set(survived) <= {0, 1, 3}

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.launcher.helpers import events, free_port, run, start
+from tests.launcher.helpers import devices_config, events, free_port, run, start
 from tests.runtime.test_recovery import (
     EXAMPLE,
     MODEL,
@@ -42,9 +42,7 @@ def named(evs, name):
 def test_a_replacement_is_taken_in_when_it_pays(tmp_path, long_reference):
     # Planned as if every worker had a device of its own, the job with 4 workers is
     # clearly faster than with 3: the replacement must be taken in.
-    testbed = (ROOT / "configs" / "cpu_testbed.toml").read_text()
-    config = tmp_path / "devices.toml"
-    config.write_text(testbed.replace("host_cores = 2", "host_cores = 0"))
+    config = devices_config(tmp_path)
     checks, losses, evs = train(
         tmp_path, "grow", "--config", str(config), "--inject-fault", "kill:rank=3,step=4",
         steps=STEPS,
@@ -87,9 +85,7 @@ def test_a_spare_replacement_serves_the_next_recovery(tmp_path, long_reference):
 def test_a_replacement_on_another_agent_rejoins(tmp_path, long_reference):
     # Two agents on 127.0.0.1, two workers each. Rank 3 runs under the non-leader agent:
     # that agent starts its replacement when the leader asks through the worker store.
-    testbed = (ROOT / "configs" / "cpu_testbed.toml").read_text()
-    config = tmp_path / "devices.toml"
-    config.write_text(testbed.replace("host_cores = 2", "host_cores = 0"))
+    config = devices_config(tmp_path)
     port = free_port()
     common = [
         "run", "--nnodes", "2", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
