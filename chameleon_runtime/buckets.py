@@ -26,6 +26,10 @@ What the user's ``.grad`` is, and when:
   next step as DDP carries it: added to the next step's mean, not summed again.
 - A second backward after the sums were all-reduced (an auxiliary loss) is summed into
   a buffer of its own, all-reduced, and added: as DDP, which reduces every backward.
+
+A sharded parameter (a DTensor of FSDP2: chameleon_runtime.sharding) is summed by its
+local shard: the buckets hold local shards, and what ``.grad`` shows is a DTensor over
+the bucket's view with the parameter's placement (made once per view, not per step).
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from chameleon_runtime.sharding import local, shown_as
+
 Post = Callable[[torch.Tensor], Any]  # posts an all-reduce of a bucket, returns its work
 
 BUCKET_CAP_BYTES = 25 << 20
@@ -51,27 +57,35 @@ class Bucket:
 
     def __init__(self, params: list[nn.Parameter]) -> None:
         self.params = params
+        self.shapes = {p: local(p).shape for p in params}
         self.flat = torch.zeros(
-            sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device
+            sum(local(p).numel() for p in params), dtype=params[0].dtype, device=params[0].device
         )
         self.spans: dict[nn.Parameter, tuple[int, int]] = {}
         offset = 0
         for p in params:
-            self.spans[p] = (offset, offset + p.numel())
-            offset += p.numel()
+            n = local(p).numel()
+            self.spans[p] = (offset, offset + n)
+            offset += n
         self.views = self._views(self.flat)
+        self.shown = self._shown()
         self.ready = 0  # parameters whose gradient of the current backward is in
         self.work: Any = None  # the all-reduce in flight
         self.extra: torch.Tensor | None = None  # a repeated backward's sums
 
     def _views(self, flat: torch.Tensor) -> dict[nn.Parameter, torch.Tensor]:
-        return {p: flat[a:b].view_as(p) for p, (a, b) in self.spans.items()}
+        return {p: flat[a:b].view(self.shapes[p]) for p, (a, b) in self.spans.items()}
+
+    def _shown(self) -> dict[nn.Parameter, torch.Tensor]:
+        """What ``.grad`` is set to: the views, as DTensors for sharded parameters."""
+        return {p: shown_as(p, v) for p, v in self.views.items()}
 
     def renew(self) -> None:
         """A new buffer: after an abandoned step whose all-reduce of this bucket may still
         be running (gloo's threads write its stale sums into the old one in place)."""
         self.flat = torch.zeros_like(self.flat)
         self.views = self._views(self.flat)
+        self.shown = self._shown()
         self.work = None
         self.extra = None
 
@@ -79,7 +93,7 @@ class Bucket:
         if self.extra is None:
             self.extra = torch.zeros_like(self.flat)
         a, b = self.spans[p]
-        return self.extra[a:b].view_as(p)
+        return self.extra[a:b].view(self.shapes[p])
 
 
 def make_buckets(params: list[nn.Parameter]) -> list[Bucket]:
@@ -87,7 +101,7 @@ def make_buckets(params: list[nn.Parameter]) -> list[Bucket]:
     group: list[nn.Parameter] = []
     size, cap = 0, FIRST_BUCKET_CAP_BYTES
     for p in reversed(params):
-        nbytes = p.numel() * p.element_size()
+        nbytes = local(p).numel() * p.element_size()
         if group and (
             size + nbytes > cap or p.dtype != group[0].dtype or p.device != group[0].device
         ):
@@ -111,8 +125,9 @@ class Gradients:
         self.carried: dict[nn.Parameter, torch.Tensor] = {}  # left in .grad by the user
         self.exposed_versions: list[int] = []  # the buffers' versions when last exposed
         self.scratch: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
-        small = [p for p in params if p.numel() <= SCRATCH_NUMEL]
-        self._shown = small or sorted(params, key=lambda p: p.numel())[:1]
+        small = [p for p in params if local(p).numel() <= SCRATCH_NUMEL]
+        self._shown = small or sorted(params, key=lambda p: local(p).numel())[:1]
+        self._scratch_shown: dict[nn.Parameter, tuple[torch.Tensor, torch.Tensor]] = {}
         self.scratch_exposed = False  # each .grad is zeros in the shared scratch
         self.launched = 0  # buckets whose all-reduce of this step is posted
 
@@ -138,7 +153,7 @@ class Gradients:
             )
             zeroed: bool | None = None
             for p in bucket.params:
-                grad = p.grad
+                grad = p.grad if p.grad is None else local(p.grad)
                 if p is taking:
                     if grad is not None and _same_storage(grad, bucket.views[p]):
                         return False
@@ -168,9 +183,9 @@ class Gradients:
         """``p``'s gradient of this backward into its bucket; ``.grad`` hidden again. False
         if it was added to the zeros shown between micro-batches (a backward that did not
         pass through the model's outputs first): it cannot be told apart from them."""
-        grad = p.grad
-        if grad is None:
+        if p.grad is None:
             return True
+        grad = local(p.grad)
         if self.scratch_exposed and self._in_scratch(grad):
             return False
         view = self.buckets[self.bucket_of[p]].views[p]
@@ -184,10 +199,9 @@ class Gradients:
 
     def take_extra(self, p: nn.Parameter) -> None:
         """A repeated backward's gradient (after the step's sums were reduced)."""
-        grad = p.grad
-        if grad is None:
+        if p.grad is None:
             return
-        self.buckets[self.bucket_of[p]].extra_view(p).add_(grad)
+        self.buckets[self.bucket_of[p]].extra_view(p).add_(local(p.grad))
         self.written.add(p)
         p.grad = None
 
@@ -198,14 +212,17 @@ class Gradients:
             p.grad = None
         self.scratch_exposed = False
 
-    def expose_scratch(self) -> None:
+    def expose_scratch(self, *, broken: bool = False) -> None:
         """Between micro-batches: every ``.grad`` zeros in the shared scratch (module
-        doc), zeroed again each time (the loop may have written into it)."""
+        doc), zeroed again each time (the loop may have written into it). ``broken``: a
+        failure broke the group of a sharded model; its sharded parameters show None, as
+        a norm the loop takes over DTensor gradients (``clip_grad_norm_``) would be a
+        collective of that group: with none it is taken over nothing, without one."""
         shown = self._shown
         used: dict[tuple[torch.dtype, torch.device], int] = {}
         for p in shown:
             key = (p.dtype, p.device)
-            used[key] = max(used.get(key, 0), p.numel())
+            used[key] = max(used.get(key, 0), local(p).numel())
         for key, n in used.items():
             buf = self.scratch.get(key)
             if buf is None or buf.numel() < n:
@@ -213,10 +230,16 @@ class Gradients:
             else:
                 buf[:n].zero_()
         for p in shown:
-            p.grad = self.scratch[(p.dtype, p.device)][: p.numel()].view_as(p)
+            buf = self.scratch[(p.dtype, p.device)]
+            made = self._scratch_shown.get(p)
+            if made is None or made[0] is not buf:  # (a DTensor made once per buffer)
+                view = buf[: local(p).numel()].view(local(p).shape)
+                made = self._scratch_shown[p] = (buf, shown_as(p, view))
+            p.grad = None if broken and made[1] is not local(made[1]) else made[1]
         self.scratch_exposed = True
 
     def _in_scratch(self, grad: torch.Tensor) -> bool:
+        grad = local(grad)
         buf = self.scratch.get((grad.dtype, grad.device))
         return buf is not None and grad.data_ptr() == buf.data_ptr()
 
@@ -295,8 +318,8 @@ class Gradients:
         """Every ``.grad`` its bucket's view: the step's mean, what the optimizer steps."""
         self.scratch_exposed = False
         for b in self.buckets:
-            for p, view in b.views.items():
-                p.grad = view
+            for p, shown in b.shown.items():
+                p.grad = shown
         self.exposed_versions = [b.flat._version for b in self.buckets]
 
     def mark_exposed(self) -> None:

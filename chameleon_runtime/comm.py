@@ -456,9 +456,34 @@ class Generation:
         self.sent_bytes += 2 * (n - 1) * tensor.numel() * tensor.element_size() // n
         return work
 
+    def allgather(
+        self, holders: tuple[int, ...], output: torch.Tensor, tensor: torch.Tensor
+    ) -> Any:
+        """Gather ``tensor`` of every holder, in their order, into ``output`` (waited for
+        by ``wait``): a ring sends (n - 1) / n of ``output``."""
+        collective = self.collectives[holders]
+        work = self._post(self.transport.post_allgather, output, tensor, group=collective.group)
+        collective.posted.append(work)
+        n = len(holders)
+        self.sent_bytes += (n - 1) * output.numel() * output.element_size() // n
+        return work
+
+    def reducescatter(
+        self, holders: tuple[int, ...], output: torch.Tensor, tensor: torch.Tensor
+    ) -> Any:
+        """Sum ``tensor`` over the holders, each keeping its slice in ``output`` (waited
+        for by ``wait``): a ring sends (n - 1) / n of ``tensor``."""
+        collective = self.collectives[holders]
+        work = self._post(self.transport.post_reducescatter, output, tensor, group=collective.group)
+        collective.posted.append(work)
+        n = len(holders)
+        self.sent_bytes += (n - 1) * tensor.numel() * tensor.element_size() // n
+        return work
+
     def wait(self, work: Any, holders: tuple[int, ...]) -> None:
-        """Wait for a collective posted by ``allreduce`` (an abort ends the wait)."""
-        self._wait(work, "allreduce", [h for h in holders if h != self.me])
+        """Wait for a collective posted by ``allreduce``, ``allgather`` or
+        ``reducescatter`` (an abort ends the wait)."""
+        self._wait(work, "allreduce", [h for h in holders if h != self.me])  # (any collective)
         posted = self.collectives[holders].posted
         if work in posted:
             posted.remove(work)

@@ -17,6 +17,9 @@ member of the majority (a sum with zeros from the others), and a line on stderr 
 so. Without a majority (two replicas that disagree, or a tie) nobody can tell which is
 right: the job stops with a one-line error.
 
+A sharded model (chameleon_runtime.sharding) is compared shard by shard: the members of
+a column (one per replica group) must agree with each other, by the same rule; a heal
+sends each shard over its column and the buffers over every member.
 Cost: the fingerprint reads every weight once (about what an optimizer step's memory
 traffic costs once per 100 steps) and one small all-reduce; measured in
 benchmarks/dropin_vs_torchft.py (docs/dataparallel.md).
@@ -32,6 +35,7 @@ import torch
 from torch import nn
 
 from chameleon_runtime.replicagroup import ReplicaGroup
+from chameleon_runtime.sharding import local
 from chameleon_runtime.stepmeta import StepMeta
 
 
@@ -81,6 +85,7 @@ class Consistency:
         out = []
         with torch.no_grad():
             for p in self.model.module.parameters():
+                p = local(p)  # (a shard: chameleon_runtime.sharding)
                 out.append(torch.linalg.vector_norm(p).to(torch.float64))
                 out.append(p.sum().to(torch.float64))
         return torch.stack(out).cpu() if out else torch.zeros(0, dtype=torch.float64)
@@ -107,47 +112,76 @@ class Consistency:
         me = members.index(group.rank)
         self.checks += 1
         rows = self._gather(self.fingerprint(), members, me)
-        classes: dict[tuple[int, ...], list[int]] = {}
-        # by their bits: replicas that all hold NaN agree (NaN != NaN as floats)
-        for i, row in enumerate(rows.contiguous().view(torch.int64).tolist()):
-            classes.setdefault(tuple(row), []).append(i)
-        if len(classes) == 1:
+        bits = rows.contiguous().view(torch.int64).tolist()
+        # the members that must agree: all, or each column of a sharded model
+        if getattr(self.model, "sharded", False):
+            columns = [[members.index(r) for r in c] for c in group.layout_now().columns]
+        else:
+            columns = [list(range(len(members)))]
+        verdicts = [_verdict(bits, column) for column in columns]
+        if all(len(classes) == 1 for classes, _ in verdicts):
             return
-        majority = max(classes.values(), key=len)
-        drifted = sorted(i for i in range(len(members)) if i not in majority)
-        # Which parameter: the per-parameter values of every member (rare: only here).
-        values = self._gather(self._values(), members, me)
-        names = [n for n, _ in self.model.module.named_parameters()]
-        bits = values.contiguous().view(torch.int64)
-        differ = (bits[drifted[0]] != bits[majority[0]]).nonzero().flatten().tolist()
-        where = repr(names[differ[0] // 2]) if differ else "a parameter"
-        if len(majority) < 2 or len(majority) * 2 <= len(members):
-            raise ReplicasDiverged(
-                f"chameleon: replicas hold different weights at step {step} (ranks "
-                f"{members} fall into {len(classes)} "
-                f"groups; first difference in {where}) and no majority says which are "
-                "right: stopped"
+        values: torch.Tensor | None = None  # per-parameter values: only now (rare)
+        sources: dict[int, int] = {}
+        said: list[str] = []
+        for column, (classes, majority) in zip(columns, verdicts, strict=True):
+            if len(classes) == 1:
+                sources.update({i: column[0] for i in column})
+                continue
+            if values is None:
+                values = self._gather(self._values(), members, me)
+            drifted = sorted(i for i in column if i not in majority)
+            names = [n for n, _ in self.model.module.named_parameters()]
+            vbits = values.contiguous().view(torch.int64)
+            differ = (vbits[drifted[0]] != vbits[majority[0]]).nonzero().flatten().tolist()
+            where = repr(names[differ[0] // 2]) if differ else "a parameter"
+            if len(majority) < 2 or len(majority) * 2 <= len(column):
+                raise ReplicasDiverged(
+                    f"chameleon: replicas hold different weights at step {step} (ranks "
+                    f"{[members[i] for i in column]} fall into {len(classes)} "
+                    f"groups; first difference in {where}) and no majority says which are "
+                    "right: stopped"
+                )
+            sources.update({i: majority[0] for i in column})
+            said.append(
+                f"rank(s) {[members[i] for i in drifted]} held weights different from the "
+                f"others' (first in {where}); healed from rank {members[majority[0]]}"
             )
-        source = members[majority[0]]
-        self._heal_from(source)
-        if members[me] == source:
+        source = members[sources[me]]
+        self._heal_from(source, members[sources[0]], sharded=len(columns) > 1)
+        if me == min(sources.values()):
             print(
-                f"chameleon_runtime: replica consistency check at step {step}: rank(s) "
-                f"{[members[i] for i in drifted]} held weights different from the others' "
-                f"(first in {where}); healed from rank {source}",
+                f"chameleon_runtime: replica consistency check at step {step}: " + "; ".join(said),
                 file=sys.stderr,
                 flush=True,
             )
 
-    def _heal_from(self, source: int) -> None:
-        """Every parameter, buffer and optimizer state as ``source`` holds it."""
+    def _heal_from(self, source: int, buffers_from: int, *, sharded: bool = False) -> None:
+        """Every parameter and optimizer state as ``source`` holds it, the buffers as
+        ``buffers_from`` does (sharded: ``source`` is this member's column's)."""
         model = self.model
-        tensors = [*model.module.parameters(), *model.meta.buffers]
+        tensors: list[torch.Tensor] = [local(p.data) for p in model.module.parameters()]
+        if not sharded:
+            tensors += model.meta.buffers
         for optimizer in model.optimizers:  # in parameter order: the same on every member
             inner = optimizer.optimizer
             for group in inner.param_groups:
                 for p in group["params"]:
                     state = inner.state.get(p, {})
-                    tensors += [state[k] for k in sorted(state) if torch.is_tensor(state[k])]
-        model.replicas.broadcast_from(source, [t for t in tensors if t.dtype != torch.bool])
+                    tensors += [local(state[k]) for k in sorted(state) if torch.is_tensor(state[k])]
+        tensors = [t for t in tensors if t.dtype != torch.bool]
+        model.replicas.broadcast_from(source, tensors, column=sharded)
+        if sharded:
+            model.replicas.broadcast_from(buffers_from, list(model.meta.buffers))
         model.meta.committed = model.meta.flat_buffers()
+
+
+def _verdict(
+    bits: list[list[int]], column: list[int]
+) -> tuple[dict[tuple[int, ...], list[int]], list[int]]:
+    """The classes of identical fingerprints among ``column``'s members (by their bits:
+    replicas that all hold NaN agree, though NaN != NaN as floats) and the largest."""
+    classes: dict[tuple[int, ...], list[int]] = {}
+    for i in column:
+        classes.setdefault(tuple(bits[i]), []).append(i)
+    return classes, max(classes.values(), key=len)

@@ -41,7 +41,7 @@ fingerprint of their weights (chameleon_runtime.consistency).
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -56,6 +56,13 @@ from chameleon_runtime.heal import ReplicaState, check_travels
 from chameleon_runtime.replicagroup import ReplicaGroup
 from chameleon_runtime.sampler import ElasticSampler, MicroBatch
 from chameleon_runtime.shard import Streams, op_seed
+from chameleon_runtime.sharding import (
+    check_even_deal,
+    group_mesh,
+    local,
+    refresh_mesh,
+    shard_model,
+)
 from chameleon_runtime.stepmeta import StepMeta
 
 
@@ -84,7 +91,12 @@ class ElasticDataParallel(nn.Module):
 
     ``find_unused_parameters``: as DDP's; parameters no member's backward reached keep
     ``.grad`` None. ``check_every``: compare the replicas' weights every this many steps
-    (0: never; chameleon_runtime.consistency)."""
+    (0: never; chameleon_runtime.consistency).
+
+    ``shards``: HSDP (chameleon_runtime.sharding): replica groups of this many workers,
+    the model sharded within each by FSDP2, ``fully_shard`` applied here to each of
+    ``blocks`` and then to the root, with ``fsdp_options`` (``mp_policy``,
+    ``reshard_after_forward``, ...)."""
 
     def __init__(
         self,
@@ -93,6 +105,9 @@ class ElasticDataParallel(nn.Module):
         *,
         find_unused_parameters: bool = False,
         check_every: int = DEFAULT_CHECK_EVERY,
+        shards: int = 1,
+        blocks: Iterable[nn.Module] = (),
+        fsdp_options: Mapping[str, Any] | None = None,
     ) -> None:
         super().__init__()
         self.module = module
@@ -100,7 +115,7 @@ class ElasticDataParallel(nn.Module):
         first = next(module.parameters(), None)
         device = first.device if first is not None else torch.device("cpu")
         # who the replicas are and how they sum: the generation, the default group, none
-        self.replicas = ReplicaGroup(sampler, device)
+        self.replicas = ReplicaGroup(sampler, device, shards)
         self.elastic = self.replicas.elastic
         self.world_size, self.rank = self.replicas.world_size, self.replicas.rank
         if sampler.num_micro_batches < self.world_size:
@@ -109,13 +124,25 @@ class ElasticDataParallel(nn.Module):
                 f"{sampler.num_micro_batches} micro-batches of {sampler.micro_batch_size}, "
                 f"fewer than the {self.world_size} workers: each needs one at least"
             )
+        check_even_deal(sampler.num_micro_batches, self.world_size, shards)
         sampler.rank, sampler.members = self.rank, list(range(self.world_size))
         sampler.before_loop = self._before_loop
-        self._params = [p for p in module.parameters() if p.requires_grad]
-        self._names = {p: name for name, p in module.named_parameters()}
-        self.grads = Gradients(self._params)
-        self.meta = StepMeta(module, self._params, find_unused=find_unused_parameters)
+        self.failure: tuple[str, bool] | None = None  # (why, pending) of a failed sync
+        if self.elastic is not None and not self.elastic.joining:
+            self.elastic.start(sampler.step)
+        self.sharded = shards > 1
+        self.is_sharded = False  # fully_shard applied (a replacement's only once taken in)
+        self._device_type = device.type
+        self._blocks = list(blocks)
+        self._fsdp_options = dict(fsdp_options or {})
+        self._find_unused = find_unused_parameters
+        self._hooks: list[Any] = []
         self.optimizers: list[Wrapped] = []
+        # A replacement of a sharded model shards it once a plan takes it in (``_install``):
+        # until then it belongs to no group to shard over.
+        if self.sharded and not (self.elastic is not None and self.elastic.joining):
+            self._shard()
+        self._track()
         self.kept: list[Any] = []  # heal_with's objects
         self._streams = Streams(device)  # a micro-batch's random numbers
         self.consistency = Consistency(self, check_every)
@@ -128,7 +155,6 @@ class ElasticDataParallel(nn.Module):
         self.synced = False  # the step's sums are reduced and in .grad
         self.repeat = False  # a backward after the sync is being summed apart
         self.step_open = False  # the step's first micro-batch has begun
-        self.failure: tuple[str, bool] | None = None  # (why, pending) of a failed sync
         self._sync_queued = False
         self._shown_queued = False
         self._grads_open = False  # the step's first backward has judged .grad
@@ -136,23 +162,67 @@ class ElasticDataParallel(nn.Module):
         self._outcome = Outcome(0, False)
         self._last_commit = time.perf_counter()
         if self.elastic is not None and not self.elastic.joining:
-            self.elastic.start(sampler.step)
             self._broadcast_elastic()
         elif self.replicas.group:  # every replica starts from rank 0's weights, as DDP's
             with torch.no_grad():
-                for t in [*module.parameters(), *module.buffers()]:
-                    dist.broadcast(t.data, 0)
+                self._broadcast_torchrun()
         self.meta.committed = self.meta.flat_buffers()
-        self._hooks = [
-            p.register_post_accumulate_grad_hook(self._accumulated) for p in self._params
-        ]
         if self.elastic is not None:
             self.elastic.end_at_exit(lambda: self.sampler.step)
 
+    def _shard(self) -> None:
+        """FSDP2 within this member's replica group (chameleon_runtime.sharding)."""
+        mesh = group_mesh(self.replicas.layout_now(), self.rank, self._device_type)
+        run = self._group_collective if self.elastic is not None else None
+        shard_model(self.module, mesh, self._blocks, run, self._fsdp_options)
+        self.is_sharded = True
+
+    def _track(self) -> None:
+        """The parameters the step's sums and hooks follow (again after a replacement
+        sharded its model: ``fully_shard`` puts new parameter objects in place)."""
+        for hook in self._hooks:
+            hook.remove()
+        self._params = [p for p in self.module.parameters() if p.requires_grad]
+        self._names = {p: name for name, p in self.module.named_parameters()}
+        self.grads = Gradients(self._params)
+        self.meta = StepMeta(self.module, self._params, find_unused=self._find_unused)
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(self._accumulated) for p in self._params
+        ]
+
     def _broadcast_elastic(self) -> None:
-        """Rank 0's weights on every member."""
-        tensors = [*self.module.parameters(), *self.module.buffers()]
-        self.replicas.broadcast_from(0, [t for t in tensors if t.is_floating_point()])
+        """Rank 0's weights on every member (sharded: each shard from the first replica
+        group's holder of it)."""
+        buffers = [b for b in self.module.buffers() if b.is_floating_point()]
+        params = [local(p.data) for p in self.module.parameters() if p.is_floating_point()]
+        if self.sharded:
+            self.replicas.broadcast_from(self.replicas.column[0], params, column=True)
+        else:
+            buffers = params + buffers
+        self.replicas.broadcast_from(0, buffers)
+
+    def _broadcast_torchrun(self) -> None:
+        column = self.replicas.column
+        for p in self.module.parameters():
+            if self.sharded:
+                dist.broadcast(local(p.data), column[0], group=self.replicas._column)
+            else:
+                dist.broadcast(p.data, 0)
+        for b in self.module.buffers():
+            dist.broadcast(b.data, 0)
+
+    def _group_collective(self, kind: str, output: torch.Tensor, tensor: torch.Tensor) -> None:
+        """FSDP2's all-gather or reduce-scatter (chameleon run: chameleon_runtime.sharding).
+        A failure is kept, not raised in the script's forward or backward: the output is
+        zeros, the step is redone once ``step()`` has recovered, and the turn's later
+        collectives are not posted (the group is broken)."""
+        if self.failure is None:
+            try:
+                self.replicas.shard_collective(kind, output, tensor)
+                return
+            except (Aborted, CommError) as exc:
+                self.failure = (str(exc), False)
+        output.zero_()
 
     @property
     def replica(self) -> ReplicaState:
@@ -195,8 +265,26 @@ class ElasticDataParallel(nn.Module):
         """What a live member sent (chameleon_runtime.heal), over what the script built and
         loaded: the optimizers' groups (learning rates a schedule's constructor set from
         this process's start) come with their states, the heal_with objects after."""
+        if self.sharded and not self.is_sharded:  # a replacement, taken in
+            self._shard_replacement()
         for obj, state in zip(self.kept, self.replica.install(header, tensors), strict=False):
             obj.load_state_dict(state)
+
+    def _shard_replacement(self) -> None:
+        """A replacement of a sharded model shards it on the group the plan puts it in
+        (the generation's default group is built by now); its optimizers, made by the
+        script over the whole parameters, are pointed at the shards that replaced them
+        (they hold no state yet: the heal brings it)."""
+        before = {name: p for name, p in self.module.named_parameters()}
+        self._shard()
+        after = dict(self.module.named_parameters())
+        moved = {id(p): after[name] for name, p in before.items()}
+        for optimizer in self.optimizers:
+            inner = optimizer.optimizer
+            assert not inner.state, "a replacement's optimizer stepped before its heal"
+            for group in inner.param_groups:
+                group["params"] = [moved.get(id(p), p) for p in group["params"]]
+        self._track()
 
     # -- the forward ---------------------------------------------------------------------
 
@@ -308,7 +396,7 @@ class ElasticDataParallel(nn.Module):
         micro-batch): ``.grad`` shows zeros (chameleon_runtime.buckets)."""
         self._shown_queued = False
         if not self.synced and not self.repeat:
-            self.grads.expose_scratch()
+            self.grads.expose_scratch(broken=self.failure is not None)
 
     # -- the backward's hooks --------------------------------------------------------------
 
@@ -384,7 +472,7 @@ class ElasticDataParallel(nn.Module):
             except (Aborted, CommError) as exc:
                 self.failure = (str(exc), False)
         if self.failure is not None:
-            grads.expose_scratch()  # the sums are incomplete: the step is redone
+            grads.expose_scratch(broken=True)  # the sums are incomplete: the step is redone
             return
         grads.divide(self._count())
         grads.add_carried()
@@ -401,7 +489,7 @@ class ElasticDataParallel(nn.Module):
         except (Aborted, CommError) as exc:
             self.failure = (str(exc), False)
         if self.failure is not None:
-            self.grads.expose_scratch()  # the step is redone
+            self.grads.expose_scratch(broken=True)  # the step is redone
             return
         self.grads.expose()
 
@@ -519,6 +607,8 @@ class ElasticDataParallel(nn.Module):
         )  # fmt: skip
         self.sampler.rewind(resume, elastic.members)
         self.consistency.last_checked = -1  # (as every member of the new generation)
+        if self.sharded:  # FSDP2's mesh on the new generation's groups
+            refresh_mesh(self.module, elastic.layout, self.rank)
         if roll or self._rolled:  # committed elsewhere: these sums (their mean) are final
             if self._rolled:  # (applied already, before this member sent its state)
                 return True

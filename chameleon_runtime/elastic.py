@@ -46,6 +46,7 @@ from chameleon_runtime.heal import receive_state, send_state
 from chameleon_runtime.profile import host_cores, memory_per_worker, optimizer_bytes_per_param
 from chameleon_runtime.protocol.messages import Applied, Finish, Joined, Ready
 from chameleon_runtime.protocol.wire import JobDescription, PlanMessage
+from chameleon_runtime.sharding import ShardLayout
 from chameleon_runtime.transport import GlooTransport
 from planner.job.costtable import LayerCost
 from planner.plans.plan import Plan, pipelines_plan, split_evenly
@@ -99,7 +100,7 @@ class Membership:
     and the recovery protocol. What a heal sends and installs the caller hands in
     (``export``, ``install``: chameleon_runtime.dataparallel.ElasticOptimizer)."""
 
-    def __init__(self, sampler: ElasticSampler, device: str) -> None:
+    def __init__(self, sampler: ElasticSampler, device: str, *, shards: int = 1) -> None:
         env = os.environ
         self.rank = int(env["RANK"])
         self.world_size = int(env["WORLD_SIZE"])
@@ -118,6 +119,8 @@ class Membership:
         self.transport = GlooTransport()  # CPU tensors over gloo, as the Trainer's default
         self.collectives: dict[tuple[int, ...], Collective] = {}
         self.members: list[int] = list(range(self.world_size))
+        self.shards = shards  # a sharded model's replica groups (chameleon_runtime.sharding)
+        self.layout = ShardLayout(tuple(self.members), shards)
         self.described = False
         self._timing: list[float] = []  # the first step's forward start and end, backward end
         self.joining = env.get("CHAMELEON_JOIN")
@@ -182,6 +185,7 @@ class Membership:
             link_latency_s=1e-4,
             checkpoint_interval_steps=1,
             host_cores=host_cores(self.device),
+            shards=self.shards,
         )
         self.control.put_signed(self.control.keys.job, description)
 
@@ -192,10 +196,12 @@ class Membership:
             raise Aborted(f"generation {generation} aborted before its groups were built")
         # (the last generation's collectives were let go of when it was left: each
         # generation builds its own)
+        layout = ShardLayout(tuple(sorted(members)), self.shards)
         self.gen = self.control.generation(
-            generation, members, self.collectives, [tuple(members)], transport=self.transport
+            generation, members, self.collectives, layout.collectives(), transport=self.transport
         )
         self.members = list(members)
+        self.layout = layout
 
     # -- a step's collectives ----------------------------------------------------------------
 
@@ -206,13 +212,23 @@ class Membership:
     def aborted(self) -> bool:
         return self.control.interrupts.aborted(self.generation)
 
-    def allreduce(self, tensor: torch.Tensor) -> Any:
+    def allreduce(self, tensor: torch.Tensor, holders: tuple[int, ...] | None = None) -> Any:
+        """Post a sum over ``holders`` (every member by default)."""
         assert self.gen is not None
-        return self.gen.allreduce(self.holders, tensor)
+        return self.gen.allreduce(holders or self.holders, tensor)
 
-    def wait(self, work: Any) -> None:
+    def wait(self, work: Any, holders: tuple[int, ...] | None = None) -> None:
         assert self.gen is not None
-        self.gen.wait(work, self.holders)
+        self.gen.wait(work, holders or self.holders)
+
+    def group_collective(self, kind: str, output: torch.Tensor, tensor: torch.Tensor) -> None:
+        """A sharded model's all-gather or reduce-scatter within this member's replica
+        group (chameleon_runtime.sharding), waited for here."""
+        gen = self.gen
+        assert gen is not None
+        group = self.layout.group_of(self.rank)
+        post = gen.allgather if kind == "allgather" else gen.reducescatter
+        gen.wait(post(group, output, tensor), group)
 
     def progress(self, step: int, step_s: float) -> None:
         """A step committed: what the launcher's progress watch reads (its step timeout
@@ -339,15 +355,16 @@ class Membership:
                 received = receive_state(lambda x, s=t.src: gen.recv(x, s))
         if not self.control.agree(message.generation, "migrated", len(members)).held:
             raise Aborted(f"generation {message.generation} aborted during its migration")
-        if received is not None:
-            install(*received)
         self.applied = message.generation
         self.members = sorted(plan.workers)
+        self.layout = ShardLayout(tuple(self.members), self.shards)
         self.sampler.members = list(self.members)
         if self.rank in self.members:
             self._user_group(message.generation)
         else:  # a source that gave its state away: a spare from now on
             usergroup.remove()
+        if received is not None:  # (after the groups: a sharded model shards on them)
+            install(*received)
         self.control.status.update(phase="train", step=message.resume_step)
         self.control.tell_leader(
             Applied(

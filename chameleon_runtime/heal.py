@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from chameleon_runtime.shard import Seeder
+from chameleon_runtime.sharding import local, shown_as
 
 CHUNK_ENV = "CHAMELEON_HEAL_CHUNK_BYTES"
 DEFAULT_CHUNK_BYTES = 64 << 20
@@ -48,7 +49,7 @@ def split_state(state: Any, tensors: list[torch.Tensor], where: str = "state") -
     """``state`` with every tensor replaced by a reference into ``tensors`` (appended);
     raises TypeError naming the first value that cannot travel."""
     if torch.is_tensor(state):
-        tensors.append(state.detach())
+        tensors.append(local(state).detach())  # a sharded tensor: this member's shard
         return {_TENSOR: len(tensors) - 1}
     if isinstance(state, dict):
         out = {}
@@ -114,12 +115,42 @@ class ReplicaState:
         """Installs the model, the optimizers, the sampler and the random state; returns
         the heal_with objects' states (each is loaded by the caller, in order, as the
         objects are registered)."""
-        self.model.load_state_dict(join_state(header["model"], tensors))
+        model = join_state(header["model"], tensors)
+        sharded = any(local(p) is not p for p in self.model.parameters())
+        if sharded:
+            _load_shards(self.model, model)
+        else:
+            self.model.load_state_dict(model)
         for optimizer, state in zip(self.optimizers, header["optimizers"], strict=True):
             optimizer.load_state_dict(join_state(state, tensors))
+            if sharded:
+                _shard_states(optimizer)
         self.sampler.load_state_dict(header["sampler"])
         self.rng.set(join_state(header["rng"], tensors))
         return [join_state(s, tensors) for s in header["kept"]]
+
+
+def _load_shards(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """A sharded model's state from the member that holds the same shards (a peer of
+    its column: chameleon_runtime.sharding), copied into this member's shards."""
+    with torch.no_grad():
+        for name, target in model.state_dict().items():
+            local(target).copy_(state[name])
+
+
+def _shard_states(optimizer: torch.optim.Optimizer) -> None:
+    """An optimizer's per-parameter state came as local shards: each tensor shaped like
+    its parameter's shard is that shard of a state sharded as the parameter (AdamW's
+    moments), a DTensor again; the rest (a step count) stays as it came."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if local(p) is p:
+                continue
+            state = optimizer.state.get(p, {})
+            for key, value in state.items():
+                plain = torch.is_tensor(value) and local(value) is value
+                if plain and value.dim() > 0 and value.shape == local(p).shape:
+                    state[key] = shown_as(p, value)
 
 
 def check_travels(obj: Any) -> None:

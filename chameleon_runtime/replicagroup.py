@@ -3,6 +3,11 @@ under ``chameleon run`` the members of the current generation (``Membership``, w
 groups a recovery rebuilds: chameleon_runtime.elastic), under torchrun the default
 process group, alone nobody.
 
+A sharded model (chameleon_runtime.sharding) sums its gradients over its column (the
+members that hold the same shard, one per replica group), everything else over every
+member; FSDP2's own collectives run within the group (``shard_collective`` under
+chameleon run).
+
 Every sum is exact in one sense the runtime relies on: a broadcast is a sum to which all
 but the source add zeros. The small host tensors a step exchanges (chameleon_runtime.
 stepmeta, the consistency check) go over the same group as the gradients; a script's
@@ -18,12 +23,14 @@ import torch.distributed as dist
 
 from chameleon_runtime import usergroup
 from chameleon_runtime.elastic import Membership, under_chameleon
+from chameleon_runtime.sharding import ShardLayout, column_groups
 
 
 class ReplicaGroup:
-    def __init__(self, sampler: Any, device: torch.device) -> None:
+    def __init__(self, sampler: Any, device: torch.device, shards: int = 1) -> None:
         self.elastic: Membership | None = None
         self.group = False  # the default group (torchrun)
+        self.shards = shards
         if under_chameleon():
             if dist.is_available() and dist.is_initialized():
                 raise RuntimeError(
@@ -31,12 +38,17 @@ class ReplicaGroup:
                     "each generation of workers: remove the script's init_process_group "
                     "(docs/dataparallel.md)"
                 )
-            self.elastic = Membership(sampler, device.type)
+            self.elastic = Membership(sampler, device.type, shards=shards)
             self.world_size, self.rank = self.elastic.world_size, self.elastic.rank
         else:
             self.group = usergroup.from_torchrun(device)
             self.world_size = dist.get_world_size() if self.group else 1
             self.rank = dist.get_rank() if self.group else 0
+        # (checked here, before any group is built: a one-line error, not a hang)
+        self.layout = ShardLayout(tuple(self.members()), shards)
+        self._column: Any = None  # torchrun: the default group's subgroup of the column
+        if self.group and self.layout.sharded:
+            self._column = column_groups(self.layout, self.rank)
         # A default group with no CPU backend (the script's own init_process_group("nccl")):
         # host tensors are summed through the model's device.
         self._host_via: torch.device | None = None
@@ -53,17 +65,42 @@ class ReplicaGroup:
             return sorted(self.elastic.members)
         return list(range(self.world_size))
 
+    def layout_now(self) -> ShardLayout:
+        """The replica groups of the current members."""
+        return self.elastic.layout if self.elastic is not None else self.layout
+
+    @property
+    def column(self) -> tuple[int, ...]:
+        """The members that hold what this one holds (all of them, unsharded)."""
+        return self.layout_now().column_of(self.rank)
+
     def post(self, tensor: torch.Tensor) -> Any:
-        """Post an all-reduce (asynchronous); ``wait`` for its work."""
+        """Post the all-reduce of a gradient bucket over the column (asynchronous);
+        ``wait`` for its work."""
         if self.elastic is not None:
-            return self.elastic.allreduce(tensor)
-        return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, async_op=True)
+            column = self.column
+            if len(column) == 1:
+                return None  # one replica group: nobody to sum with
+            return self.elastic.allreduce(tensor, column)
+        return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self._column, async_op=True)
 
     def wait(self, work: Any) -> None:
+        if work is None:
+            return
         if self.elastic is not None:
-            self.elastic.wait(work)
+            self.elastic.wait(work, self.column)
         else:
             work.wait()
+
+    def shard_collective(self, kind: str, output: torch.Tensor, tensor: torch.Tensor) -> None:
+        """FSDP2's all-gather or reduce-scatter within this member's group, on the
+        generation's collectives (chameleon run: chameleon_runtime.sharding)."""
+        assert self.elastic is not None
+        self.elastic.group_collective(kind, output, tensor)
+
+    def column_allreduce(self, tensor: torch.Tensor) -> None:
+        """A blocking sum over the column (what a shard's replicas compare or share)."""
+        self.wait(self.post(tensor))
 
     def allreduce(self, tensor: torch.Tensor) -> None:
         """A blocking sum in place (nothing alone)."""
@@ -77,10 +114,16 @@ class ReplicaGroup:
                 return
             dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
 
-    def broadcast_from(self, source: int, tensors: list[torch.Tensor]) -> None:
-        """``source``'s values on every member: the others add zeros to them (exact)."""
+    def broadcast_from(
+        self, source: int, tensors: list[torch.Tensor], *, column: bool = False
+    ) -> None:
+        """``source``'s values on every member (``column``: over the column, ``source``
+        one of it): the others add zeros to them (exact)."""
         with torch.no_grad():
             for t in tensors:
                 if self.rank != source:
                     t.zero_()
-                self.allreduce(t)
+                if column:
+                    self.column_allreduce(t)
+                else:
+                    self.allreduce(t)

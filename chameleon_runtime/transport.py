@@ -57,6 +57,16 @@ class GlooTransport:
         is copied to host and back by gloo itself)."""
         return group.allreduce([tensor])
 
+    def post_allgather(self, group: Any, output: torch.Tensor, tensor: torch.Tensor) -> Any:
+        """Every member's ``tensor``, in member order, into ``output`` (a sharded model's
+        parameters before a forward: chameleon_runtime.sharding)."""
+        return group._allgather_base(output, tensor)
+
+    def post_reducescatter(self, group: Any, output: torch.Tensor, tensor: torch.Tensor) -> Any:
+        """The sum of every member's ``tensor``, member ``i`` keeping its ``i``-th slice in
+        ``output`` (a sharded model's gradients)."""
+        return group._reduce_scatter_base(output, tensor, _sum())
+
     def abort(self, group: Any) -> None:
         """Nothing to do: gloo waits end when their messages are drained or the peer's
         connection closes."""
@@ -91,6 +101,12 @@ class NativeTransport:
     def post_allreduce(self, group: Any, tensor: torch.Tensor) -> Any:
         return group.allreduce([tensor])
 
+    def post_allgather(self, group: Any, output: torch.Tensor, tensor: torch.Tensor) -> Any:
+        return group._allgather_base(output, tensor)
+
+    def post_reducescatter(self, group: Any, output: torch.Tensor, tensor: torch.Tensor) -> Any:
+        return group._reduce_scatter_base(output, tensor, _sum())
+
     def abort(self, group: Any) -> None:
         """End every operation posted on the communicator, so that no survivor blocks
         on a dead peer (the drain's job on gloo)."""
@@ -113,6 +129,12 @@ def transport_for(device: str, backend: str = "gloo") -> Transport:
 
 
 _HOST = torch.device("cpu")
+
+
+def _sum() -> Any:
+    options = dist.ReduceScatterOptions()
+    options.reduceOp = dist.ReduceOp.SUM
+    return options
 
 
 def _post_send(

@@ -15,6 +15,11 @@ for DistributedDataParallel, ``cr.ElasticOptimizer`` around AdamW. The saver
 saves model, optimizer, schedule and sampler every ``--checkpoint-every`` steps,
 atomically, and resumes from them (what a restart needs under torchrun; a replacement
 heals from a live member after it, when its loop starts).
+
+``--shards S`` trains the model as HSDP (chameleon_runtime.sharding): replica groups of S
+workers, each transformer block and the root sharded by FSDP2 within a group
+(``shards=``/``blocks=`` of ``cr.ElasticDataParallel``, in place of a 2-D mesh and
+``fully_shard`` calls), the groups' sums fault tolerant.
 """
 
 from __future__ import annotations
@@ -64,6 +69,11 @@ def build_model(family: str, layers: int, hidden: int, heads: int, seq_len: int)
     return LlamaForCausalLM(config)
 
 
+def blocks_of(net) -> list:
+    """The transformer blocks, each sharded on its own (as torchtitan shards them)."""
+    return list(net.transformer.h) if hasattr(net, "transformer") else list(net.model.layers)
+
+
 def save(path: Path, model, optimizer, schedule, sampler) -> None:
     tmp = path.with_suffix(".tmp")
     state = {
@@ -96,7 +106,16 @@ def main() -> None:
         help="train in float64: rounding noise too small to hide a real difference between "
         "a run with failures and one without (the tests' check)",
     )
+    p.add_argument(
+        "--shards",
+        type=int,
+        default=1,
+        help="HSDP: replica groups of this many workers, the model sharded within each",
+    )
     args = p.parse_args()
+    if args.shards > 1 and args.checkpoint_dir:
+        # each worker holds a shard: a whole-model torch.save on one worker cannot hold it
+        sys.exit("train_hf.py: --checkpoint-dir with --shards > 1 is not supported yet")
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     rank = int(os.environ.get("RANK", "0"))
 
@@ -106,7 +125,8 @@ def main() -> None:
     )
     loader = DataLoader(data, batch_sampler=sampler)
     net = build_model(args.family, args.layers, args.hidden, args.heads, args.seq_len)
-    model = cr.ElasticDataParallel(net.double() if args.float64 else net, sampler)
+    net = net.double() if args.float64 else net
+    model = cr.ElasticDataParallel(net, sampler, shards=args.shards, blocks=blocks_of(net))
     optimizer = cr.ElasticOptimizer(torch.optim.AdamW(model.parameters(), lr=args.lr), model)
     warmup = 5
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
@@ -152,8 +172,10 @@ def main() -> None:
     if args.dump:
         # every tensor's sum of squares: a fingerprint whose relative differences do not
         # cancel (a sum near zero makes noise look large)
+        state = model.module.state_dict()
         squares = {
-            k: v.double().square().sum().item() for k, v in model.module.state_dict().items()
+            k: (v.full_tensor() if hasattr(v, "full_tensor") else v).double().square().sum().item()
+            for k, v in state.items()
         }
         out = Path(f"{args.dump}.rank{rank}.json")
         out.write_text(json.dumps({"losses": losses, "weights": squares}))

@@ -280,12 +280,17 @@ class JobModel:
         from planner.choice.selection import Outlook, growth_choice
 
         search = self.search(job)
-        proposals = search.propose(current, alive)
-        if not proposals:
-            return None
-        candidates = reparallelize_candidates(
-            search, proposals, current, alive, failed=(), search_s=0.0
-        )
+        if job.training.shards > 1:  # whole replica groups back (planner.choice.sharded)
+            from planner.choice.sharded import regrow
+
+            candidates = [regrow(search, current, alive)]
+        else:
+            proposals = search.propose(current, alive)
+            if not proposals:
+                return None
+            candidates = reparallelize_candidates(
+                search, proposals, current, alive, failed=(), search_s=0.0
+            )
         current_s = search.estimate(current).step_s
         outlook = Outlook(self.mtbf(len(alive)).seconds, None, self.rate.node_share())
         best = growth_choice(job, current, current_s, candidates, outlook)

@@ -58,6 +58,9 @@ class JobDescription(_Wire):
     # ``resume_step`` (after the last checkpoint). dp and pp then say W and 1.
     layout: Literal["given", "auto"] = "given"
     resume_step: Annotated[int, Field(ge=0)] = 0
+    # The drop-in's sharded model: replica groups of this many workers (HSDP,
+    # chameleon_runtime.sharding).
+    shards: Annotated[int, Field(ge=1)] = 1
 
     @property
     def allreduce(self) -> str:
@@ -120,6 +123,7 @@ class JobDescription(_Wire):
             mtbf_s=mtbf_s,
             checkpoint_interval_s=max(step_s, 1e-3) * self.checkpoint_interval_steps,
             global_norm=reads_global_norm(self.max_grad_norm, self.precision),
+            shards=self.shards,
         )
         return Job(cluster=cluster, model=Model(self.model, layers), training=training)
 

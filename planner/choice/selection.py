@@ -41,6 +41,7 @@ from planner.choice.policy import (
     restart_candidate,
 )
 from planner.choice.risk import risk_s
+from planner.choice.sharded import broken_groups, data_parallel, regrow, uneven_reason
 from planner.estimator.estimate import Estimate
 from planner.job.workload import Job
 from planner.plans.migration import Migration
@@ -325,6 +326,36 @@ def gather(
     return Options(reroute_candidate(search, current, failed), reparallelize, restart, search_s)
 
 
+def sharded_options(
+    search: Search, current: Plan, failed: Sequence[int], survivors: Sequence[int], options: Options
+) -> Options:
+    """A sharded model (HSDP, planner.choice.sharded): rerouting drops every replica group
+    that lost a member (its survivors wait, idle) and deals the step to the whole groups
+    left, as many micro-batches to each worker (a group's members step in lockstep);
+    re-partitioning takes back the whole groups out of the plan whose members all live,
+    healed shard by shard. Re-sharding a group over its survivors is not built yet."""
+    job = search.job
+    dropped = broken_groups(current.workers, job.training.shards, failed)
+    left = len(current.workers) - len(dropped)
+    reason = uneven_reason(left, job.training.num_micro_batches)
+    if reason is not None:
+        reroute = Candidate(Policy.REROUTE, reason=reason)
+    else:
+        reroute = reroute_candidate(search, current, dropped)
+        if reroute.feasible:
+            groups = len(dropped) // job.training.shards
+            label = f"drop {groups} replica group(s) of {dropped}" if dropped else "keep groups"
+            reroute = replace(reroute, label=label)
+    kept = [w for w in current.workers if w not in set(dropped)]
+    if kept:
+        base = data_parallel(kept, job.training.num_micro_batches)
+        alive = sorted(set(kept) | (set(survivors) - set(failed)))
+        regrown = regrow(search, base, alive)
+    else:
+        regrown = Candidate(Policy.REPARALLELIZE, reason="no replica group is whole")
+    return replace(options, reroute=reroute, reparallelize=(regrown,))
+
+
 @dataclass(frozen=True)
 class Decision:
     failed: tuple[int, ...]  # workers
@@ -392,6 +423,8 @@ def decide(
     options = gather(
         search, current, failed, survivors, since_checkpoint_s=since, spares=spares, clock=clock
     )
+    if job.training.shards > 1:
+        options = sharded_options(search, current, failed, survivors, options)
     reroute, restart = options.reroute, options.restart
     if restarts_left is not None and restarts_left <= 0:
         restart = Candidate(Policy.RESTART, reason="no restarts left (--max-restarts)")

@@ -193,6 +193,10 @@ class Training:
     # (planner.plans.program.TailKind.REPORT_NORM): to clip the gradients to a global norm, or
     # for fp16's overflow check.
     global_norm: bool = False
+    # HSDP (the drop-in's sharded model, chameleon_runtime.sharding): the plan's workers,
+    # sorted, form replica groups of this many, each holding the model sharded over its
+    # members; a group that lost a member cannot compute (planner.choice.selection).
+    shards: int = 1
 
     @property
     def num_micro_batches(self) -> int:

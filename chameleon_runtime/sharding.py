@@ -1,0 +1,254 @@
+"""A sharded model in the drop-in API (chameleon_runtime.dataparallel): FSDP2 inside a
+replica group, the drop-in's sums across groups. HSDP, as torchtitan runs it, with the
+replica dimension made fault tolerant.
+
+The members (sorted global ranks) form ``R`` replica groups of ``S`` consecutive
+members: group ``g`` is members ``g*S ... g*S + S - 1``, and the member at index ``i``
+of its group holds shard ``i`` of every parameter (FSDP2's ``Shard(0)``). A *column* is
+the members that hold the same shard, one per group: what a replica is for one shard.
+
+- Within a group FSDP2 does what it does: all-gathers a block's parameters before its
+  forward and backward, reduce-scatters its gradients after. It sums (no division:
+  ``set_gradient_divide_factor(1.0)``, sums only), so that the drop-in divides once by
+  the step's micro-batch count, as it does for a whole model.
+- Across groups the drop-in sums each sharded gradient over its column, in its buckets
+  (chameleon_runtime.buckets): FSDP2 calls the sharded parameters' post-accumulate-grad
+  hooks once a block's reduce-scatter is in, which is where the drop-in takes a
+  gradient anyway. A bucket's all-reduce is posted as soon as the last backward filled
+  it, overlapping the rest of the backward.
+- Every member computes its own micro-batches (FSDP is data parallel within a group
+  too), and the members of a group run their forwards and backwards in lockstep (each
+  block's all-gather is a collective of the group), so the sampler's deal must give every
+  member the same count: a step's micro-batches must divide evenly over the members.
+
+Under ``chameleon run`` FSDP2's collectives go through the generation's groups
+(``Collectives``: FSDP2's custom all-gather and reduce-scatter hooks), so that a lost
+peer or the launcher's abort ends them as it ends the drop-in's own sums, and a failure
+never raises in the script: the output is zeros, the failure is kept, and ``step()``
+recovers (the step is redone). In such a turn the sharded parameters' ``.grad`` is None
+(chameleon_runtime.buckets), so that a norm the loop takes (``clip_grad_norm_``) is no
+collective of the broken group. Under torchrun FSDP2 uses its own groups, as plain HSDP.
+
+What a recovery chooses for a sharded job (planner.choice.sharded): drop every replica
+group that lost a member (its survivors wait as spares), take whole groups back (each
+member healed shard by shard from its column: chameleon_runtime.heal sends local shards;
+a replacement shards its model only once taken in), or restart.
+
+The mesh FSDP2 shards on is a 1-D ``DeviceMesh`` over this member's group, built on the
+script's default process group (chameleon_runtime.usergroup under chameleon run), so
+that DTensor's own collectives (``clip_grad_norm_`` over sharded gradients) run among
+the group's members.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """Replica groups and columns over ``members`` (sorted global ranks), ``shards``
+    members a group."""
+
+    members: tuple[int, ...]
+    shards: int
+
+    def __post_init__(self) -> None:
+        if self.shards < 1:
+            raise ValueError(f"shards must be 1 or more, not {self.shards}")
+        if len(self.members) % self.shards:
+            raise ValueError(
+                f"{len(self.members)} workers do not make whole replica groups of "
+                f"{self.shards} shards"
+            )
+
+    @property
+    def sharded(self) -> bool:
+        return self.shards > 1
+
+    @property
+    def groups(self) -> list[tuple[int, ...]]:
+        s = self.shards
+        return [self.members[i : i + s] for i in range(0, len(self.members), s)]
+
+    @property
+    def columns(self) -> list[tuple[int, ...]]:
+        return [tuple(g[i] for g in self.groups) for i in range(self.shards)]
+
+    def group_of(self, rank: int) -> tuple[int, ...]:
+        return self.groups[self.members.index(rank) // self.shards]
+
+    def column_of(self, rank: int) -> tuple[int, ...]:
+        return self.columns[self.members.index(rank) % self.shards]
+
+    def collectives(self) -> list[tuple[int, ...]]:
+        """The holder sets a generation builds collective groups for: every member (the
+        step's metadata and commit), and, sharded, each group and each column."""
+        out = [self.members]
+        if self.sharded:
+            out += [t for t in [*self.groups, *self.columns] if len(t) > 1 and t != self.members]
+        return sorted(set(out))
+
+
+def check_even_deal(num_micro_batches: int, members: int, shards: int) -> None:
+    """A sharded model's members step in lockstep within their group: each must get as
+    many micro-batches as the others (module doc)."""
+    if shards > 1 and num_micro_batches % members:
+        raise ValueError(
+            f"a step of {num_micro_batches} micro-batches does not divide evenly over "
+            f"{members} workers; with shards={shards} every worker of a replica group must "
+            "run as many as the others (FSDP's collectives are the group's): make the "
+            "global batch a multiple of micro_batch_size * workers"
+        )
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This member's part of a sharded tensor (a DTensor's local shard), or ``t``."""
+    inner = getattr(t, "_local_tensor", None)
+    return inner if inner is not None else t
+
+
+def shown_as(param: torch.Tensor, view: torch.Tensor) -> torch.Tensor:
+    """``view`` (a local gradient) as ``param``'s ``.grad``: a DTensor with the
+    parameter's placement for a sharded parameter."""
+    if getattr(param, "_local_tensor", None) is None:
+        return view
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(
+        view,
+        param.device_mesh,
+        param.placements,
+        run_check=False,
+        shape=param.shape,
+        stride=param.stride(),
+    )
+
+
+def group_mesh(layout: ShardLayout, me: int, device_type: str) -> Any:
+    """A 1-D DeviceMesh over ``me``'s replica group, on the default process group
+    (whose ranks are the members' places in ``layout.members``). Every member builds
+    every group, in one order (``new_group`` is a collective of the default group)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    mine = None
+    for group in layout.groups:
+        ranks = [layout.members.index(r) for r in group]
+        made = dist.new_group(ranks)
+        if me in group:
+            mine = made
+    assert mine is not None
+    return DeviceMesh.from_group(mine, device_type)
+
+
+def refresh_mesh(module: nn.Module, layout: ShardLayout, me: int) -> None:
+    """A recovery rebuilt the default process group (chameleon_runtime.usergroup): the
+    mesh FSDP2 shards on gets this generation's group over ``me``'s replica group, whose
+    members and their places are the same (a plan keeps groups whole:
+    planner.choice.selection.sharded_options). The mesh resolves its group by name at
+    each use, and FSDP2 keeps the group object it was given: both are pointed at the new
+    one (torch has no public way to rebind a mesh to a rebuilt group)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    mesh = None
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            for param_group in m._get_fsdp_state()._fsdp_param_groups:
+                mesh = param_group.mesh_info.mesh
+                break
+        if mesh is not None:
+            break
+    if mesh is None:
+        return
+    fresh = group_mesh(layout, me, mesh.device_type).get_group()
+    if fresh.size() != mesh.size():
+        raise RuntimeError(
+            f"chameleon: replica group of rank {me} has {fresh.size()} members now, "
+            f"{mesh.size()} when the model was sharded"
+        )
+    mesh._dim_group_names = [fresh.group_name]
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            for param_group in m._get_fsdp_state()._fsdp_param_groups:
+                infos = {id(param_group.mesh_info): param_group.mesh_info}
+                infos.update({id(p.mesh_info): p.mesh_info for p in param_group.fsdp_params})
+                for info in infos.values():
+                    info.shard_process_group = fresh
+
+
+def column_groups(layout: ShardLayout, me: int) -> Any:
+    """Under torchrun: the default group's subgroup of ``me``'s column (every member
+    builds every column, in one order)."""
+    mine = None
+    for column in layout.columns:
+        made = dist.new_group([layout.members.index(r) for r in column])
+        if me in column:
+            mine = made
+    return mine
+
+
+# -- FSDP2's collectives through the generation's groups ---------------------------------
+
+Run = Callable[[str, torch.Tensor, torch.Tensor], None]  # (kind, output, input)
+
+
+def _comms(run: Run) -> tuple[Any, Any]:
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+
+    class GroupAllGather(AllGather):
+        def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> Any:
+            return torch.empty(size, dtype=dtype, device=device)
+
+        def __call__(
+            self, output_tensor: Any, input_tensor: Any, group: Any, async_op: bool = False
+        ) -> None:
+            # Synchronous: the wait is the generation's, which an abort ends (the module
+            # doc); FSDP2 takes None as a finished all-gather.
+            run("allgather", output_tensor, input_tensor)
+
+    class GroupReduceScatter(ReduceScatter):
+        def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> Any:
+            return torch.empty(size, dtype=dtype, device=device)
+
+        def __call__(
+            self,
+            output_tensor: Any,
+            input_tensor: Any,
+            group: Any,
+            op: Any,
+            async_op: bool = False,
+        ) -> None:
+            run("reducescatter", output_tensor, input_tensor)  # a sum (module doc)
+
+    return GroupAllGather(), GroupReduceScatter()
+
+
+def shard_model(
+    module: nn.Module,
+    mesh: Any,
+    blocks: Iterable[nn.Module],
+    run: Run | None,
+    fsdp_options: dict[str, Any],
+) -> None:
+    """``fully_shard`` each block, then the root, on ``mesh``; gradients summed, not
+    averaged; ``run`` (under chameleon run) carries FSDP2's collectives."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    for block in blocks:
+        fully_shard(block, mesh=mesh, **fsdp_options)
+    fully_shard(module, mesh=mesh, **fsdp_options)
+    comms = _comms(run) if run is not None else None
+    for m in module.modules():
+        if not isinstance(m, FSDPModule) or not m._get_fsdp_state()._fsdp_param_groups:
+            continue
+        m.set_force_sum_reduction_for_comms(True)
+        m.set_gradient_divide_factor(1.0)
+        if comms is not None:
+            m.set_custom_all_gather(comms[0])
+            m.set_custom_reduce_scatter(comms[1])

@@ -1,0 +1,124 @@
+"""A sharded drop-in job to the planner (HSDP: chameleon_runtime.sharding, ``Training.
+shards`` = S): the launch's ranks form replica groups of S (rank r is in group r // S and
+holds shard r % S of every parameter), and a group computes only whole. A plan's workers
+are whole groups, so that the runtime's groups (S consecutive members of the sorted
+workers) are always the launch's.
+
+- A failure breaks the groups that lost a member (``broken_groups``): rerouting drops
+  them (planner.choice.selection.sharded_options).
+- Whole groups out of the plan whose members all live (a dropped group's survivors
+  with the replacements of its lost members) are taken back by ``regrow``: each member
+  receives its shard (parameters and optimizer state) from the lowest live member of
+  its column, the sources sending in parallel, each one transfer a round.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from planner.choice.policy import Candidate, Policy, Transition, overflow_reason
+from planner.estimator.transition import groups_s, protocol
+from planner.job.cost import CostModel
+from planner.plans.matching import Transfer
+from planner.plans.migration import Migration, schedule_s
+from planner.plans.plan import Plan, pipelines_plan, split_evenly
+from planner.search.layouts import Search
+
+
+def groups_of(workers: Sequence[int], shards: int) -> list[tuple[int, ...]]:
+    """The launch's replica groups that ``workers`` touch, each as its ranks."""
+    return sorted({tuple(range(w - w % shards, w - w % shards + shards)) for w in workers})
+
+
+def broken_groups(workers: Sequence[int], shards: int, failed: Sequence[int]) -> list[int]:
+    """The members of every group of ``workers`` that lost one of ``failed``."""
+    lost = set(failed)
+    return sorted(w for g in groups_of(workers, shards) if lost & set(g) for w in g if w in workers)
+
+
+def data_parallel(workers: Sequence[int], num_micro_batches: int) -> Plan:
+    """Every worker holds the model (one layer) and takes an even share of the step."""
+    ordered = sorted(workers)
+    return pipelines_plan(
+        num_layers=1,
+        num_micro_batches=num_micro_batches,
+        pipelines=[[w] for w in ordered],
+        boundaries=[[0, 1]] * len(ordered),
+        micro_batch_counts=split_evenly(num_micro_batches, [1.0] * len(ordered)),
+    )
+
+
+def uneven_reason(workers: int, num_micro_batches: int) -> str | None:
+    if workers == 0:
+        return "no whole replica group is left"
+    if num_micro_batches % workers:
+        return (
+            f"the {num_micro_batches} micro-batches of a step do not divide evenly over "
+            f"{workers} workers of whole replica groups"
+        )
+    return None
+
+
+def regrow(search: Search, current: Plan, alive: Sequence[int]) -> Candidate:
+    """Take back every group out of ``current`` whose members are all in ``alive``,
+    each member healed shard by shard from its column (module doc)."""
+    job = search.job
+    shards = job.training.shards
+    held = set(current.workers)
+    back = [
+        g for g in groups_of([w for w in alive if w not in held], shards) if set(g) <= set(alive)
+    ]
+    if not back:
+        return Candidate(Policy.REPARALLELIZE, reason="no whole replica group to take back")
+    workers = sorted(held | {w for g in back for w in g})
+    m = job.training.num_micro_batches
+    reason = uneven_reason(len(workers), m)
+    if reason is not None:
+        return Candidate(Policy.REPARALLELIZE, reason=reason)
+    shard_bytes = (
+        job.training.moved_bytes_per_param * int(job.model.total("num_params", 0, 1)) // shards
+    )
+    transfers: list[Transfer] = []
+    rounds: list[int] = []
+    sent: dict[int, int] = {}
+    for g in back:
+        for w in g:
+            src = min(h for h in held if h % shards == w % shards)
+            transfers.append(Transfer(src, w, 0, 1, shard_bytes))
+            rounds.append(sent.get(src, 0))
+            sent[src] = sent.get(src, 0) + 1
+    migration = Migration(
+        transfers=tuple(transfers),
+        rounds=tuple(rounds),
+        est_time_s=schedule_s(CostModel(job), transfers, rounds),
+        naive_est_time_s=schedule_s(CostModel(job), transfers, list(range(len(transfers)))),
+        naive_transfers=tuple(transfers),
+    )
+    plan = data_parallel(workers, m)
+    estimate = search.estimate(plan)
+    if not estimate.feasible:
+        return Candidate(
+            Policy.REPARALLELIZE,
+            reason=overflow_reason(estimate, job),
+            plan=plan,
+            estimate=estimate,
+        )
+    f = job.cluster.transition_factor
+    sources = {t.src for t in transfers}
+    transition = Transition(
+        migration_s=f * migration.est_time_s,
+        groups_s=f * groups_s(job, current, plan, (), members=sources),
+        protocol_s=f
+        * protocol(
+            job, plan, survivors=workers, members=sources, current=current, moved=True
+        ).total_s,
+    )
+    label = f"take back replica group(s) {[list(g) for g in back]}, healed shard by shard"
+    return Candidate(
+        Policy.REPARALLELIZE,
+        plan=plan,
+        estimate=estimate,
+        transition=transition,
+        migration=migration,
+        label=label,
+    )

@@ -1,0 +1,158 @@
+"""A sharded model on the drop-in API (chameleon_runtime.sharding): HSDP, 2 replica groups
+of 2 shards, float64. The drop-in's run must train the weights plain HSDP trains (FSDP2 on
+a 2-D mesh under torchrun), under torchrun and under chameleon run.
+tests/runtime/hsdp_script.py is the loop.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from chameleon_runtime.sharding import ShardLayout, check_even_deal
+from tests.launcher.helpers import devices_config, env, events, leftovers, rank_outputs, run
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = str(ROOT / "tests" / "runtime" / "hsdp_script.py")
+# float64; plain HSDP averages (a sum then a division per group and across groups), the
+# drop-in sums and divides once: the same numbers up to rounding
+TOLERANCE = 1e-12
+
+
+def torchrun(tmp: Path, name: str, mode: str, *extra: str, nproc: int = 4):
+    cmd = [
+        "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+        SCRIPT, "--mode", mode, "--out", str(tmp / name), *extra,
+    ]  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, *cmd], cwd=tmp, env={**env(), "OMP_NUM_THREADS": "1"},
+        capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    return done, {r: out["state"] for r, out in rank_outputs(tmp, name).items()}
+
+
+def chameleon(
+    tmp: Path, name: str, *extra: str, workers: int = 4, launch: tuple = ("--max-rejoins", "0")
+):
+    done = run(
+        "run", "--standalone", "--nproc-per-node", str(workers),
+        "--events", str(tmp / f"{name}.events"), *launch,
+        SCRIPT, "--mode", "dropin", "--out", str(tmp / name), *extra, cwd=tmp, timeout=240,
+    )  # fmt: skip
+    assert leftovers(tmp) == [], "workers outlived the launcher"
+    return done, {r: out["state"] for r, out in rank_outputs(tmp, name).items()}
+
+
+def relative(a: dict[str, list[float]], b: dict[str, list[float]]) -> float:
+    assert a.keys() == b.keys()
+    worst = 0.0
+    for key, want in a.items():
+        diff = sum((x - y) ** 2 for x, y in zip(want, b[key], strict=True)) ** 0.5
+        worst = max(worst, diff / (sum(x * x for x in want) ** 0.5 or 1.0))
+    return worst
+
+
+@pytest.mark.slow
+def test_the_drop_in_trains_what_plain_hsdp_trains(tmp_path):
+    done, plain = torchrun(tmp_path, "plain", "plain")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert sorted(plain) == [0, 1, 2, 3]
+    done, under_torchrun = torchrun(tmp_path, "torchrun", "dropin")
+    assert done.returncode == 0, done.stderr[-3000:]
+    done, under_chameleon = chameleon(tmp_path, "chameleon")
+    assert done.returncode == 0, done.stderr[-3000:]
+    for rank in range(4):
+        assert relative(plain[0], plain[rank]) == 0.0  # every rank holds the same model
+        assert relative(plain[0], under_torchrun[rank]) <= TOLERANCE
+        assert relative(plain[0], under_chameleon[rank]) <= TOLERANCE
+
+
+@pytest.mark.slow
+def test_a_kill_drops_the_damaged_group_in_place(tmp_path):
+    """kill -9 of rank 1 (group 0 = ranks 0, 1) at step 3: the planner drops group 0, group
+    1 takes every micro-batch of each step (4 each), and ends with the failure-free
+    weights; nothing restarts."""
+    done, free = chameleon(tmp_path, "free")
+    assert done.returncode == 0, done.stderr[-3000:]
+    done, killed = chameleon(
+        tmp_path, "kill",
+        launch=("--max-rejoins", "0", "--policy", "reroute", "--inject-fault", "kill:rank=1,step=3"),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    log = events(tmp_path / "kill.events")
+    chosen = [e for e in log if e["event"] == "plan_chosen" and e.get("generation", 1) >= 1]
+    assert [e["policy"] for e in chosen] == ["reroute"], chosen
+    assert "drop 1 replica group(s) of [0, 1]" in chosen[0]["label"]
+    assert not [e for e in log if e["event"] == "decision" and e.get("action") == "restart"]
+    # group 0's survivor waits as a spare (its clip_grad_norm_ in the failed turn took no
+    # collective of the broken group) and writes nothing
+    assert [e["rank"] for e in log if e["event"] == "failure"] == [1]
+    assert sorted(killed) == [2, 3]
+    for rank in (2, 3):
+        assert relative(free[0], killed[rank]) <= TOLERANCE
+
+
+@pytest.mark.slow
+def test_a_dropped_group_is_taken_back_healed_shard_by_shard(tmp_path):
+    """kill -9 of rank 1 at step 3, its replacement started: the planner drops group 0;
+    once the replacement is up, the group (the survivor, idle since, and the
+    replacement) is taken back, each member receiving its shard's parameters and
+    optimizer state from the member of its column in group 1. All four end with the
+    failure-free weights. Planned as if each worker had a device (devices_config): on
+    this 2-core host two workers are as fast as four, and taking the group back would
+    not pay."""
+    config = ("--config", str(devices_config(tmp_path)))
+    done, free = chameleon(
+        tmp_path, "free", "--steps", "60", launch=("--max-rejoins", "0", *config)
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    done, healed = chameleon(
+        tmp_path, "heal", "--steps", "60",
+        launch=(*config, "--inject-fault", "kill:rank=1,step=3"),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    log = events(tmp_path / "heal.events")
+    chosen = [(e["policy"], e["label"]) for e in log if e["event"] == "plan_chosen"]
+    assert chosen == [
+        ("reroute", "drop 1 replica group(s) of [0, 1]"),
+        ("reparallelize", "take back replica group(s) [[0, 1]], healed shard by shard"),
+    ], chosen
+    assert [e["rank"] for e in log if e["event"] == "failure"] == [1]
+    assert sorted(healed) == [0, 1, 2, 3]
+    for rank in range(4):
+        assert relative(free[0], healed[rank]) <= TOLERANCE
+
+
+@pytest.mark.slow
+def test_an_uneven_deal_is_a_one_line_error(tmp_path):
+    # 6 micro-batches over 4 workers: two would run one more than their group-mate
+    done = run(
+        "run", "--standalone", "--nproc-per-node", "4", "--max-rejoins", "0", "--max-restarts",
+        "0", SCRIPT, "--mode", "dropin", "--micro-batches", "6", "--out", str(tmp_path / "x"),
+        cwd=tmp_path, timeout=240,
+    )  # fmt: skip
+    assert done.returncode != 0
+    assert "does not divide evenly over 4 workers" in done.stdout + done.stderr
+
+
+def test_layout_groups_and_columns():
+    layout = ShardLayout((0, 1, 2, 3, 5, 7), 2)
+    assert layout.groups == [(0, 1), (2, 3), (5, 7)]
+    assert layout.columns == [(0, 2, 5), (1, 3, 7)]
+    assert layout.group_of(5) == (5, 7) and layout.column_of(3) == (1, 3, 7)
+    assert layout.collectives() == sorted(
+        [(0, 1, 2, 3, 5, 7), (0, 1), (2, 3), (5, 7), (0, 2, 5), (1, 3, 7)]
+    )
+    assert ShardLayout((0, 1), 1).collectives() == [(0, 1)]
+    with pytest.raises(ValueError, match="whole replica groups"):
+        ShardLayout((0, 1, 2), 2)
+
+
+def test_an_uneven_deal_is_refused():
+    check_even_deal(8, 4, 2)
+    check_even_deal(6, 4, 1)  # a whole model per worker accumulates unevenly: fine
+    with pytest.raises(ValueError, match="does not divide evenly"):
+        check_even_deal(6, 4, 2)

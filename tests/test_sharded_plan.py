@@ -1,0 +1,116 @@
+"""The planner's choice for a sharded drop-in job (HSDP: planner.choice.selection.
+sharded_options): a replica group computes only whole."""
+
+from __future__ import annotations
+
+from chameleon_runtime.elastic import dp_plan
+from chameleon_runtime.protocol.wire import JobDescription
+from planner.choice.policy import Policy
+from planner.choice.selection import decide
+from planner.choice.sharded import broken_groups, groups_of
+from planner.job.costtable import LayerCost
+
+
+def job(workers: int, shards: int, micro_batches: int):
+    description = JobDescription(
+        model="DataParallel",
+        layers=[
+            LayerCost(
+                name="model",
+                num_params=10_000,
+                forward_s=0.01,
+                backward_s=0.02,
+                optimizer_s=0.0,
+                activation_bytes=0,
+                stash_bytes=0,
+            )  # fmt: skip
+        ],
+        global_batch_size=2 * micro_batches,
+        micro_batch_size=2,
+        param_bytes=4,
+        grad_bytes=4,
+        optimizer_bytes=8,
+        dp=workers,
+        pp=1,
+        memory_limit_bytes=1 << 30,
+        link_bandwidth_bytes_per_s=1e9,
+        link_latency_s=1e-4,
+        checkpoint_interval_steps=1,
+        shards=shards,
+    )
+    return description.to_job(
+        num_nodes=1, workers_per_node=workers, mtbf_s=3600, step_s=0.1, restart_s=10
+    )
+
+
+def candidates(
+    workers: int, shards: int, micro_batches: int, failed: list[int], *, held=None, idle=()
+):
+    plan = dp_plan(list(range(workers)) if held is None else held, micro_batches)
+    decision = decide(job(workers, shards, micro_batches), plan, failed, idle=list(idle))
+    return {c.policy: c for c in decision.candidates}
+
+
+def test_broken_groups_are_whole():
+    assert broken_groups([0, 1, 2, 3, 4, 5], 2, [3]) == [2, 3]
+    assert broken_groups([2, 3, 6, 7], 2, [7, 2]) == [2, 3, 6, 7]
+    assert broken_groups([0, 1, 2, 3], 1, [1]) == [1]
+    assert groups_of([5, 0, 1], 2) == [(0, 1), (4, 5)]
+
+
+def test_a_lost_member_drops_its_whole_group():
+    c = candidates(4, 2, 8, [1])
+    reroute = c[Policy.REROUTE]
+    assert reroute.feasible
+    assert reroute.plan.workers == (2, 3)
+    assert reroute.label == "drop 1 replica group(s) of [0, 1]"
+    assert reroute.plan.load() == {2: 4, 3: 4}  # the whole step, on the group left
+    assert not c[Policy.REPARALLELIZE].feasible  # nothing to take back
+    assert c[Policy.REPARALLELIZE].reason == "no whole replica group to take back"
+
+
+def test_groups_left_must_take_the_step_evenly():
+    # 6 workers in 3 groups of 2, 12 micro-batches: 4 left take 3 each; with 6
+    # micro-batches 4 workers cannot
+    assert candidates(6, 2, 12, [5])[Policy.REROUTE].feasible
+    reroute = candidates(6, 2, 6, [5])[Policy.REROUTE]
+    assert not reroute.feasible
+    assert "do not divide evenly over 4 workers" in reroute.reason
+
+
+def test_every_group_hit_leaves_nothing_to_reroute():
+    reroute = candidates(4, 2, 8, [0, 3])[Policy.REROUTE]
+    assert not reroute.feasible
+    assert reroute.reason == "no whole replica group is left"
+
+
+def test_an_unsharded_job_loses_only_the_failed_worker():
+    reroute = candidates(4, 1, 8, [1])[Policy.REROUTE]
+    assert reroute.plan.workers == (0, 2, 3)
+
+
+def test_a_dropped_group_comes_back_healed_from_its_columns():
+    # group (0, 1) was dropped; rank 0 waited idle, rank 1's replacement joined
+    c = candidates(4, 2, 8, [], held=[2, 3], idle=[0, 1])
+    back = c[Policy.REPARALLELIZE]
+    assert back.feasible, back.reason
+    assert back.plan.workers == (0, 1, 2, 3)
+    # each member from its column's live holder, both in the first round
+    assert [(t.src, t.dst) for t in back.migration.transfers] == [(2, 0), (3, 1)]
+    assert back.migration.rounds == (0, 0)
+    assert back.label == "take back replica group(s) [[0, 1]], healed shard by shard"
+
+
+def test_a_group_with_a_member_missing_is_not_taken_back():
+    back = candidates(4, 2, 8, [], held=[2, 3], idle=[0])[Policy.REPARALLELIZE]
+    assert not back.feasible
+
+
+def test_a_failure_can_swap_in_a_whole_idle_group():
+    # (0, 1) idle and whole; rank 3 fails: (2, 3) is dropped, (0, 1) taken back from
+    # (4, 5)'s columns
+    c = candidates(6, 2, 12, [3], held=[2, 3, 4, 5], idle=[0, 1])
+    assert c[Policy.REROUTE].plan.workers == (4, 5)
+    swap = c[Policy.REPARALLELIZE]
+    assert swap.plan.workers == (0, 1, 4, 5)
+    assert [(t.src, t.dst) for t in swap.migration.transfers] == [(4, 0), (5, 1)]
