@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -72,6 +73,7 @@ def main() -> None:
     ap.add_argument("--micro-batches", type=int, default=8, help="a step's micro-batches")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--sleep", type=float, default=0.0, help="seconds after each step")
     args = ap.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -120,6 +122,7 @@ def main() -> None:
             nn.utils.clip_grad_norm_(model.parameters(), 0.5)
             if optimizer.step():
                 schedule.step()
+                time.sleep(args.sleep)  # (a slower job, for a test to act mid-run)
             optimizer.zero_grad()
             if optimizer.global_step >= args.steps:
                 break
