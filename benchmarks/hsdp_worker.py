@@ -1,0 +1,138 @@
+"""One worker of benchmarks/hsdp.py: examples/train_hf.py's GPT-2 trained as HSDP (replica
+groups of ``--shards``, FSDP2 ``fully_shard`` per block and on the root), in one of two
+loops over the same samples of every step:
+
+- ``plain``: plain HSDP under torchrun, as torchtitan writes it: a 2-D mesh, each rank its
+  share of the step's micro-batches (ElasticSampler's deal), the gradient synced on the
+  last (``set_requires_gradient_sync``), the loss divided by the accumulation count;
+- ``chameleon``: the drop-in (``cr.ElasticDataParallel(shards=, blocks=)``) under chameleon
+  run.
+
+Every worker prints one JSON line per committed step (rank, step, wall clock, the
+micro-batches it ran in it) and, at the end, its step intervals and peak memory
+(benchmarks/overhead.py's Recorder) and, from the lowest live rank, the final model's
+loss on a held-out batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import transformers  # noqa: F401 - at module level, as an HF script has it: the fork server preloads it
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from overhead import Recorder, _preload  # noqa: E402 - the overhead benchmark's measures
+from train_hf import Text, blocks_of, build_model  # noqa: E402 - the example's model and text
+
+WARMUP = 3
+
+
+def say(**fields: object) -> None:
+    print(json.dumps(fields), flush=True)
+
+
+def held_out_loss(model: torch.nn.Module, data: Text) -> float:
+    batch = torch.stack([data[len(data) - 1 - i] for i in range(16)])
+    model.eval()
+    with torch.no_grad():
+        return float(model(input_ids=batch, labels=batch).loss)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--mode", choices=["plain", "chameleon"], required=True)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--shards", type=int, default=2)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument("--micro-batches", type=int, default=8, help="a step's")
+    p.add_argument("--out", required=True)
+    p.add_argument("--float64", action="store_true")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    _preload()
+    import torch.distributed as dist
+
+    import chameleon_runtime as cr
+
+    data = Text(64)
+    sampler = cr.ElasticSampler(
+        data,
+        global_batch_size=args.micro_batch * args.micro_batches,
+        micro_batch_size=args.micro_batch,
+        seed=0,
+    )
+    if args.mode == "plain":
+        dist.init_process_group("gloo")
+    recorder = Recorder(WARMUP)  # after the process group, before the model
+    net = build_model("gpt2", args.layers, args.hidden, 4, 64)
+    net = net.double() if args.float64 else net
+    params = sum(p.numel() for p in net.parameters())
+    rank = int(os.environ["RANK"])
+    if args.mode == "plain":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        world = dist.get_world_size()
+        mesh = init_device_mesh(
+            "cpu", (world // args.shards, args.shards), mesh_dim_names=("replicate", "shard")
+        )
+        for block in blocks_of(net):
+            fully_shard(block, mesh=mesh)
+        fully_shard(net, mesh=mesh)
+        model = net
+        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        share = [j for j in range(sampler.num_micro_batches) if j % world == rank]
+        model.train()
+        for step in range(args.steps):
+            for k, j in enumerate(share):
+                batch = torch.stack([data[i] for i in sampler.indices(step, j)])
+                model.set_requires_gradient_sync(k == len(share) - 1)
+                loss = model(input_ids=batch, labels=batch).loss / len(share)
+                loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad()
+            recorder.step(float(loss) * len(share))
+            say(rank=rank, pid=os.getpid(), step=step, t=time.time(), micro_batches=len(share))
+        saver = rank == 0
+    else:
+        model = cr.ElasticDataParallel(net, sampler, shards=args.shards, blocks=blocks_of(net))
+        optimizer = cr.ElasticOptimizer(torch.optim.AdamW(model.parameters(), lr=3e-3), model)
+        model.train()
+        loader = torch.utils.data.DataLoader(data, batch_sampler=sampler)
+        while optimizer.global_step < args.steps:
+            for batch in loader:
+                loss = model(input_ids=batch, labels=batch).loss
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                committed = optimizer.step()
+                optimizer.zero_grad()
+                if committed:
+                    step = optimizer.global_step - 1
+                    recorder.step(float(loss))
+                    # (the micro-batches the committed deal gave it: a redone step's count)
+                    say(
+                        rank=rank, pid=os.getpid(), step=step, t=time.time(),
+                        micro_batches=len(sampler.mine(step)),
+                    )  # fmt: skip
+                if optimizer.global_step >= args.steps:
+                    break
+        saver = cr.is_saver()
+    final = held_out_loss(model, data)  # (every member: a forward is the group's)
+    if saver:
+        say(final_loss=final, params=params)
+    recorder.dump(args.out, {"params": params})
+
+
+if __name__ == "__main__":
+    main()
