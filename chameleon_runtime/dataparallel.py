@@ -128,6 +128,10 @@ class ElasticDataParallel(nn.Module):
         sampler.rank, sampler.members = self.rank, list(range(self.world_size))
         sampler.before_loop = self._before_loop
         self.failure: tuple[str, bool] | None = None  # (why, pending) of a failed sync
+        # A replacement under chameleon run: it takes its state from a live member when a
+        # plan takes it in (a sharded model's must not load a checkpoint before: it
+        # belongs to no group yet).
+        self.replacement = self.elastic is not None and bool(self.elastic.joining)
         if self.elastic is not None and not self.elastic.joining:
             self.elastic.start(sampler.step)
         self.sharded = shards > 1

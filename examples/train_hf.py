@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 from pydoc_data.topics import topics
@@ -86,6 +87,53 @@ def save(path: Path, model, optimizer, schedule, sampler) -> None:
     os.replace(tmp, path)  # atomic: a reader sees the old checkpoint or the new one
 
 
+class Sharded:
+    """A sharded model's checkpoint (``--shards``), as torchtitan writes one: each member
+    writes its shards with torch.distributed.checkpoint (one copy of each: DCP keeps one
+    of a shard's replicas), the saver the schedule and sampler beside them, then points
+    ``latest`` at the step's folder (an atomic rename); the previous one is kept."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def save(self, model, optimizer, schedule, sampler) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        folder = self.root / f"step_{sampler.step:06d}"
+        weights, moments = get_state_dict(model.module, optimizer.optimizer)
+        dcp.save({"model": weights, "optimizer": moments}, checkpoint_id=folder)
+        if cr.is_saver():
+            extra = {"schedule": schedule.state_dict(), "sampler": sampler.state_dict()}
+            torch.save(extra, folder / "extra.pt.tmp")
+            os.replace(folder / "extra.pt.tmp", folder / "extra.pt")
+            (self.root / "latest.tmp").write_text(folder.name)
+            os.replace(self.root / "latest.tmp", self.root / "latest")
+            for old in sorted(self.root.glob("step_*"))[:-2]:
+                shutil.rmtree(old, ignore_errors=True)
+
+    def load(self, model, optimizer, schedule, sampler) -> bool:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        if not (self.root / "latest").exists():
+            return False
+        folder = self.root / (self.root / "latest").read_text()
+        weights, moments = get_state_dict(model.module, optimizer.optimizer)
+        state = {"model": weights, "optimizer": moments}
+        dcp.load(state, checkpoint_id=folder)
+        set_state_dict(
+            model.module,
+            optimizer.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optimizer"],
+        )
+        extra = torch.load(folder / "extra.pt", weights_only=True)
+        schedule.load_state_dict(extra["schedule"])
+        sampler.load_state_dict(extra["sampler"])
+        return True
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=30)
@@ -113,9 +161,6 @@ def main() -> None:
         help="HSDP: replica groups of this many workers, the model sharded within each",
     )
     args = p.parse_args()
-    if args.shards > 1 and args.checkpoint_dir:
-        # each worker holds a shard: a whole-model torch.save on one worker cannot hold it
-        sys.exit("train_hf.py: --checkpoint-dir with --shards > 1 is not supported yet")
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     rank = int(os.environ.get("RANK", "0"))
 
@@ -134,6 +179,16 @@ def main() -> None:
 
     losses = {}
     ckpt = Path(args.checkpoint_dir) / "last.pt" if args.checkpoint_dir else None
+    sharded = (
+        Sharded(Path(args.checkpoint_dir)) if args.checkpoint_dir and args.shards > 1 else None
+    )
+    if sharded is not None:
+        ckpt = None  # (torch.distributed.checkpoint's, below)
+        # A replacement takes its shards from a live member when a plan takes it in, and
+        # until then belongs to no group to load them with.
+        resumed = not model.replacement and sharded.load(model, optimizer, schedule, sampler)
+        if resumed and cr.is_saver():
+            print(f"resumed from step {sampler.step}", flush=True)
     if ckpt is not None and ckpt.exists():
         state = torch.load(ckpt, weights_only=True)
         model.module.load_state_dict(state["model"])
@@ -167,6 +222,8 @@ def main() -> None:
             if ckpt is not None and (step + 1) % args.checkpoint_every == 0 and cr.is_saver():
                 ckpt.parent.mkdir(parents=True, exist_ok=True)
                 save(ckpt, model, optimizer, schedule, sampler)
+            if sharded is not None and (step + 1) % args.checkpoint_every == 0:
+                sharded.save(model, optimizer, schedule, sampler)  # every member its shards
             if optimizer.global_step >= args.steps:
                 break
     if args.dump:

@@ -153,6 +153,9 @@ class Planner:
             # (a restart chosen over a feasible in-place recovery says so: the soak and
             # the timeline tell a forced restart from a chosen one)
             why = "the planner chose restart" if in_place else "no in-place policy is feasible"
+            first = decision.candidates[0]  # (rerouting's reason: the most direct)
+            if not in_place and first.reason:
+                why = f"{why}: {first.reason}"
             return rc.Planned(start.generation, restart=True, reason=why), None
         migration = chosen.migration.naive() if self.naive_migration else chosen.migration
         message = PlanMessage.build(

@@ -114,3 +114,12 @@ def test_a_failure_can_swap_in_a_whole_idle_group():
     swap = c[Policy.REPARALLELIZE]
     assert swap.plan.workers == (0, 1, 4, 5)
     assert [(t.src, t.dst) for t in swap.migration.transfers] == [(4, 0), (5, 1)]
+
+
+def test_a_shard_with_no_live_copy_says_only_a_checkpoint_has_it():
+    # ranks 1 and 3 hold shard 1 in both groups
+    c = candidates(4, 2, 8, [1, 3])
+    for policy in (Policy.REROUTE, Policy.REPARALLELIZE):
+        assert not c[policy].feasible
+        assert c[policy].reason.startswith("shard(s) [1] of the model have no live copy")
+    assert c[Policy.RESTART].feasible

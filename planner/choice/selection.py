@@ -41,7 +41,13 @@ from planner.choice.policy import (
     restart_candidate,
 )
 from planner.choice.risk import risk_s
-from planner.choice.sharded import broken_groups, data_parallel, regrow, uneven_reason
+from planner.choice.sharded import (
+    broken_groups,
+    data_parallel,
+    lost_shards_reason,
+    regrow,
+    uneven_reason,
+)
 from planner.estimator.estimate import Estimate
 from planner.job.workload import Job
 from planner.plans.migration import Migration
@@ -337,7 +343,9 @@ def sharded_options(
     job = search.job
     dropped = broken_groups(current.workers, job.training.shards, failed)
     left = len(current.workers) - len(dropped)
-    reason = uneven_reason(left, job.training.num_micro_batches)
+    reason = lost_shards_reason(current.workers, job.training.shards, failed) or uneven_reason(
+        left, job.training.num_micro_batches
+    )
     if reason is not None:
         reroute = Candidate(Policy.REROUTE, reason=reason)
     else:
@@ -352,7 +360,7 @@ def sharded_options(
         alive = sorted(set(kept) | (set(survivors) - set(failed)))
         regrown = regrow(search, base, alive)
     else:
-        regrown = Candidate(Policy.REPARALLELIZE, reason="no replica group is whole")
+        regrown = Candidate(Policy.REPARALLELIZE, reason=reason or "no replica group is whole")
     return replace(options, reroute=reroute, reparallelize=(regrown,))
 
 

@@ -36,6 +36,19 @@ def broken_groups(workers: Sequence[int], shards: int, failed: Sequence[int]) ->
     return sorted(w for g in groups_of(workers, shards) if lost & set(g) for w in g if w in workers)
 
 
+def lost_shards_reason(workers: Sequence[int], shards: int, failed: Sequence[int]) -> str | None:
+    """Why nothing in place can go on when every holder of some shard was lost (a
+    checkpoint is the only copy left), else None."""
+    lost = set(failed)
+    gone = [i for i in range(shards) if not any(w % shards == i for w in workers if w not in lost)]
+    if not gone:
+        return None
+    return (
+        f"shard(s) {gone} of the model have no live copy (every worker holding them was "
+        "lost): only a checkpoint has them"
+    )
+
+
 def data_parallel(workers: Sequence[int], num_micro_batches: int) -> Plan:
     """Every worker holds the model (one layer) and takes an even share of the step."""
     ordered = sorted(workers)

@@ -27,6 +27,7 @@ from tests.launcher.helpers import (
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = str(ROOT / "tests" / "runtime" / "hsdp_script.py")
+HF = str(ROOT / "examples" / "train_hf.py")
 # float64; plain HSDP averages (a sum then a division per group and across groups), the
 # drop-in sums and divides once: the same numbers up to rounding
 TOLERANCE = 1e-12
@@ -178,6 +179,44 @@ def test_a_lost_node_takes_its_replica_group_and_the_job_goes_on(tmp_path):
     assert sorted(survived) == [0, 1]
     for rank in (0, 1):
         assert relative(free[0], survived[rank]) <= TOLERANCE
+
+
+@pytest.mark.slow
+def test_every_holder_of_a_shard_lost_restarts_from_the_checkpoint_and_says_so(tmp_path):
+    """examples/train_hf.py --shards 2 (GPT-2, float64) saving with
+    torch.distributed.checkpoint every 5 steps; ranks 1 and 3 (shard 1 of both groups)
+    killed at step 7: nothing in place can go on, the launcher restarts, the job resumes
+    from step 5's checkpoint and ends with the failure-free weights."""
+    pytest.importorskip("transformers")
+    common = ["--shards", "2", "--float64", "--steps", "12", "--global-batch", "64"]
+    common += ["--micro-batch", "8", "--checkpoint-every", "5"]
+
+    def train(name: str, *launch: str):
+        return run(
+            "run", "--standalone", "--nproc-per-node", "4", "--max-rejoins", "0",
+            "--events", str(tmp_path / f"{name}.events"), *launch, HF, *common,
+            "--checkpoint-dir", str(tmp_path / f"{name}.ckpt"), "--dump", str(tmp_path / name),
+            cwd=tmp_path, timeout=300,
+        )  # fmt: skip
+
+    done = train("free")
+    assert done.returncode == 0, done.stderr[-3000:]
+    done = train(
+        "lost", "--max-restarts", "1",
+        "--inject-fault", "kill:rank=1,step=7", "--inject-fault", "kill:rank=3,step=7",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "resumed from step 5" in done.stdout
+    log = events(tmp_path / "lost.events")
+    (restart,) = [e for e in log if e["event"] == "decision" and e["action"] == "restart"]
+    assert "shard(s) [1] of the model have no live copy" in restart["reason"], restart
+    free = {r: out["weights"] for r, out in rank_outputs(tmp_path, "free").items()}
+    lost = {r: out["weights"] for r, out in rank_outputs(tmp_path, "lost").items()}
+    assert sorted(lost) == [0, 1, 2, 3]
+    for rank in range(4):
+        for key, value in free[0].items():
+            assert abs(lost[rank][key] - value) <= 1e-12 * abs(value), key
+    assert leftovers(tmp_path) == []
 
 
 @pytest.mark.slow
