@@ -138,6 +138,35 @@ def test_a_dropped_group_is_taken_back_healed_shard_by_shard(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_replacement_killed_while_it_is_healed(tmp_path):
+    """The second kill lands in the recovery that takes group 0 back: the replacement
+    of rank 1 dies while its shard streams in (recovery 2, phase migrate). The job keeps
+    group 1 in place ("keep groups"), takes the next replacement back, and every rank
+    ends with the failure-free weights."""
+    config = ("--config", str(devices_config(tmp_path)))
+    done, free = chameleon(
+        tmp_path, "free", "--steps", "80", launch=("--max-rejoins", "0", *config)
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    done, healed = chameleon(
+        tmp_path, "twice", "--steps", "80",
+        launch=(*config, "--max-rejoins", "2", "--inject-fault", "kill:rank=1,step=3",
+                "--inject-fault", "kill:rank=1,recovery=2,phase=migrate"),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    log = events(tmp_path / "twice.events")
+    assert [e["rank"] for e in log if e["event"] == "failure"] == [1, 1]
+    labels = [e["label"] for e in log if e["event"] == "plan_chosen"]
+    assert labels[0] == "drop 1 replica group(s) of [0, 1]"
+    assert "keep groups" in labels
+    assert labels[-1] == "take back replica group(s) [[0, 1]], healed shard by shard"
+    assert not [e for e in log if e["event"] == "decision" and e.get("action") == "restart"]
+    assert sorted(healed) == [0, 1, 2, 3]
+    for rank in range(4):
+        assert relative(free[0], healed[rank]) <= TOLERANCE
+
+
+@pytest.mark.slow
 def test_a_lost_node_takes_its_replica_group_and_the_job_goes_on(tmp_path):
     """Two agents on 127.0.0.1, two workers each: node 1 holds replica group 1 (ranks 2,
     3). Its agent is SIGKILLed mid-run (its workers die with it): node 0's group takes
