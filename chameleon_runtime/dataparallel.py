@@ -124,8 +124,9 @@ class ElasticDataParallel(nn.Module):
                 f"{sampler.num_micro_batches} micro-batches of {sampler.micro_batch_size}, "
                 f"fewer than the {self.world_size} workers: each needs one at least"
             )
-        check_even_deal(sampler.num_micro_batches, self.world_size, shards)
+        check_even_deal(sampler.num_micro_batches, shards)
         sampler.rank, sampler.members = self.rank, list(range(self.world_size))
+        sampler.shards = shards
         sampler.before_loop = self._before_loop
         self.failure: tuple[str, bool] | None = None  # (why, pending) of a failed sync
         # A replacement under chameleon run: it takes its state from a live member when a

@@ -37,11 +37,23 @@ class MicroBatch:
     deal: int = 0  # the sampler's deal it belongs to (a recovery starts a new one)
 
 
-def deal(num_micro_batches: int, members: list[int], rank: int) -> list[int]:
-    """The micro-batches of a step that ``rank`` computes among ``members``."""
+def deal(num_micro_batches: int, members: list[int], rank: int, shards: int = 1) -> list[int]:
+    """The micro-batches of a step that ``rank`` computes among ``members``. A sharded
+    model's replica groups (``shards`` consecutive members: chameleon_runtime.sharding)
+    take them ``shards`` at a time, one each, the groups in turn: every member of a group
+    runs as many as the others (their collectives are the group's), and a group may run
+    one turn more than another. With one group of one this is ``j % n == p``, and with
+    whole turns for every group too."""
     ranks = sorted(members)
     p, n = ranks.index(rank), len(ranks)
-    return [j for j in range(num_micro_batches) if j % n == p]
+    if shards == 1:
+        return [j for j in range(num_micro_batches) if j % n == p]
+    groups, (group, place) = n // shards, divmod(p, shards)
+    return [
+        j
+        for j in range(num_micro_batches)
+        if j % shards == place and (j // shards) % groups == group
+    ]
 
 
 class ElasticSampler:
@@ -82,6 +94,7 @@ class ElasticSampler:
         self.rank = int(os.environ.get("RANK", "0")) if rank is None else rank
         world = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
         self.members = list(range(world))  # who computes steps now (DataParallel updates it)
+        self.shards = 1  # a sharded model's replica groups (ElasticDataParallel sets it)
         self.epoch = 0
         self.step = 0  # the next step to run, global (counted over epochs)
         self._order: tuple[int, torch.Tensor] | None = None  # an epoch's permutation
@@ -124,7 +137,7 @@ class ElasticSampler:
     def mine(self, step: int) -> list[int]:
         """The micro-batches of ``step`` this worker computes."""
         del step  # every step is dealt alike among the same members
-        return deal(self.num_micro_batches, self.members, self.rank)
+        return deal(self.num_micro_batches, self.members, self.rank, self.shards)
 
     # -- DistributedSampler's interface ----------------------------------------------------
 

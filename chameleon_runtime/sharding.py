@@ -18,8 +18,9 @@ the members that hold the same shard, one per group: what a replica is for one s
   it, overlapping the rest of the backward.
 - Every member computes its own micro-batches (FSDP is data parallel within a group
   too), and the members of a group run their forwards and backwards in lockstep (each
-  block's all-gather is a collective of the group), so the sampler's deal must give every
-  member the same count: a step's micro-batches must divide evenly over the members.
+  block's all-gather is a collective of the group), so the sampler deals a step to the
+  groups ``S`` micro-batches at a time, one to each member (a group may run a turn more
+  than another): a step must be a whole number of turns of ``S``.
 
 Under ``chameleon run`` FSDP2's collectives go through the generation's groups
 (``Collectives``: FSDP2's custom all-gather and reduce-scatter hooks), so that a lost
@@ -96,15 +97,16 @@ class ShardLayout:
         return sorted(set(out))
 
 
-def check_even_deal(num_micro_batches: int, members: int, shards: int) -> None:
-    """A sharded model's members step in lockstep within their group: each must get as
-    many micro-batches as the others (module doc)."""
-    if shards > 1 and num_micro_batches % members:
+def check_even_deal(num_micro_batches: int, shards: int) -> None:
+    """A sharded model's members step in lockstep within their group: the sampler deals a
+    step ``shards`` micro-batches at a time, one to each member of a group
+    (chameleon_runtime.sampler.deal), so a step must be whole turns."""
+    if shards > 1 and num_micro_batches % shards:
         raise ValueError(
-            f"a step of {num_micro_batches} micro-batches does not divide evenly over "
-            f"{members} workers; with shards={shards} every worker of a replica group must "
-            "run as many as the others (FSDP's collectives are the group's): make the "
-            "global batch a multiple of micro_batch_size * workers"
+            f"a step of {num_micro_batches} micro-batches is not a whole number of turns of "
+            f"{shards}: with shards={shards} every worker of a replica group must run as many "
+            "as the others (FSDP's collectives are the group's): make the global batch a "
+            "multiple of micro_batch_size * shards"
         )
 
 

@@ -69,13 +69,16 @@ def test_a_lost_member_drops_its_whole_group():
     assert c[Policy.REPARALLELIZE].reason == "no whole replica group to take back"
 
 
-def test_groups_left_must_take_the_step_evenly():
-    # 6 workers in 3 groups of 2, 12 micro-batches: 4 left take 3 each; with 6
-    # micro-batches 4 workers cannot
-    assert candidates(6, 2, 12, [5])[Policy.REROUTE].feasible
+def test_groups_left_take_the_step_in_turns():
+    # 6 workers in 3 groups of 2, 6 micro-batches (3 turns of 2): rank 5 lost, the two
+    # groups left take 2 turns and 1, every member of a group as many
     reroute = candidates(6, 2, 6, [5])[Policy.REROUTE]
+    assert reroute.feasible
+    assert reroute.plan.load() == {0: 2, 1: 2, 2: 1, 3: 1}
+    # 7 micro-batches are not whole turns: a member would run one more than its mate
+    reroute = candidates(6, 2, 7, [5])[Policy.REROUTE]
     assert not reroute.feasible
-    assert "do not divide evenly over 4 workers" in reroute.reason
+    assert "are not whole turns of the 2 members" in reroute.reason
 
 
 def test_every_group_hit_leaves_nothing_to_reroute():

@@ -343,20 +343,24 @@ def sharded_options(
     job = search.job
     dropped = broken_groups(current.workers, job.training.shards, failed)
     left = len(current.workers) - len(dropped)
-    reason = lost_shards_reason(current.workers, job.training.shards, failed) or uneven_reason(
-        left, job.training.num_micro_batches
-    )
+    shards, m = job.training.shards, job.training.num_micro_batches
+    reason = lost_shards_reason(current.workers, shards, failed) or uneven_reason(left, m, shards)
+    kept = [w for w in current.workers if w not in set(dropped)]
     if reason is not None:
         reroute = Candidate(Policy.REROUTE, reason=reason)
     else:
-        reroute = reroute_candidate(search, current, dropped)
+        # the groups left take the step as the runtime deals it (planner.choice.sharded)
+        reroute = reroute_candidate(search, data_parallel(current.workers, m, shards), dropped)
         if reroute.feasible:
-            groups = len(dropped) // job.training.shards
+            plan = data_parallel(kept, m, shards)
+            reroute = replace(reroute, plan=plan, estimate=search.estimate(plan))
+            groups = len(dropped) // shards
             label = f"drop {groups} replica group(s) of {dropped}" if dropped else "keep groups"
             reroute = replace(reroute, label=label)
-    kept = [w for w in current.workers if w not in set(dropped)]
-    if kept:
-        base = data_parallel(kept, job.training.num_micro_batches)
+    if m % shards:
+        regrown = Candidate(Policy.REPARALLELIZE, reason=uneven_reason(1, m, shards))
+    elif kept:
+        base = data_parallel(kept, m, shards)
         alive = sorted(set(kept) | (set(survivors) - set(failed)))
         regrown = regrow(search, base, alive)
     else:

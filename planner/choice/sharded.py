@@ -49,25 +49,30 @@ def lost_shards_reason(workers: Sequence[int], shards: int, failed: Sequence[int
     )
 
 
-def data_parallel(workers: Sequence[int], num_micro_batches: int) -> Plan:
-    """Every worker holds the model (one layer) and takes an even share of the step."""
+def data_parallel(workers: Sequence[int], num_micro_batches: int, shards: int = 1) -> Plan:
+    """Every worker holds the model (one layer), the step dealt as the runtime deals it
+    (chameleon_runtime.sampler.deal): ``shards`` micro-batches a turn, one to each member
+    of a group, the groups in turn, so the members of a group run as many."""
     ordered = sorted(workers)
+    groups = max(1, len(ordered) // shards)
+    turns = split_evenly(num_micro_batches // shards, [1.0] * groups)
+    counts = [turns[i // shards] for i in range(len(ordered))]
     return pipelines_plan(
         num_layers=1,
         num_micro_batches=num_micro_batches,
         pipelines=[[w] for w in ordered],
         boundaries=[[0, 1]] * len(ordered),
-        micro_batch_counts=split_evenly(num_micro_batches, [1.0] * len(ordered)),
+        micro_batch_counts=counts,
     )
 
 
-def uneven_reason(workers: int, num_micro_batches: int) -> str | None:
+def uneven_reason(workers: int, num_micro_batches: int, shards: int) -> str | None:
     if workers == 0:
         return "no whole replica group is left"
-    if num_micro_batches % workers:
+    if num_micro_batches % shards:
         return (
-            f"the {num_micro_batches} micro-batches of a step do not divide evenly over "
-            f"{workers} workers of whole replica groups"
+            f"the {num_micro_batches} micro-batches of a step are not whole turns of the "
+            f"{shards} members of a replica group"
         )
     return None
 
@@ -85,7 +90,7 @@ def regrow(search: Search, current: Plan, alive: Sequence[int]) -> Candidate:
         return Candidate(Policy.REPARALLELIZE, reason="no whole replica group to take back")
     workers = sorted(held | {w for g in back for w in g})
     m = job.training.num_micro_batches
-    reason = uneven_reason(len(workers), m)
+    reason = uneven_reason(len(workers), m, shards)
     if reason is not None:
         return Candidate(Policy.REPARALLELIZE, reason=reason)
     shard_bytes = (
@@ -107,7 +112,7 @@ def regrow(search: Search, current: Plan, alive: Sequence[int]) -> Candidate:
         naive_est_time_s=schedule_s(CostModel(job), transfers, list(range(len(transfers)))),
         naive_transfers=tuple(transfers),
     )
-    plan = data_parallel(workers, m)
+    plan = data_parallel(workers, m, shards)
     estimate = search.estimate(plan)
     if not estimate.feasible:
         return Candidate(

@@ -249,15 +249,15 @@ def test_every_holder_of_a_shard_lost_restarts_from_the_checkpoint_and_says_so(t
 
 
 @pytest.mark.slow
-def test_an_uneven_deal_is_a_one_line_error(tmp_path):
-    # 6 micro-batches over 4 workers: two would run one more than their group-mate
+def test_part_of_a_turn_is_a_one_line_error(tmp_path):
+    # 5 micro-batches for groups of 2: a member would run one more than its group-mate
     done = run(
         "run", "--standalone", "--nproc-per-node", "4", "--max-rejoins", "0", "--max-restarts",
-        "0", SCRIPT, "--mode", "dropin", "--micro-batches", "6", "--out", str(tmp_path / "x"),
+        "0", SCRIPT, "--mode", "dropin", "--micro-batches", "5", "--out", str(tmp_path / "x"),
         cwd=tmp_path, timeout=240,
     )  # fmt: skip
     assert done.returncode != 0
-    assert "does not divide evenly over 4 workers" in done.stdout + done.stderr
+    assert "is not a whole number of turns of 2" in done.stdout + done.stderr
 
 
 def test_layout_groups_and_columns():
@@ -273,8 +273,22 @@ def test_layout_groups_and_columns():
         ShardLayout((0, 1, 2), 2)
 
 
-def test_an_uneven_deal_is_refused():
-    check_even_deal(8, 4, 2)
-    check_even_deal(6, 4, 1)  # a whole model per worker accumulates unevenly: fine
-    with pytest.raises(ValueError, match="does not divide evenly"):
-        check_even_deal(6, 4, 2)
+def test_a_step_of_part_of_a_turn_is_refused():
+    check_even_deal(6, 2)  # 3 turns of 2: one group runs 2, another 1
+    check_even_deal(5, 1)  # a whole model per worker accumulates unevenly: fine
+    with pytest.raises(ValueError, match="not a whole number of turns of 2"):
+        check_even_deal(5, 2)
+
+
+def test_groups_take_turns_and_a_group_runs_in_lockstep():
+    from chameleon_runtime.sampler import deal
+
+    members = [0, 1, 2, 3, 4, 5]  # groups (0, 1), (2, 3), (4, 5)
+    shares = {r: deal(10, members, r, shards=2) for r in members}
+    assert shares == {0: [0, 6], 1: [1, 7], 2: [2, 8], 3: [3, 9], 4: [4], 5: [5]}
+    # every member of a group as many; one group fewer; the whole step dealt once
+    assert sorted(j for s in shares.values() for j in s) == list(range(10))
+    # whole turns for every group: the same as the unsharded deal
+    assert [deal(12, members, r, shards=2) for r in members] == [
+        deal(12, members, r) for r in members
+    ]
