@@ -62,6 +62,7 @@ from chameleon_runtime.sharding import (
     local,
     refresh_mesh,
     shard_model,
+    unit_params,
 )
 from chameleon_runtime.stepmeta import StepMeta
 
@@ -181,6 +182,8 @@ class ElasticDataParallel(nn.Module):
         run = self._group_collective if self.elastic is not None else None
         shard_model(self.module, mesh, self._blocks, run, self._fsdp_options)
         self.is_sharded = True
+        if self.elastic is not None:  # what one unit gathers whole, for the planner
+            self.elastic.unit_params = unit_params(self.module, self._blocks)
 
     def _track(self) -> None:
         """The parameters the step's sums and hooks follow (again after a replacement

@@ -120,6 +120,7 @@ class Membership:
         self.collectives: dict[tuple[int, ...], Collective] = {}
         self.members: list[int] = list(range(self.world_size))
         self.shards = shards  # a sharded model's replica groups (chameleon_runtime.sharding)
+        self.unit_params = 0  # its largest FSDP unit (ElasticDataParallel says)
         self.layout = ShardLayout(tuple(self.members), shards)
         self.described = False
         self._timing: list[float] = []  # the first step's forward start and end, backward end
@@ -186,6 +187,7 @@ class Membership:
             checkpoint_interval_steps=1,
             host_cores=host_cores(self.device),
             shards=self.shards,
+            shard_unit_params=self.unit_params,
         )
         self.control.put_signed(self.control.keys.job, description)
 

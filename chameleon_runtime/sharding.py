@@ -195,6 +195,14 @@ def column_groups(layout: ShardLayout, me: int) -> Any:
     return mine
 
 
+def unit_params(module: nn.Module, blocks: Iterable[nn.Module]) -> int:
+    """The parameters of the largest FSDP unit: a block, or what the root holds beside
+    them (all-gathered whole while it computes: planner.job.fsdp)."""
+    sizes = [sum(p.numel() for p in b.parameters()) for b in blocks]
+    total = sum(p.numel() for p in module.parameters())
+    return max([*sizes, total - sum(sizes)])
+
+
 # -- FSDP2's collectives through the generation's groups ---------------------------------
 
 Run = Callable[[str, torch.Tensor, torch.Tensor], None]  # (kind, output, input)

@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from planner.job.costtable import CostTable
 from planner.job.errors import ConfigError
 from planner.job.failures import DEFAULT_DEVICE_MTBF_H
+from planner.job.fsdp import fsdp_layers
 from planner.job.workload import Cluster, Job, Layer, Link, Model, RankOrder, Training
 
 GiB = 2**30
@@ -128,6 +129,9 @@ class TrainingConfig(_Strict):
     dp: PositiveInt
     pp: PositiveInt
     tp: PositiveInt = 1
+    # HSDP: replica groups of this many workers, each holding the model sharded over its
+    # members (the drop-in's sharded model: planner.job.fsdp); needs pp = 1.
+    shards: PositiveInt = 1
     rank_order: RankOrder = RankOrder.TP_PP_DP
     mtbf_hours: Positive | None = None  # D fixed for the job; unset: from device_mtbf_hours
     checkpoint_interval_s: Positive = 1800.0
@@ -141,6 +145,11 @@ class TrainingConfig(_Strict):
     def _batches(self) -> TrainingConfig:
         if self.global_batch_size % self.micro_batch_size:
             raise ValueError("global_batch_size must be a multiple of micro_batch_size")
+        if self.shards > 1 and (self.pp != 1 or self.dp % self.shards):
+            raise ValueError(
+                f"shards = {self.shards} shards whole-model replicas: it needs pp = 1 and dp a "
+                "multiple of shards"
+            )
         return self
 
 
@@ -265,6 +274,7 @@ def to_job(config: JobConfig, table: CostTable | None = None) -> Job:
         rank_order=t.rank_order,
         mtbf_s=t.mtbf_hours * 3600 if t.mtbf_hours is not None else None,
         checkpoint_interval_s=t.checkpoint_interval_s,
+        shards=t.shards,
     )
     m = config.model
     if table is not None:
@@ -296,6 +306,7 @@ def to_job(config: JobConfig, table: CostTable | None = None) -> Job:
                 spec, t, flops, per_param_optimizer_s, recompute=t.activation_recompute
             )
         )
+    layers = fsdp_layers(layers, training, cluster)  # (sharded: planner.job.fsdp)
     job = Job(cluster=cluster, model=Model(name=m.name, layers=layers), training=training)
     if table is not None and table.steps is not None and c.host_cores:
         job = _fitted(job, table)

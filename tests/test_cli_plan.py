@@ -119,3 +119,25 @@ def test_version_and_help():
     help_text = chameleon("--help").stdout
     for command in ("run", "plan", "profile"):
         assert command in help_text
+
+
+def test_an_hsdp_job_of_1024_gpus_is_described_with_each_candidates_estimates():
+    """configs/h100_1024_llama70b_hsdp.toml: 16 replica groups of 64 H100s, Llama 70B
+    sharded within each (planner.job.fsdp). A lost GPU breaks its group: rerouting drops
+    it (the 16 turns of 64 micro-batches on 15 groups: one runs two, half the
+    throughput), and the memory is a shard's."""
+    hsdp = str(ROOT / "configs" / "h100_1024_llama70b_hsdp.toml")
+    result = chameleon("plan", "--dry-run", "--config", hsdp, "--fail", "5", "--json")
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    by = {c["policy"]: c for c in out["candidates"]}
+    reroute = by["reroute"]
+    assert reroute["feasible"]
+    assert reroute["label"] == "drop 1 replica group(s) of [0-63]"
+    assert reroute["step_time_s"] == pytest.approx(2 * by["restart"]["step_time_s"], rel=0.01)
+    gib = 2**30
+    # a 64th of 70B parameters' state (18 bytes each) and one layer whole beside it
+    assert 20 * gib < reroute["peak_memory_bytes"] < 60 * gib
+    assert reroute["transition_s"] > 0
+    assert by["reparallelize"]["reason"] == "no whole replica group to take back"
+    assert by["restart"]["feasible"]

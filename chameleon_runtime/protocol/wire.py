@@ -61,6 +61,8 @@ class JobDescription(_Wire):
     # The drop-in's sharded model: replica groups of this many workers (HSDP,
     # chameleon_runtime.sharding).
     shards: Annotated[int, Field(ge=1)] = 1
+    # its largest FSDP unit's parameters (a block, or the root's own), 0 unsharded
+    shard_unit_params: Annotated[int, Field(ge=0)] = 0
 
     @property
     def allreduce(self) -> str:
@@ -124,6 +126,7 @@ class JobDescription(_Wire):
             checkpoint_interval_s=max(step_s, 1e-3) * self.checkpoint_interval_steps,
             global_norm=reads_global_norm(self.max_grad_norm, self.precision),
             shards=self.shards,
+            shard_unit_params=self.shard_unit_params,
         )
         return Job(cluster=cluster, model=Model(self.model, layers), training=training)
 

@@ -45,6 +45,7 @@ from planner.choice.sharded import (
     broken_groups,
     data_parallel,
     lost_shards_reason,
+    ranks_text,
     regrow,
     uneven_reason,
 )
@@ -350,17 +351,23 @@ def sharded_options(
         reroute = Candidate(Policy.REROUTE, reason=reason)
     else:
         # the groups left take the step as the runtime deals it (planner.choice.sharded)
-        reroute = reroute_candidate(search, data_parallel(current.workers, m, shards), dropped)
+        layers = current.num_layers
+        whole = data_parallel(current.workers, m, shards, layers)
+        reroute = reroute_candidate(search, whole, dropped)
         if reroute.feasible:
-            plan = data_parallel(kept, m, shards)
+            plan = data_parallel(kept, m, shards, layers)
             reroute = replace(reroute, plan=plan, estimate=search.estimate(plan))
             groups = len(dropped) // shards
-            label = f"drop {groups} replica group(s) of {dropped}" if dropped else "keep groups"
+            label = (
+                f"drop {groups} replica group(s) of {ranks_text(dropped)}"
+                if dropped
+                else "keep groups"
+            )
             reroute = replace(reroute, label=label)
     if m % shards:
         regrown = Candidate(Policy.REPARALLELIZE, reason=uneven_reason(1, m, shards))
     elif kept:
-        base = data_parallel(kept, m, shards)
+        base = data_parallel(kept, m, shards, current.num_layers)
         alive = sorted(set(kept) | (set(survivors) - set(failed)))
         regrown = regrow(search, base, alive)
     else:

@@ -21,7 +21,7 @@ from planner.estimator.transition import groups_s, protocol
 from planner.job.cost import CostModel
 from planner.plans.matching import Transfer
 from planner.plans.migration import Migration, schedule_s
-from planner.plans.plan import Plan, pipelines_plan, split_evenly
+from planner.plans.plan import Plan, contiguous_runs, pipelines_plan, split_evenly
 from planner.search.layouts import Search
 
 
@@ -34,6 +34,20 @@ def broken_groups(workers: Sequence[int], shards: int, failed: Sequence[int]) ->
     """The members of every group of ``workers`` that lost one of ``failed``."""
     lost = set(failed)
     return sorted(w for g in groups_of(workers, shards) if lost & set(g) for w in g if w in workers)
+
+
+def ranks_text(ranks: Sequence[int]) -> str:
+    """Ranks as a list ([0, 1]), or as ranges at scale ([0-63, 128-191])."""
+    if len(ranks) <= 8:
+        return str(sorted(ranks))
+    runs = contiguous_runs(ranks)
+    return "[" + ", ".join(f"{a}-{b - 1}" if b - a > 1 else str(a) for a, b in runs) + "]"
+
+
+def groups_text(groups: Sequence[Sequence[int]]) -> str:
+    if sum(len(g) for g in groups) <= 8:
+        return str([list(g) for g in groups])
+    return ranks_text([w for g in groups for w in g])
 
 
 def lost_shards_reason(workers: Sequence[int], shards: int, failed: Sequence[int]) -> str | None:
@@ -49,19 +63,22 @@ def lost_shards_reason(workers: Sequence[int], shards: int, failed: Sequence[int
     )
 
 
-def data_parallel(workers: Sequence[int], num_micro_batches: int, shards: int = 1) -> Plan:
-    """Every worker holds the model (one layer), the step dealt as the runtime deals it
-    (chameleon_runtime.sampler.deal): ``shards`` micro-batches a turn, one to each member
-    of a group, the groups in turn, so the members of a group run as many."""
+def data_parallel(
+    workers: Sequence[int], num_micro_batches: int, shards: int = 1, num_layers: int = 1
+) -> Plan:
+    """Every worker holds the model (all ``num_layers``: the drop-in describes one), the
+    step dealt as the runtime deals it (chameleon_runtime.sampler.deal): ``shards``
+    micro-batches a turn, one to each member of a group, the groups in turn, so the
+    members of a group run as many."""
     ordered = sorted(workers)
     groups = max(1, len(ordered) // shards)
     turns = split_evenly(num_micro_batches // shards, [1.0] * groups)
     counts = [turns[i // shards] for i in range(len(ordered))]
     return pipelines_plan(
-        num_layers=1,
+        num_layers=num_layers,
         num_micro_batches=num_micro_batches,
         pipelines=[[w] for w in ordered],
-        boundaries=[[0, 1]] * len(ordered),
+        boundaries=[[0, num_layers]] * len(ordered),
         micro_batch_counts=counts,
     )
 
@@ -93,16 +110,15 @@ def regrow(search: Search, current: Plan, alive: Sequence[int]) -> Candidate:
     reason = uneven_reason(len(workers), m, shards)
     if reason is not None:
         return Candidate(Policy.REPARALLELIZE, reason=reason)
-    shard_bytes = (
-        job.training.moved_bytes_per_param * int(job.model.total("num_params", 0, 1)) // shards
-    )
+    params = int(job.model.total("num_params", 0, current.num_layers))
+    shard_bytes = job.training.moved_bytes_per_param * params // shards
     transfers: list[Transfer] = []
     rounds: list[int] = []
     sent: dict[int, int] = {}
     for g in back:
         for w in g:
             src = min(h for h in held if h % shards == w % shards)
-            transfers.append(Transfer(src, w, 0, 1, shard_bytes))
+            transfers.append(Transfer(src, w, 0, current.num_layers, shard_bytes))
             rounds.append(sent.get(src, 0))
             sent[src] = sent.get(src, 0) + 1
     migration = Migration(
@@ -112,7 +128,7 @@ def regrow(search: Search, current: Plan, alive: Sequence[int]) -> Candidate:
         naive_est_time_s=schedule_s(CostModel(job), transfers, list(range(len(transfers)))),
         naive_transfers=tuple(transfers),
     )
-    plan = data_parallel(workers, m, shards)
+    plan = data_parallel(workers, m, shards, current.num_layers)
     estimate = search.estimate(plan)
     if not estimate.feasible:
         return Candidate(
@@ -131,7 +147,7 @@ def regrow(search: Search, current: Plan, alive: Sequence[int]) -> Candidate:
             job, plan, survivors=workers, members=sources, current=current, moved=True
         ).total_s,
     )
-    label = f"take back replica group(s) {[list(g) for g in back]}, healed shard by shard"
+    label = f"take back replica group(s) {groups_text(back)}, healed shard by shard"
     return Candidate(
         Policy.REPARALLELIZE,
         plan=plan,

@@ -84,10 +84,14 @@ class CostModel:
         return self.job.intra_link if one_node else self.job.inter_link
 
     def allreduce_s(self, holders: tuple[int, ...], first: int, end: int) -> float:
-        n = len(holders)
+        shards = self.job.training.shards
+        # sharded (planner.job.fsdp): a column of one member per group, 1/S of the bytes
+        n = len(holders) // shards
         if n < 2:
             return 0.0
-        grad_bytes = self.job.model.total("num_params", first, end) * self.job.training.grad_bytes
+        grad_bytes = (
+            self.job.model.total("num_params", first, end) * self.job.training.grad_bytes / shards
+        )
         link = self.slowest_link(holders)
         aggregate = self.job.cluster.intra_node_aggregate_bytes_per_s
         if aggregate and link is self.job.intra_link:
@@ -117,8 +121,21 @@ class CostModel:
         return self.job.cluster.store_round_trip_s
 
     def state_bytes(self, first: int, end: int) -> int:
+        """Parameters, gradients and optimizer state held (a shard's: planner.job.fsdp)."""
         training = self.job.training
-        return int(self.job.model.total("num_params", first, end) * training.state_bytes_per_param)
+        params = self.job.model.total("num_params", first, end)
+        return int(params * training.state_bytes_per_param / training.shards)
+
+    def unit_bytes(self, first: int, end: int) -> int:
+        """A sharded model's largest FSDP unit whole, parameters and gradients, while it
+        computes (planner.job.fsdp); nothing unsharded."""
+        training = self.job.training
+        if training.shards < 2:
+            return 0
+        unit = training.shard_unit_params or max(
+            (layer.num_params for layer in self.job.model.layers[first:end]), default=0
+        )
+        return int(unit * (training.param_bytes + training.grad_bytes))
 
     def moved_bytes(self, first: int, end: int) -> int:
         training = self.job.training
@@ -149,7 +166,7 @@ class CostModel:
             transient = max(
                 in_flight * held, max(0, in_flight - 1) * held + self.boundary_bytes(first)
             )
-            return int(self.state_bytes(first, end) + transient)
+            return int(self.state_bytes(first, end) + transient + self.unit_bytes(first, end))
         transient = max(
             in_flight * held,  # after a forward at the most micro-batches in flight
             # after a backward: one fewer in flight; the layers' .grad and the input's

@@ -197,6 +197,9 @@ class Training:
     # sorted, form replica groups of this many, each holding the model sharded over its
     # members; a group that lost a member cannot compute (planner.choice.selection).
     shards: int = 1
+    # The largest FSDP unit's parameters, all-gathered whole while it computes (the
+    # drop-in measures them: a block); 0: each layer is a unit.
+    shard_unit_params: int = 0
 
     @property
     def num_micro_batches(self) -> int:
