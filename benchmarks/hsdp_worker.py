@@ -3,8 +3,9 @@ groups of ``--shards``, FSDP2 ``fully_shard`` per block and on the root), in one
 loops over the same samples of every step:
 
 - ``plain``: plain HSDP under torchrun, as torchtitan writes it: a 2-D mesh, each rank its
-  share of the step's micro-batches (ElasticSampler's deal), the gradient synced on the
-  last (``set_requires_gradient_sync``), the loss divided by the accumulation count;
+  share of the step's micro-batches (ElasticSampler's deal), reduce-scattered within the
+  group after every micro-batch and all-reduced across groups after the last
+  (``set_requires_all_reduce``), the loss divided by the accumulation count;
 - ``chameleon``: the drop-in (``cr.ElasticDataParallel(shards=, blocks=)``) under chameleon
   run.
 
@@ -96,7 +97,9 @@ def main() -> None:
         for step in range(args.steps):
             for k, j in enumerate(share):
                 batch = torch.stack([data[i] for i in sampler.indices(step, j)])
-                model.set_requires_gradient_sync(k == len(share) - 1)
+                # reduce-scatter every micro-batch (a shard's memory), all-reduce the
+                # groups' sums once: the drop-in's communication
+                model.set_requires_all_reduce(k == len(share) - 1)
                 loss = model(input_ids=batch, labels=batch).loss / len(share)
                 loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
