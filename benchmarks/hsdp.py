@@ -21,8 +21,10 @@ done step ``--kill-at``, its replacement started by the launcher. Printed:
   loss on a held-out batch against the failure-free run's.
 
 TorchFT's HSDP (torchtitan's integration: a replica group per torchrun job, FSDP2 within
-it, the groups' sum through its Manager in FSDP2's all-reduce hook) is not measured here
-yet: its CPU loop is to be written (issue 36 keeps the row). The planner plans with
+it, the groups' sum through its Manager in FSDP2's all-reduce hook, PGTransport healing
+with DTensor state dicts) runs failure-free when torchft is installed, its first error
+printed if it does not train (torchft 0.2 here: the group healed at the start dies at
+its first forward, "aten.addmm.default got mixed torch.Tensor and DTensor"). The planner plans with
 configs/cpu_testbed.toml with host_cores = 0 (a device per worker): on the shared 2 cores
 two workers are as fast as four, and it would rightly leave the replacement a spare.
 """
@@ -32,13 +34,20 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from dropin_vs_torchft import Job, _importable, env, kill_when  # noqa: E402 - shared harness
+from dropin_vs_torchft import (  # noqa: E402 - the shared harness
+    Job,
+    _importable,
+    env,
+    free_port,
+    kill_when,
+)
 
 WORKER = str(ROOT / "benchmarks" / "hsdp_worker.py")
 WORKERS, SHARDS, MICRO, MICRO_BATCHES = 4, 2, 4, 8
@@ -49,6 +58,7 @@ def run_side(
     mode: str, steps: int, kill_at: int | None, tmp: Path, config: Path, n: int, *extra: str
 ) -> dict:
     job = Job()
+    lighthouse = None
     tag = f"{mode}-{'kill' if kill_at is not None else 'free'}-{n}"
     out = tmp / tag
     common = ["--steps", str(steps), "--shards", str(SHARDS), "--micro-batch", str(MICRO)]
@@ -60,6 +70,23 @@ def run_side(
                  "--nproc-per-node", str(WORKERS), WORKER, "--mode", "plain", *common],
                 tmp / f"{tag}.log", env(),
             )  # fmt: skip
+        elif mode == "torchft":
+            lighthouse_port = free_port()
+            lighthouse = subprocess.Popen(
+                ["torchft_lighthouse", "--min_replicas", "1", "--quorum_tick_ms", "100",
+                 "--join_timeout_ms", "10000", "--bind", f"[::]:{lighthouse_port}"],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+            )  # fmt: skip
+            for group in range(WORKERS // SHARDS):
+                job.start(
+                    [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
+                     "--nproc-per-node", str(SHARDS), "--max-restarts", "1",
+                     "--rdzv-backend", "c10d", f"--rdzv-endpoint=localhost:{free_port()}",
+                     WORKER, "--mode", "torchft", *common],
+                    tmp / f"{tag}-{group}.log",
+                    env(REPLICA_GROUP_ID=str(group), REPLICA_GROUPS=str(WORKERS // SHARDS),
+                        TORCHFT_LIGHTHOUSE=f"http://localhost:{lighthouse_port}"),
+                )  # fmt: skip
         else:
             rejoins = "1" if kill_at is not None else "0"
             job.start(
@@ -73,7 +100,22 @@ def run_side(
         job.wait(timeout=900)
     finally:
         job.kill_all()
-    return measure(job.lines(), steps, killed, tmp, tag)
+        if lighthouse is not None:
+            lighthouse.kill()
+            lighthouse.wait()
+    out = measure(job.lines(), steps, killed, tmp, tag)
+    out["error"] = first_error(tmp, tag)
+    return out
+
+
+def first_error(tmp: Path, tag: str) -> str | None:
+    """The first error a worker of this side raised (its last line), if any."""
+    for log in sorted(tmp.glob(f"{tag}*.log")):
+        for line in log.read_text(errors="replace").splitlines():
+            text = line.split("]: ", 1)[-1]
+            if text.startswith(("RuntimeError", "AssertionError", "ValueError", "TypeError")):
+                return text[:200]
+    return None
 
 
 def measure(
@@ -149,7 +191,16 @@ def main() -> int:
             f"{mode:10} {med[mode] * 1e3:8.1f} {med[mode] / med['plain']:8.3f} "
             f"{mem[mode] / 2**20:8.1f} {mem[mode] / mem['plain']:8.3f}"
         )
-    print("TorchFT HSDP: not measured yet (its CPU loop is to be written)")
+    if _importable("torchft"):
+        theirs = run_side("torchft", args.steps, None, tmp, config, 0)
+        if theirs["error"] is None and theirs["step_s"] == theirs["step_s"]:
+            print(
+                f"torchft    {theirs['step_s'] * 1e3:8.1f} {theirs['step_s'] / med['plain']:8.3f}"
+            )
+        else:
+            print(f"TorchFT HSDP did not train failure-free here: {theirs['error']}")
+    else:
+        print("TorchFT HSDP: torchft is not installed (pip install -e '.[bench]')")
     print(
         f"kill -9 of rank 1 after step {args.kill_at} ({args.steps * 3} steps): survivors' next "
         f"step {kill['survivor_s']:.2f} s after the kill, the replacement's first "

@@ -49,7 +49,7 @@ def held_out_loss(model: torch.nn.Module, data: Text) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--mode", choices=["plain", "chameleon"], required=True)
+    p.add_argument("--mode", choices=["plain", "chameleon", "torchft"], required=True)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--shards", type=int, default=2)
     p.add_argument("--layers", type=int, default=4)
@@ -72,8 +72,8 @@ def main() -> None:
         micro_batch_size=args.micro_batch,
         seed=0,
     )
-    if args.mode == "plain":
-        dist.init_process_group("gloo")
+    if args.mode in ("plain", "torchft"):
+        dist.init_process_group("gloo")  # (torchft: the replica group's own)
     recorder = Recorder(WARMUP)  # after the process group, before the model
     net = build_model("gpt2", args.layers, args.hidden, 4, 64)
     net = net.double() if args.float64 else net
@@ -108,6 +108,9 @@ def main() -> None:
             recorder.step(float(loss) * len(share))
             say(rank=rank, pid=os.getpid(), step=step, t=time.time(), micro_batches=len(share))
         saver = rank == 0
+    elif args.mode == "torchft":
+        run_torchft(args, data, net, sampler, recorder)
+        return
     else:
         model = cr.ElasticDataParallel(net, sampler, shards=args.shards, blocks=blocks_of(net))
         optimizer = cr.ElasticOptimizer(torch.optim.AdamW(model.parameters(), lr=3e-3), model)
@@ -135,6 +138,89 @@ def main() -> None:
     if saver:
         say(final_loss=final, params=params)
     recorder.dump(args.out, {"params": params})
+
+
+def run_torchft(args, data, net, sampler, recorder) -> None:  # noqa: ANN001
+    """TorchFT 0.2's HSDP as torchtitan integrates it: this replica group is a torchrun job
+    of its own (REPLICA_GROUP_ID), FSDP2 on the group's 1-D mesh, the groups' sum by the
+    rank's Manager in FSDP2's all-reduce hook, its Optimizer committing a step when every
+    participant's all-reduce succeeded, a restarted group healed by PGTransport from a
+    live one (each rank from the rank of its shard)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+    from torchft import Manager, Optimizer, ProcessGroupGloo
+    from torchft.checkpointing.pg_transport import PGTransport
+
+    group = int(os.environ["REPLICA_GROUP_ID"])
+    groups = int(os.environ["REPLICA_GROUPS"])
+    rank, shards = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (shards,))
+    for block in blocks_of(net):
+        fully_shard(block, mesh=mesh)
+    fully_shard(net, mesh=mesh)
+    optimizer_inner = torch.optim.AdamW(net.parameters(), lr=3e-3)
+
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    # (DTensor state dicts, as torchtitan moves them: a shard from the same shard)
+    def load_state_dict(state: dict) -> None:
+        set_model_state_dict(net, state["model"])
+        set_optimizer_state_dict(net, optimizer_inner, state["optim"])
+
+    def state_dict() -> dict:
+        return {
+            "model": get_model_state_dict(net),
+            "optim": get_optimizer_state_dict(net, optimizer_inner),
+        }
+
+    pg = ProcessGroupGloo(timeout=timedelta(seconds=5))
+    manager = Manager(
+        pg=pg, min_replica_size=1, load_state_dict=load_state_dict, state_dict=state_dict,
+        replica_id=f"hsdp_{group}", timeout=timedelta(seconds=30),
+        checkpoint_transport=PGTransport(pg, timeout=timedelta(seconds=10), device="cpu"),
+    )  # fmt: skip
+
+    def all_reduce_hook(output: torch.Tensor) -> None:
+        manager.allreduce(output).wait()  # the mean over the participating groups
+
+    for m in net.modules():
+        if isinstance(m, FSDPModule):
+            m.set_all_reduce_hook(all_reduce_hook)
+    optimizer = Optimizer(manager, optimizer_inner)
+    worker = group * shards + rank
+    # this rank's share of a step: its group's turns, as the drop-in deals them
+    from chameleon_runtime.sampler import deal
+
+    share = deal(sampler.num_micro_batches, list(range(groups * shards)), worker, shards)
+    net.train()
+    while manager.current_step() < args.steps:
+        step = manager.current_step()
+        optimizer.zero_grad()  # starts the quorum
+        for k, j in enumerate(share):
+            batch = torch.stack([data[i] for i in sampler.indices(step, j)])
+            net.set_requires_all_reduce(k == len(share) - 1)
+            loss = net(input_ids=batch, labels=batch).loss / len(share)
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+        optimizer.step()  # steps only if every participant's all-reduce succeeded
+        if manager.current_step() > step:
+            recorder.step(float(loss) * len(share))
+            participants = manager.num_participants()  # (a step of fewer covers less)
+            say(rank=worker, pid=os.getpid(), step=step, t=time.time(), micro_batches=len(share),
+                groups=participants)  # fmt: skip
+    final = held_out_loss(net, data)
+    if worker == 0:
+        say(final_loss=final, params=sum(p.numel() for p in net.parameters()))
+    recorder.dump(args.out, {})
+    manager.shutdown(wait=False)
 
 
 if __name__ == "__main__":
