@@ -74,6 +74,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--out", required=True)
     ap.add_argument("--sleep", type=float, default=0.0, help="seconds after each step")
+    ap.add_argument("--check-every", type=int, default=100)
+    ap.add_argument(
+        "--drift", default=None, help="RANK:STEP: that rank's shard of a weight is changed "
+        "once STEP steps are committed (a fault the replicas' consistency check must heal)",
+    )  # fmt: skip
     args = ap.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -109,7 +114,10 @@ def main() -> None:
             schedule.step()
             optimizer.zero_grad()
     else:
-        model = cr.ElasticDataParallel(model, sampler, shards=args.shards, blocks=model.blocks)
+        model = cr.ElasticDataParallel(
+            model, sampler, shards=args.shards, blocks=model.blocks, check_every=args.check_every
+        )
+        drift = tuple(map(int, args.drift.split(":"))) if args.drift else None
         optimizer = cr.ElasticOptimizer(
             torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1), model
         )
@@ -123,6 +131,9 @@ def main() -> None:
             if optimizer.step():
                 schedule.step()
                 time.sleep(args.sleep)  # (a slower job, for a test to act mid-run)
+                if drift == (int(os.environ["RANK"]), optimizer.global_step):
+                    with torch.no_grad():  # a bit flip's worth, in this rank's shard only
+                        model.module.embed.weight.to_local().add_(1e-3)
             optimizer.zero_grad()
             if optimizer.global_step >= args.steps:
                 break

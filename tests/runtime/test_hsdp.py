@@ -167,6 +167,23 @@ def test_a_replacement_killed_while_it_is_healed(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_drifted_shard_is_healed_from_its_column(tmp_path):
+    """3 replica groups of 2, the replicas compared every 4 steps: rank 4's shard of a
+    weight is changed after step 8 commits (its column is ranks 0, 2, 4). The check at
+    step 8 finds it outvoted and heals it from rank 0 before any forward uses it: the
+    run ends with the weights of one without the fault."""
+    flags = ("--micro-batches", "6", "--steps", "12", "--check-every", "4")
+    done, free = chameleon(tmp_path, "free", *flags, workers=6)
+    assert done.returncode == 0, done.stderr[-3000:]
+    done, healed = chameleon(tmp_path, "drift", *flags, "--drift", "4:8", workers=6)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "rank(s) [4] held weights different from the others' (first in " in done.stderr
+    assert "healed from rank 0" in done.stderr
+    for rank in range(6):
+        assert relative(free[0], healed[rank]) <= TOLERANCE
+
+
+@pytest.mark.slow
 def test_a_lost_node_takes_its_replica_group_and_the_job_goes_on(tmp_path):
     """Two agents on 127.0.0.1, two workers each: node 1 holds replica group 1 (ranks 2,
     3). Its agent is SIGKILLed mid-run (its workers die with it): node 0's group takes
