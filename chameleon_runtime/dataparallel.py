@@ -178,9 +178,15 @@ class ElasticDataParallel(nn.Module):
 
     def _shard(self) -> None:
         """FSDP2 within this member's replica group (chameleon_runtime.sharding)."""
-        mesh = group_mesh(self.replicas.layout_now(), self.rank, self._device_type)
+        mesh = group_mesh(
+            self.replicas.layout_now(), self.rank, self._device_type, self.replicas.blocking
+        )
         run = self._group_collective if self.elastic is not None else None
         shard_model(self.module, mesh, self._blocks, run, self._fsdp_options)
+        if self._find_unused:  # members that used different parameters scatter alike
+            for m in self.module.modules():
+                if hasattr(m, "set_reduce_scatter_unused_params"):
+                    m.set_reduce_scatter_unused_params(True, recurse=False)
         self.is_sharded = True
         if self.elastic is not None:  # what one unit gathers whole, for the planner
             self.elastic.unit_params = unit_params(self.module, self._blocks)
@@ -224,6 +230,14 @@ class ElasticDataParallel(nn.Module):
         A failure is kept, not raised in the script's forward or backward: the output is
         zeros, the step is redone once ``step()`` has recovered, and the turn's later
         collectives are not posted (the group is broken)."""
+        if self.mb is None:  # outside a training turn (an evaluation): as the script's own
+            self.replicas.shard_collective(kind, output, tensor)
+            return
+        if self.discard:
+            # A stale deal's turn (a batch the loader drew before a recovery): it posts
+            # nothing, so that the group's real turns stay paired, and is thrown away.
+            output.zero_()
+            return
         if self.failure is None:
             try:
                 self.replicas.shard_collective(kind, output, tensor)
@@ -289,7 +303,12 @@ class ElasticDataParallel(nn.Module):
         moved = {id(p): after[name] for name, p in before.items()}
         for optimizer in self.optimizers:
             inner = optimizer.optimizer
-            assert not inner.state, "a replacement's optimizer stepped before its heal"
+            if inner.state:
+                raise RuntimeError(
+                    "chameleon: a replacement of a sharded model has optimizer state before "
+                    "its heal (a checkpoint loaded into it?): it takes its shards' state from "
+                    "a live member (model.replacement: skip the load)"
+                )
             for group in inner.param_groups:
                 group["params"] = [moved.get(id(p), p) for p in group["params"]]
         self._track()
@@ -404,7 +423,8 @@ class ElasticDataParallel(nn.Module):
         micro-batch): ``.grad`` shows zeros (chameleon_runtime.buckets)."""
         self._shown_queued = False
         if not self.synced and not self.repeat:
-            self.grads.expose_scratch(broken=self.failure is not None)
+            broken = self.failure is not None or (self.sharded and self.discard)
+            self.grads.expose_scratch(broken=broken)
 
     # -- the backward's hooks --------------------------------------------------------------
 
@@ -479,6 +499,8 @@ class ElasticDataParallel(nn.Module):
                 grads.wait_all(self.replicas.wait)
             except (Aborted, CommError) as exc:
                 self.failure = (str(exc), False)
+        if self.sharded and self.elastic is not None:
+            self._agree_in_group()
         if self.failure is not None:
             grads.expose_scratch(broken=True)  # the sums are incomplete: the step is redone
             return
@@ -486,6 +508,21 @@ class ElasticDataParallel(nn.Module):
         grads.add_carried()
         grads.expose()
         self.synced = True
+
+    def _agree_in_group(self) -> None:
+        """A sharded model's group agrees whether its step's sums are whole before any
+        member shows them: a member whose column's sum failed while its group-mate's
+        succeeded would otherwise show DTensor gradients to a loop whose norm
+        (``clip_grad_norm_``) is a collective of the group its mate has left. One flag,
+        summed over the group on the generation's (abortable) collectives."""
+        flag = torch.tensor([0.0 if self.failure is None else 1.0])
+        try:
+            self.replicas.group_allreduce(flag)
+        except (Aborted, CommError) as exc:
+            flag[0] = 1.0
+            self.failure = self.failure or (str(exc), False)
+        if flag.item() and self.failure is None:
+            self.failure = ("a member of this replica group failed its step's sums", False)
 
     def _repeat_done(self) -> None:
         """A second backward after the sync: its sums, all-reduced, divided and added to
@@ -616,7 +653,7 @@ class ElasticDataParallel(nn.Module):
         self.sampler.rewind(resume, elastic.members)
         self.consistency.last_checked = -1  # (as every member of the new generation)
         if self.sharded:  # FSDP2's mesh on the new generation's groups
-            refresh_mesh(self.module, elastic.layout, self.rank)
+            refresh_mesh(self.module, elastic.layout, self.rank, self.replicas.blocking)
         if roll or self._rolled:  # committed elsewhere: these sums (their mean) are final
             if self._rolled:  # (applied already, before this member sent its state)
                 return True

@@ -98,6 +98,20 @@ class ReplicaGroup:
         assert self.elastic is not None
         self.elastic.group_collective(kind, output, tensor)
 
+    def group_allreduce(self, tensor: torch.Tensor) -> None:
+        """A blocking sum over this member's replica group (chameleon run)."""
+        assert self.elastic is not None
+        group = self.elastic.layout.group_of(self.rank)
+        if len(group) > 1:
+            self.elastic.wait(self.elastic.allreduce(tensor, group), group)
+
+    def blocking(self, fn: Any, what: str) -> Any:
+        """Run a blocking call among the members (building a group): under chameleon run
+        on the generation's helper, which the launcher's abort ends."""
+        if self.elastic is not None and self.elastic.gen is not None:
+            return self.elastic.gen.call(fn, what)
+        return fn()
+
     def column_allreduce(self, tensor: torch.Tensor) -> None:
         """A blocking sum over the column (what a shard's replicas compare or share)."""
         self.wait(self.post(tensor))

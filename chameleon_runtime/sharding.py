@@ -133,23 +133,36 @@ def shown_as(param: torch.Tensor, view: torch.Tensor) -> torch.Tensor:
     )
 
 
-def group_mesh(layout: ShardLayout, me: int, device_type: str) -> Any:
+Blocking = Callable[[Callable[[], Any], str], Any]  # runs a blocking call (abortably)
+
+
+def group_mesh(
+    layout: ShardLayout, me: int, device_type: str, blocking: Blocking | None = None
+) -> Any:
     """A 1-D DeviceMesh over ``me``'s replica group, on the default process group
     (whose ranks are the members' places in ``layout.members``). Every member builds
-    every group, in one order (``new_group`` is a collective of the default group)."""
+    every group, in one order (``new_group`` is a collective of the default group), on
+    ``blocking`` (chameleon run: the generation's helper, so that a member lost while
+    they are built ends the wait at the launcher's abort, as chameleon_runtime.usergroup
+    builds the default group)."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    mine = None
-    for group in layout.groups:
-        ranks = [layout.members.index(r) for r in group]
-        made = dist.new_group(ranks)
-        if me in group:
-            mine = made
+    def build() -> Any:
+        mine = None
+        for group in layout.groups:
+            made = dist.new_group([layout.members.index(r) for r in group])
+            if me in group:
+                mine = made
+        return mine
+
+    mine = blocking(build, "groups") if blocking is not None else build()
     assert mine is not None
     return DeviceMesh.from_group(mine, device_type)
 
 
-def refresh_mesh(module: nn.Module, layout: ShardLayout, me: int) -> None:
+def refresh_mesh(
+    module: nn.Module, layout: ShardLayout, me: int, blocking: Blocking | None = None
+) -> None:
     """A recovery rebuilt the default process group (chameleon_runtime.usergroup): the
     mesh FSDP2 shards on gets this generation's group over ``me``'s replica group, whose
     members and their places are the same (a plan keeps groups whole:
@@ -168,13 +181,17 @@ def refresh_mesh(module: nn.Module, layout: ShardLayout, me: int) -> None:
             break
     if mesh is None:
         return
-    fresh = group_mesh(layout, me, mesh.device_type).get_group()
+    fresh = group_mesh(layout, me, mesh.device_type, blocking).get_group()
     if fresh.size() != mesh.size():
         raise RuntimeError(
             f"chameleon: replica group of rank {me} has {fresh.size()} members now, "
             f"{mesh.size()} when the model was sharded"
         )
     mesh._dim_group_names = [fresh.group_name]
+    if isinstance(getattr(mesh, "_pg_registry", None), dict):  # (torch.compile's lookup)
+        mesh._pg_registry = {fresh.group_name: fresh}
+    # (the mesh's rank map keeps the default group's ranks of the launch: the group's own
+    # ranks, its coordinate and size, which FSDP2 and DTensor use, are the same)
     for m in module.modules():
         if isinstance(m, FSDPModule):
             for param_group in m._get_fsdp_state()._fsdp_param_groups:
@@ -250,6 +267,12 @@ def shard_model(
     averaged; ``run`` (under chameleon run) carries FSDP2's collectives."""
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
+    reshard = fsdp_options.get("reshard_after_forward", True)
+    if not isinstance(reshard, bool):
+        raise ValueError(
+            f"fsdp_options: reshard_after_forward={reshard!r}: the drop-in shards over whole "
+            "replica groups (True or False)"
+        )
     for block in blocks:
         fully_shard(block, mesh=mesh, **fsdp_options)
     fully_shard(module, mesh=mesh, **fsdp_options)
