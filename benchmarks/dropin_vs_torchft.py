@@ -168,12 +168,20 @@ def measure(lines: list[dict], steps: int, killed: tuple[float, int] | None) -> 
         "check_s": sum(x["check_s"] for x in lines if "checks" in x and x["rank"] == 0),
     }
     if killed is not None:
-        at, pid = killed
-        after = [x for x in chief if x["committed"] and x["t"] > at]
-        out["survivor_s"] = after[0]["t"] - at if after else float("nan")
-        new = [x for x in rows if x["rank"] == 1 and x["pid"] != pid and x["committed"]]
-        out["replacement_s"] = new[0]["t"] - at if new else float("nan")
+        out.update(kill_times([x for x in rows if x["committed"]], killed, survivor=0))
     return out
+
+
+def kill_times(rows: list[dict], killed: tuple[float, int], survivor: int) -> dict:
+    """From committed step lines: the survivor's time from the kill to its next step,
+    and the replacement's (worker 1 again, another pid) to its first."""
+    at, pid = killed
+    after = [x for x in rows if x["rank"] == survivor and x["t"] > at]
+    new = [x for x in rows if x["rank"] == 1 and x["pid"] != pid and x["t"] > at]
+    return {
+        "survivor_s": after[0]["t"] - at if after else float("nan"),
+        "replacement_s": new[0]["t"] - at if new else float("nan"),
+    }
 
 
 def main() -> int:

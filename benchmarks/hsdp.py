@@ -24,7 +24,7 @@ TorchFT's HSDP (torchtitan's integration: a replica group per torchrun job, FSDP
 it, the groups' sum through its Manager in FSDP2's all-reduce hook, PGTransport healing
 with DTensor state dicts) runs failure-free when torchft is installed, its first error
 printed if it does not train (torchft 0.2 here: the group healed at the start dies at
-its first forward, "aten.addmm.default got mixed torch.Tensor and DTensor"). The planner plans with
+its first forward, its healed parameters plain or unallocated tensors among DTensors). The planner plans with
 configs/cpu_testbed.toml with host_cores = 0 (a device per worker): on the shared 2 cores
 two workers are as fast as four, and it would rightly leave the replacement a spare.
 """
@@ -46,6 +46,7 @@ from dropin_vs_torchft import (  # noqa: E402 - the shared harness
     _importable,
     env,
     free_port,
+    kill_times,
     kill_when,
 )
 
@@ -142,11 +143,7 @@ def measure(
         "lost_samples": MICRO * sum(max(0, MICRO_BATCHES - c) for c in covered.values()),
     }
     if killed is not None:
-        at, pid = killed
-        after = [x for x in rows if x["rank"] == watch and x["t"] > at]
-        out["survivor_s"] = after[0]["t"] - at if after else float("nan")
-        new = [x for x in rows if x["rank"] == 1 and x["pid"] != pid and x["t"] > at]
-        out["replacement_s"] = new[0]["t"] - at if new else float("nan")
+        out.update(kill_times(rows, killed, survivor=watch))
     return out
 
 

@@ -18,7 +18,6 @@ loss on a held-out batch.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -30,21 +29,23 @@ import transformers  # noqa: F401 - at module level, as an HF script has it: the
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
+from dropin_worker import held_out_loss, say  # noqa: E402 - the drop-in benchmark's
 from overhead import Recorder, _preload  # noqa: E402 - the overhead benchmark's measures
 from train_hf import Text, blocks_of, build_model  # noqa: E402 - the example's model and text
 
 WARMUP = 3
 
 
-def say(**fields: object) -> None:
-    print(json.dumps(fields), flush=True)
-
-
-def held_out_loss(model: torch.nn.Module, data: Text) -> float:
-    batch = torch.stack([data[len(data) - 1 - i] for i in range(16)])
-    model.eval()
-    with torch.no_grad():
-        return float(model(input_ids=batch, labels=batch).loss)
+def accumulate(model, data, sampler, step: int, share: list[int]) -> float:  # noqa: ANN001
+    """Plain HSDP's micro-batches of one step on this rank: reduce-scattered within the
+    group after each, all-reduced across groups after the last (as the drop-in sums);
+    returns the last one's loss."""
+    for k, j in enumerate(share):
+        batch = torch.stack([data[i] for i in sampler.indices(step, j)])
+        model.set_requires_all_reduce(k == len(share) - 1)
+        loss = model(input_ids=batch, labels=batch).loss / len(share)
+        loss.backward()
+    return float(loss) * len(share)
 
 
 def main() -> None:
@@ -95,17 +96,11 @@ def main() -> None:
         share = [j for j in range(sampler.num_micro_batches) if j % world == rank]
         model.train()
         for step in range(args.steps):
-            for k, j in enumerate(share):
-                batch = torch.stack([data[i] for i in sampler.indices(step, j)])
-                # reduce-scatter every micro-batch (a shard's memory), all-reduce the
-                # groups' sums once: the drop-in's communication
-                model.set_requires_all_reduce(k == len(share) - 1)
-                loss = model(input_ids=batch, labels=batch).loss / len(share)
-                loss.backward()
+            loss = accumulate(model, data, sampler, step, share)
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
             optimizer.zero_grad()
-            recorder.step(float(loss) * len(share))
+            recorder.step(loss)
             say(rank=rank, pid=os.getpid(), step=step, t=time.time(), micro_batches=len(share))
         saver = rank == 0
     elif args.mode == "torchft":
@@ -204,15 +199,11 @@ def run_torchft(args, data, net, sampler, recorder) -> None:  # noqa: ANN001
     while manager.current_step() < args.steps:
         step = manager.current_step()
         optimizer.zero_grad()  # starts the quorum
-        for k, j in enumerate(share):
-            batch = torch.stack([data[i] for i in sampler.indices(step, j)])
-            net.set_requires_all_reduce(k == len(share) - 1)
-            loss = net(input_ids=batch, labels=batch).loss / len(share)
-            loss.backward()
+        loss = accumulate(net, data, sampler, step, share)
         torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
         optimizer.step()  # steps only if every participant's all-reduce succeeded
         if manager.current_step() > step:
-            recorder.step(float(loss) * len(share))
+            recorder.step(loss)
             participants = manager.num_participants()  # (a step of fewer covers less)
             say(rank=worker, pid=os.getpid(), step=step, t=time.time(), micro_batches=len(share),
                 groups=participants)  # fmt: skip

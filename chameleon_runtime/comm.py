@@ -461,23 +461,28 @@ class Generation:
     ) -> Any:
         """Gather ``tensor`` of every holder, in their order, into ``output`` (waited for
         by ``wait``): a ring sends (n - 1) / n of ``output``."""
-        collective = self.collectives[holders]
-        work = self._post(self.transport.post_allgather, output, tensor, group=collective.group)
-        collective.posted.append(work)
-        n = len(holders)
-        self.sent_bytes += (n - 1) * output.numel() * output.element_size() // n
-        return work
+        return self._post_ring(self.transport.post_allgather, holders, output, tensor, output)
 
     def reducescatter(
         self, holders: tuple[int, ...], output: torch.Tensor, tensor: torch.Tensor
     ) -> Any:
         """Sum ``tensor`` over the holders, each keeping its slice in ``output`` (waited
         for by ``wait``): a ring sends (n - 1) / n of ``tensor``."""
+        return self._post_ring(self.transport.post_reducescatter, holders, output, tensor, tensor)
+
+    def _post_ring(
+        self,
+        post: Callable[..., Any],
+        holders: tuple[int, ...],
+        output: torch.Tensor,
+        tensor: torch.Tensor,
+        whole: torch.Tensor,
+    ) -> Any:
         collective = self.collectives[holders]
-        work = self._post(self.transport.post_reducescatter, output, tensor, group=collective.group)
+        work = self._post(post, output, tensor, group=collective.group)
         collective.posted.append(work)
         n = len(holders)
-        self.sent_bytes += (n - 1) * tensor.numel() * tensor.element_size() // n
+        self.sent_bytes += (n - 1) * whole.numel() * whole.element_size() // n
         return work
 
     def wait(self, work: Any, holders: tuple[int, ...]) -> None:

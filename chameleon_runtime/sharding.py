@@ -148,12 +148,7 @@ def group_mesh(
     from torch.distributed.device_mesh import DeviceMesh
 
     def build() -> Any:
-        mine = None
-        for group in layout.groups:
-            made = dist.new_group([layout.members.index(r) for r in group])
-            if me in group:
-                mine = made
-        return mine
+        return _subgroups(layout, layout.groups, me)
 
     mine = blocking(build, "groups") if blocking is not None else build()
     assert mine is not None
@@ -204,10 +199,16 @@ def refresh_mesh(
 def column_groups(layout: ShardLayout, me: int) -> Any:
     """Under torchrun: the default group's subgroup of ``me``'s column (every member
     builds every column, in one order)."""
+    return _subgroups(layout, layout.columns, me)
+
+
+def _subgroups(layout: ShardLayout, sets: list[tuple[int, ...]], me: int) -> Any:
+    """A subgroup of the default group per set of members (every member builds every
+    one, in one order: ``new_group`` is a collective of the default group); ``me``'s."""
     mine = None
-    for column in layout.columns:
-        made = dist.new_group([layout.members.index(r) for r in column])
-        if me in column:
+    for members in sets:
+        made = dist.new_group([layout.members.index(r) for r in members])
+        if me in members:
             mine = made
     return mine
 

@@ -97,3 +97,42 @@ def rank_outputs(folder: Path, name: str) -> dict[int, dict]:
         int(f.name.split(".rank")[1].split(".")[0]): json.loads(f.read_text())
         for f in folder.glob(f"{name}.rank*.json")
     }
+
+
+def lose_node_1(
+    tmp: Path,
+    args: list[str],
+    *,
+    after_step: int = 10,
+    flags: tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
+    timeout: float = 120,
+) -> list[dict]:
+    """Two agents on 127.0.0.1 (``--nproc-per-node 2`` each, ``flags`` besides) run
+    ``args``; once node 0 reports step ``after_step``, node 1's agent is SIGKILLed (its
+    workers die with it). Node 0 must then exit 0; its events are returned. A failed run
+    leaves no launcher behind."""
+    common = [
+        "run", "--nnodes", "2", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+        "--master-port", str(free_port()), "--heartbeat-timeout", "2", *flags,
+    ]  # fmt: skip
+    node1 = start(*common, "--node-rank", "1", *args, cwd=tmp, log=tmp / "n1.log", env=env)
+    log0 = tmp / "n0.jsonl"
+    node0 = start(
+        *common, "--node-rank", "0", "--events", str(log0), *args, cwd=tmp,
+        log=tmp / "n0.log", env=env,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + timeout
+        while not any(e["event"] == "step" and e["step"] >= after_step for e in events(log0)):
+            assert time.monotonic() < deadline and node0.poll() is None
+            time.sleep(0.05)
+        node1.kill()
+        node1.wait()
+        assert node0.wait(timeout=timeout) == 0, (tmp / "n0.log").read_text()[-3000:]
+    finally:
+        for node in (node0, node1):
+            if node.poll() is None:
+                node.kill()
+                node.wait()
+    return events(log0)

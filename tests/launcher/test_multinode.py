@@ -6,7 +6,16 @@ import time
 
 import pytest
 
-from tests.launcher.helpers import events, free_port, leftovers, run, start, wait_for_event, write
+from tests.launcher.helpers import (
+    events,
+    free_port,
+    leftovers,
+    lose_node_1,
+    run,
+    start,
+    wait_for_event,
+    write,
+)
 
 # real processes, seconds each: the full suite (CI) runs them, the fast tier does not
 pytestmark = pytest.mark.slow
@@ -227,35 +236,8 @@ def test_a_lost_node_recovered_in_place_lets_the_job_end(tmp_path):
     from tests.runtime.test_recovery import dumps
 
     _, _, reference = run_mlp(tmp_path, "ref", workers=4, steps=60, args=("--stages", "1"))
-    port = free_port()
-    common = [
-        "run", "--nnodes", "2", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-        "--master-port", str(port), "--heartbeat-timeout", "2",
-    ]  # fmt: skip
     args = [MLP, "--steps", "60", "--stages", "1", "--dump", str(tmp_path / "dump")]
-    slow = {"MLP_STEP_SLEEP_S": "0.1"}
-    node1 = start(
-        *common, "--node-rank", "1", *args, cwd=tmp_path, log=tmp_path / "n1.log", env=slow
-    )
-    log0 = tmp_path / "n0.jsonl"
-    node0 = start(
-        *common, "--node-rank", "0", "--events", str(log0), *args, cwd=tmp_path,
-        log=tmp_path / "n0.log", env=slow,
-    )  # fmt: skip
-    try:
-        deadline = time.monotonic() + 90
-        while not any(e["event"] == "step" and e["step"] >= 15 for e in events(log0)):
-            assert time.monotonic() < deadline and node0.poll() is None
-            time.sleep(0.05)
-        node1.kill()
-        node1.wait()
-        assert node0.wait(timeout=60) == 0, (tmp_path / "n0.log").read_text()[-3000:]
-    finally:  # a failed run must not leave a launcher behind
-        for node in (node0, node1):
-            if node.poll() is None:
-                node.kill()
-                node.wait()
-    evs = events(log0)
+    evs = lose_node_1(tmp_path, args, after_step=15, env={"MLP_STEP_SLEEP_S": "0.1"}, timeout=90)
     assert [e["node"] for e in evs if e["event"] == "node_lost"] == [1]
     assert [e["attempt"] for e in evs if e["event"] == "workers_started"] == [0]  # in place
     finish = [e for e in evs if e["event"] == "decision" and e["action"] == "finish"]

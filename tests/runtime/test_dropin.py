@@ -10,7 +10,6 @@ float32 the same rounding, amplified by AdamW over 150 steps, reached 1e-2 relat
 small bias tensors: measured, docs/dataparallel.md). Replicas of the model must agree
 exactly, as DDP's do."""
 
-import time
 from pathlib import Path
 
 import pytest
@@ -18,11 +17,10 @@ import pytest
 from tests.launcher.helpers import (
     devices_config,
     events,
-    free_port,
     leftovers,
+    lose_node_1,
     rank_outputs,
     run,
-    start,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -156,32 +154,8 @@ def test_a_replacement_heals_from_a_live_member_and_trains_on(tmp_path):
 
 
 def test_a_lost_node_is_recovered_in_place(tmp_path, reference):
-    port = free_port()
-    common = [
-        "run", "--nnodes", "2", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-        "--master-port", str(port), "--heartbeat-timeout", "2", "--max-rejoins", "0",
-    ]  # fmt: skip
     args = [EXAMPLE, "--steps", "200", "--float64", "--dump", str(tmp_path / "dump")]
-    node1 = start(*common, "--node-rank", "1", *args, cwd=tmp_path, log=tmp_path / "n1.log")
-    log0 = tmp_path / "n0.jsonl"
-    node0 = start(
-        *common, "--node-rank", "0", "--events", str(log0), *args, cwd=tmp_path,
-        log=tmp_path / "n0.log",
-    )  # fmt: skip
-    try:
-        deadline = time.monotonic() + 120
-        while not any(e["event"] == "step" and e["step"] >= 10 for e in events(log0)):
-            assert time.monotonic() < deadline and node0.poll() is None
-            time.sleep(0.05)
-        node1.kill()  # the agent and, with it, its two workers
-        node1.wait()
-        assert node0.wait(timeout=120) == 0, (tmp_path / "n0.log").read_text()[-3000:]
-    finally:
-        for node in (node0, node1):
-            if node.poll() is None:
-                node.kill()
-                node.wait()
-    evs = events(log0)
+    evs = lose_node_1(tmp_path, args, flags=("--max-rejoins", "0"))
     assert [e["node"] for e in evs if e["event"] == "node_lost"] == [1]
     assert [e["attempt"] for e in named(evs, "workers_started")] == [0]  # in place
     full, _ = train(tmp_path, "ref200", steps=200)

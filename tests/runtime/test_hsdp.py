@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -18,11 +17,10 @@ from tests.launcher.helpers import (
     devices_config,
     env,
     events,
-    free_port,
     leftovers,
+    lose_node_1,
     rank_outputs,
     run,
-    start,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -190,32 +188,9 @@ def test_a_lost_node_takes_its_replica_group_and_the_job_goes_on(tmp_path):
     every micro-batch in place and ends with the failure-free weights."""
     done, free = chameleon(tmp_path, "free", "--steps", "40")
     assert done.returncode == 0, done.stderr[-3000:]
-    common = [
-        "run", "--nnodes", "2", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-        "--master-port", str(free_port()), "--heartbeat-timeout", "2", "--max-rejoins", "0",
-    ]  # fmt: skip
     args = [SCRIPT, "--mode", "dropin", "--steps", "40", "--sleep", "0.1"]
     args += ["--out", str(tmp_path / "node")]
-    node1 = start(*common, "--node-rank", "1", *args, cwd=tmp_path, log=tmp_path / "n1.log")
-    log0 = tmp_path / "n0.jsonl"
-    node0 = start(
-        *common, "--node-rank", "0", "--events", str(log0), *args, cwd=tmp_path,
-        log=tmp_path / "n0.log",
-    )  # fmt: skip
-    try:
-        deadline = time.monotonic() + 120
-        while not any(e["event"] == "step" and e["step"] >= 10 for e in events(log0)):
-            assert time.monotonic() < deadline and node0.poll() is None
-            time.sleep(0.05)
-        node1.kill()
-        node1.wait()
-        assert node0.wait(timeout=90) == 0, (tmp_path / "n0.log").read_text()[-3000:]
-    finally:  # a failed run must not leave a launcher behind
-        for node in (node0, node1):
-            if node.poll() is None:
-                node.kill()
-                node.wait()
-    evs = events(log0)
+    evs = lose_node_1(tmp_path, args, flags=("--max-rejoins", "0"), timeout=90)
     assert [e["node"] for e in evs if e["event"] == "node_lost"] == [1]
     assert [e["attempt"] for e in evs if e["event"] == "workers_started"] == [0]  # in place
     chosen = [e["label"] for e in evs if e["event"] == "plan_chosen"]
