@@ -133,6 +133,12 @@ def main() -> None:
     if saver:
         say(final_loss=final, params=params)
     recorder.dump(args.out, {"params": params})
+    if args.mode == "plain":  # (as tests/runtime/hsdp_script.py: no gloo group at exit)
+        import gc
+
+        dist.barrier()
+        gc.collect()
+        dist.destroy_process_group()
 
 
 def run_torchft(args, data, net, sampler, recorder) -> None:  # noqa: ANN001

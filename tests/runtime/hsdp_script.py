@@ -18,6 +18,7 @@ DTensor collective of the group), a learning-rate schedule, AdamW with weight de
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import time
@@ -144,6 +145,14 @@ def main() -> None:
     }
     with open(f"{args.out}.rank{rank}.json", "w") as f:
         json.dump({"state": state, "lr": schedule.get_last_lr()[0]}, f)
+    if args.mode == "plain":
+        # Every rank past its last collective, then the groups shut down before the
+        # interpreter ends: a gloo group destroyed at exit with its threads running aborts
+        # the process ("terminate called without an active exception", 1 plain run of
+        # ~30 in CI; chameleon_runtime.usergroup does the same for the drop-in)
+        dist.barrier()
+        gc.collect()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
