@@ -101,6 +101,30 @@ def kill_when(job: Job, victim: int, step: int, timeout: float) -> tuple[float, 
     return None
 
 
+def start_torchft(
+    job: Job, worker: list[str], logs: Path, *, groups: int, procs: int
+) -> subprocess.Popen:
+    """TorchFT's lighthouse (a 100 ms quorum tick), then each replica group as a torchrun
+    job of its own, ``procs`` processes, restarted once (its log ``logs-<group>.log``):
+    how TorchFT runs. Returns the lighthouse, which the caller stops."""
+    port = free_port()
+    lighthouse = subprocess.Popen(
+        ["torchft_lighthouse", "--min_replicas", "1", "--quorum_tick_ms", "100",
+         "--join_timeout_ms", "10000", "--bind", f"[::]:{port}"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
+    for group in range(groups):
+        job.start(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
+             "--nproc-per-node", str(procs), "--max-restarts", "1",
+             "--rdzv-backend", "c10d", f"--rdzv-endpoint=localhost:{free_port()}", *worker],
+            logs.with_name(f"{logs.name}-{group}.log"),
+            env(REPLICA_GROUP_ID=str(group), REPLICA_GROUPS=str(groups),
+                TORCHFT_LIGHTHOUSE=f"http://localhost:{port}"),
+        )  # fmt: skip
+    return lighthouse
+
+
 def run_side(mode: str, steps: int, kill_at: int | None, tmp: Path, config: Path) -> dict:
     job = Job()
     tag = f"{mode}-{'kill' if kill_at is not None else 'free'}"
@@ -121,21 +145,9 @@ def run_side(mode: str, steps: int, kill_at: int | None, tmp: Path, config: Path
                 tmp / f"{tag}.log", env(),
             )  # fmt: skip
         else:
-            port = free_port()
-            lighthouse = subprocess.Popen(
-                ["torchft_lighthouse", "--min_replicas", "1", "--quorum_tick_ms", "100",
-                 "--join_timeout_ms", "10000", "--bind", f"[::]:{port}"],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-            )  # fmt: skip
-            for group in range(REPLICAS):
-                job.start(
-                    [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
-                     "--nproc-per-node", "1", "--max-restarts", "1",
-                     "--rdzv-backend", "c10d", f"--rdzv-endpoint=localhost:{free_port()}",
-                     WORKER, "--mode", "torchft", *common],
-                    tmp / f"{tag}-{group}.log",
-                    env(REPLICA_GROUP_ID=str(group), TORCHFT_LIGHTHOUSE=f"http://localhost:{port}"),
-                )  # fmt: skip
+            lighthouse = start_torchft(
+                job, [WORKER, "--mode", "torchft", *common], tmp / tag, groups=REPLICAS, procs=1
+            )
         killed = None
         if kill_at is not None:
             killed = kill_when(job, 1, kill_at, timeout=300)

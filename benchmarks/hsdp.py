@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -45,9 +44,9 @@ from dropin_vs_torchft import (  # noqa: E402 - the shared harness
     Job,
     _importable,
     env,
-    free_port,
     kill_times,
     kill_when,
+    start_torchft,
 )
 
 WORKER = str(ROOT / "benchmarks" / "hsdp_worker.py")
@@ -72,22 +71,10 @@ def run_side(
                 tmp / f"{tag}.log", env(),
             )  # fmt: skip
         elif mode == "torchft":
-            lighthouse_port = free_port()
-            lighthouse = subprocess.Popen(
-                ["torchft_lighthouse", "--min_replicas", "1", "--quorum_tick_ms", "100",
-                 "--join_timeout_ms", "10000", "--bind", f"[::]:{lighthouse_port}"],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+            lighthouse = start_torchft(
+                job, [WORKER, "--mode", "torchft", *common], tmp / tag,
+                groups=WORKERS // SHARDS, procs=SHARDS,
             )  # fmt: skip
-            for group in range(WORKERS // SHARDS):
-                job.start(
-                    [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
-                     "--nproc-per-node", str(SHARDS), "--max-restarts", "1",
-                     "--rdzv-backend", "c10d", f"--rdzv-endpoint=localhost:{free_port()}",
-                     WORKER, "--mode", "torchft", *common],
-                    tmp / f"{tag}-{group}.log",
-                    env(REPLICA_GROUP_ID=str(group), REPLICA_GROUPS=str(WORKERS // SHARDS),
-                        TORCHFT_LIGHTHOUSE=f"http://localhost:{lighthouse_port}"),
-                )  # fmt: skip
         else:
             rejoins = "1" if kill_at is not None else "0"
             job.start(

@@ -44,6 +44,7 @@ class Replica(Protocol):
 
     replicas: ReplicaGroup
     module: nn.Module
+    sharded: bool  # compared shard by shard
     meta: StepMeta
     optimizers: list[Any]  # each with .optimizer, the inner one
 
@@ -114,7 +115,7 @@ class Consistency:
         rows = self._gather(self.fingerprint(), members, me)
         bits = rows.contiguous().view(torch.int64).tolist()
         # the members that must agree: all, or each column of a sharded model
-        if getattr(self.model, "sharded", False):
+        if self.model.sharded:
             columns = [[members.index(r) for r in c] for c in group.layout_now().columns]
         else:
             columns = [list(range(len(members)))]
@@ -148,7 +149,7 @@ class Consistency:
                 f"others' (first in {where}); healed from rank {members[majority[0]]}"
             )
         source = members[sources[me]]
-        self._heal_from(source, members[sources[0]], sharded=len(columns) > 1)
+        self._heal_from(source, members[sources[0]], sharded=self.model.sharded)
         if me == min(sources.values()):
             print(
                 f"chameleon_runtime: replica consistency check at step {step}: " + "; ".join(said),

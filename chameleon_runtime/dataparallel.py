@@ -56,14 +56,7 @@ from chameleon_runtime.heal import ReplicaState, check_travels
 from chameleon_runtime.replicagroup import ReplicaGroup
 from chameleon_runtime.sampler import ElasticSampler, MicroBatch
 from chameleon_runtime.shard import Streams, op_seed
-from chameleon_runtime.sharding import (
-    check_even_deal,
-    group_mesh,
-    local,
-    refresh_mesh,
-    shard_model,
-    unit_params,
-)
+from chameleon_runtime.sharding import Sharding, check_even_deal, local
 from chameleon_runtime.stepmeta import StepMeta
 
 
@@ -134,20 +127,23 @@ class ElasticDataParallel(nn.Module):
         # plan takes it in (a sharded model's must not load a checkpoint before: it
         # belongs to no group yet).
         self.replacement = self.elastic is not None and bool(self.elastic.joining)
-        if self.elastic is not None and not self.elastic.joining:
+        if self.elastic is not None and not self.replacement:
             self.elastic.start(sampler.step)
-        self.sharded = shards > 1
-        self.is_sharded = False  # fully_shard applied (a replacement's only once taken in)
-        self._device_type = device.type
-        self._blocks = list(blocks)
-        self._fsdp_options = dict(fsdp_options or {})
         self._find_unused = find_unused_parameters
         self._hooks: list[Any] = []
         self.optimizers: list[Wrapped] = []
-        # A replacement of a sharded model shards it once a plan takes it in (``_install``):
-        # until then it belongs to no group to shard over.
-        if self.sharded and not (self.elastic is not None and self.elastic.joining):
-            self._shard()
+        # FSDP2 within the replica group (chameleon_runtime.sharding); a replacement's
+        # model is sharded once a plan takes it in (``_install``): until then it belongs
+        # to no group to shard over.
+        self.sharding: Sharding | None = None
+        if shards > 1:
+            self.sharding = Sharding(
+                module, self.replicas, blocks, dict(fsdp_options or {}),
+                find_unused=find_unused_parameters,
+                run=self._group_collective if self.elastic is not None else None,
+            )  # fmt: skip
+            if not self.replacement:
+                self.sharding.apply()
         self._track()
         self.kept: list[Any] = []  # heal_with's objects
         self._streams = Streams(device)  # a micro-batch's random numbers
@@ -167,29 +163,15 @@ class ElasticDataParallel(nn.Module):
         self._rolled = False  # a step rolled forward was applied before a heal's export
         self._outcome = Outcome(0, False)
         self._last_commit = time.perf_counter()
-        if self.elastic is not None and not self.elastic.joining:
-            self._broadcast_elastic()
-        elif self.replicas.group:  # every replica starts from rank 0's weights, as DDP's
-            with torch.no_grad():
-                self._broadcast_torchrun()
+        if not self.replacement:
+            self._broadcast_start()
         self.meta.committed = self.meta.flat_buffers()
         if self.elastic is not None:
             self.elastic.end_at_exit(lambda: self.sampler.step)
 
-    def _shard(self) -> None:
-        """FSDP2 within this member's replica group (chameleon_runtime.sharding)."""
-        mesh = group_mesh(
-            self.replicas.layout_now(), self.rank, self._device_type, self.replicas.blocking
-        )
-        run = self._group_collective if self.elastic is not None else None
-        shard_model(self.module, mesh, self._blocks, run, self._fsdp_options)
-        if self._find_unused:  # members that used different parameters scatter alike
-            for m in self.module.modules():
-                if hasattr(m, "set_reduce_scatter_unused_params"):
-                    m.set_reduce_scatter_unused_params(True, recurse=False)
-        self.is_sharded = True
-        if self.elastic is not None:  # what one unit gathers whole, for the planner
-            self.elastic.unit_params = unit_params(self.module, self._blocks)
+    @property
+    def sharded(self) -> bool:
+        return self.sharding is not None
 
     def _track(self) -> None:
         """The parameters the step's sums and hooks follow (again after a replacement
@@ -204,26 +186,29 @@ class ElasticDataParallel(nn.Module):
             p.register_post_accumulate_grad_hook(self._accumulated) for p in self._params
         ]
 
-    def _broadcast_elastic(self) -> None:
-        """Rank 0's weights on every member (sharded: each shard from the first replica
-        group's holder of it)."""
-        buffers = [b for b in self.module.buffers() if b.is_floating_point()]
-        params = [local(p.data) for p in self.module.parameters() if p.is_floating_point()]
-        if self.sharded:
-            self.replicas.broadcast_from(self.replicas.column[0], params, column=True)
-        else:
-            buffers = params + buffers
-        self.replicas.broadcast_from(0, buffers)
-
-    def _broadcast_torchrun(self) -> None:
-        column = self.replicas.column
-        for p in self.module.parameters():
-            if self.sharded:
-                dist.broadcast(local(p.data), column[0], group=self.replicas._column)
+    def _broadcast_start(self) -> None:
+        """Every replica starts from rank 0's weights, as DDP's (sharded: each shard from
+        the first replica group's holder of it)."""
+        replicas = self.replicas
+        if self.elastic is not None:  # the generation's sums with zeros: floating tensors
+            buffers = [b for b in self.module.buffers() if b.is_floating_point()]
+            params = [local(p.data) for p in self.module.parameters() if p.is_floating_point()]
+            if self.sharding is not None:
+                replicas.broadcast_from(replicas.column[0], params, column=True)
             else:
-                dist.broadcast(p.data, 0)
-        for b in self.module.buffers():
-            dist.broadcast(b.data, 0)
+                buffers = params + buffers
+            replicas.broadcast_from(0, buffers)
+        elif replicas.group:  # torchrun's default group and its subgroups
+            with torch.no_grad():
+                for p in self.module.parameters():
+                    if self.sharding is not None:
+                        dist.broadcast(
+                            local(p.data), replicas.column[0], group=replicas.column_group
+                        )
+                    else:
+                        dist.broadcast(p.data, 0)
+                for b in self.module.buffers():
+                    dist.broadcast(b.data, 0)
 
     def _group_collective(self, kind: str, output: torch.Tensor, tensor: torch.Tensor) -> None:
         """FSDP2's all-gather or reduce-scatter (chameleon run: chameleon_runtime.sharding).
@@ -287,31 +272,11 @@ class ElasticDataParallel(nn.Module):
         """What a live member sent (chameleon_runtime.heal), over what the script built and
         loaded: the optimizers' groups (learning rates a schedule's constructor set from
         this process's start) come with their states, the heal_with objects after."""
-        if self.sharded and not self.is_sharded:  # a replacement, taken in
-            self._shard_replacement()
+        if self.sharding is not None and not self.sharding.applied:  # a replacement, taken in
+            self.sharding.apply_to_replacement([o.optimizer for o in self.optimizers])
+            self._track()  # (fully_shard put new parameter objects in place)
         for obj, state in zip(self.kept, self.replica.install(header, tensors), strict=False):
             obj.load_state_dict(state)
-
-    def _shard_replacement(self) -> None:
-        """A replacement of a sharded model shards it on the group the plan puts it in
-        (the generation's default group is built by now); its optimizers, made by the
-        script over the whole parameters, are pointed at the shards that replaced them
-        (they hold no state yet: the heal brings it)."""
-        before = {name: p for name, p in self.module.named_parameters()}
-        self._shard()
-        after = dict(self.module.named_parameters())
-        moved = {id(p): after[name] for name, p in before.items()}
-        for optimizer in self.optimizers:
-            inner = optimizer.optimizer
-            if inner.state:
-                raise RuntimeError(
-                    "chameleon: a replacement of a sharded model has optimizer state before "
-                    "its heal (a checkpoint loaded into it?): it takes its shards' state from "
-                    "a live member (model.replacement: skip the load)"
-                )
-            for group in inner.param_groups:
-                group["params"] = [moved.get(id(p), p) for p in group["params"]]
-        self._track()
 
     # -- the forward ---------------------------------------------------------------------
 
@@ -499,8 +464,8 @@ class ElasticDataParallel(nn.Module):
                 grads.wait_all(self.replicas.wait)
             except (Aborted, CommError) as exc:
                 self.failure = (str(exc), False)
-        if self.sharded and self.elastic is not None:
-            self._agree_in_group()
+        if self.sharding is not None and self.elastic is not None:
+            self.failure = self.sharding.agree(self.failure)
         if self.failure is not None:
             grads.expose_scratch(broken=True)  # the sums are incomplete: the step is redone
             return
@@ -508,21 +473,6 @@ class ElasticDataParallel(nn.Module):
         grads.add_carried()
         grads.expose()
         self.synced = True
-
-    def _agree_in_group(self) -> None:
-        """A sharded model's group agrees whether its step's sums are whole before any
-        member shows them: a member whose column's sum failed while its group-mate's
-        succeeded would otherwise show DTensor gradients to a loop whose norm
-        (``clip_grad_norm_``) is a collective of the group its mate has left. One flag,
-        summed over the group on the generation's (abortable) collectives."""
-        flag = torch.tensor([0.0 if self.failure is None else 1.0])
-        try:
-            self.replicas.group_allreduce(flag)
-        except (Aborted, CommError) as exc:
-            flag[0] = 1.0
-            self.failure = self.failure or (str(exc), False)
-        if flag.item() and self.failure is None:
-            self.failure = ("a member of this replica group failed its step's sums", False)
 
     def _repeat_done(self) -> None:
         """A second backward after the sync: its sums, all-reduced, divided and added to
@@ -652,8 +602,8 @@ class ElasticDataParallel(nn.Module):
         )  # fmt: skip
         self.sampler.rewind(resume, elastic.members)
         self.consistency.last_checked = -1  # (as every member of the new generation)
-        if self.sharded:  # FSDP2's mesh on the new generation's groups
-            refresh_mesh(self.module, elastic.layout, self.rank, self.replicas.blocking)
+        if self.sharding is not None:  # FSDP2's mesh on the new generation's groups
+            self.sharding.refresh()
         if roll or self._rolled:  # committed elsewhere: these sums (their mean) are final
             if self._rolled:  # (applied already, before this member sent its state)
                 return True

@@ -49,7 +49,7 @@ from chameleon_runtime.protocol.wire import JobDescription, PlanMessage
 from chameleon_runtime.sharding import ShardLayout
 from chameleon_runtime.transport import GlooTransport
 from planner.job.costtable import LayerCost
-from planner.plans.plan import Plan, pipelines_plan, split_evenly
+from planner.plans.plan import data_parallel
 
 if TYPE_CHECKING:
     from chameleon_runtime.sampler import ElasticSampler
@@ -81,18 +81,6 @@ def under_chameleon() -> bool:
     """Launched by ``chameleon run``, which sets CHAMELEON_RUN_DIR for every worker (the
     job token only where the run has one)."""
     return "CHAMELEON_RUN_DIR" in os.environ and "MASTER_ADDR" in os.environ
-
-
-def dp_plan(members: list[int], num_micro_batches: int) -> Plan:
-    """Every member holds the whole model (one layer) and takes a share of the step."""
-    members = sorted(members)
-    return pipelines_plan(
-        num_layers=1,
-        num_micro_batches=num_micro_batches,
-        pipelines=[[r] for r in members],
-        boundaries=[[0, 1]] * len(members),
-        micro_batch_counts=split_evenly(num_micro_batches, [1.0] * len(members)),
-    )
 
 
 class Membership:
@@ -134,7 +122,8 @@ class Membership:
     def start(self, step: int) -> None:
         """Publish generation 0 (the chief) and build its group."""
         self.sampler.step = step
-        plan = dp_plan(self.members, self.sampler.num_micro_batches)
+        # every member holds the model (one layer), the step dealt as the sampler deals it
+        plan = data_parallel(self.members, self.sampler.num_micro_batches, self.shards)
         if self.rank == 0:
             message = PlanMessage.build(generation=0, policy="initial", resume_step=step, plan=plan)
             self.control.put_signed(self.control.keys.plan(0), message)

@@ -46,9 +46,9 @@ class ReplicaGroup:
             self.rank = dist.get_rank() if self.group else 0
         # (checked here, before any group is built: a one-line error, not a hang)
         self.layout = ShardLayout(tuple(self.members()), shards)
-        self._column: Any = None  # torchrun: the default group's subgroup of the column
+        self.column_group: Any = None  # torchrun: the default group's subgroup of the column
         if self.group and self.layout.sharded:
-            self._column = column_groups(self.layout, self.rank)
+            self.column_group = column_groups(self.layout, self.rank)
         # A default group with no CPU backend (the script's own init_process_group("nccl")):
         # host tensors are summed through the model's device.
         self._host_via: torch.device | None = None
@@ -82,7 +82,7 @@ class ReplicaGroup:
             if len(column) == 1:
                 return None  # one replica group: nobody to sum with
             return self.elastic.allreduce(tensor, column)
-        return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self._column, async_op=True)
+        return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.column_group, async_op=True)
 
     def wait(self, work: Any) -> None:
         if work is None:

@@ -45,11 +45,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from chameleon_runtime.comm import Aborted, CommError
 
 
 @dataclass(frozen=True)
@@ -286,3 +288,100 @@ def shard_model(
         if comms is not None:
             m.set_custom_all_gather(comms[0])
             m.set_custom_reduce_scatter(comms[1])
+
+
+class Replicas(Protocol):
+    """What ``Sharding`` uses of the model's replicas (chameleon_runtime.replicagroup)."""
+
+    rank: int
+    elastic: Any  # the generation's membership under chameleon run, else None
+
+    def layout_now(self) -> ShardLayout: ...
+
+    def blocking(self, fn: Callable[[], Any], what: str) -> Any: ...
+
+    def group_allreduce(self, tensor: torch.Tensor) -> None: ...
+
+
+class Sharding:
+    """The FSDP2 side of one drop-in model (``ElasticDataParallel(shards=S)``): what is
+    sharded and how (``blocks``, ``options``), whether it is yet (a replacement's only
+    once a plan takes it in), its mesh kept on the current generation's group, and the
+    group's agreement on a failed step. ``run`` carries FSDP2's collectives under
+    chameleon run (None: FSDP2's own, under torchrun)."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        replicas: Replicas,
+        blocks: Iterable[nn.Module],
+        options: dict[str, Any],
+        *,
+        find_unused: bool,
+        run: Run | None,
+    ) -> None:
+        self.module = module
+        self.replicas = replicas
+        self.blocks = list(blocks)
+        self.options = options
+        self.find_unused = find_unused
+        self.run = run
+        self.applied = False  # fully_shard applied
+
+    def apply(self) -> None:
+        """FSDP2 within this member's replica group."""
+        replicas = self.replicas
+        mesh = group_mesh(
+            replicas.layout_now(), replicas.rank, self._device_type(), replicas.blocking
+        )
+        shard_model(self.module, mesh, self.blocks, self.run, self.options)
+        if self.find_unused:  # members that used different parameters scatter alike
+            for m in self.module.modules():
+                if hasattr(m, "set_reduce_scatter_unused_params"):
+                    m.set_reduce_scatter_unused_params(True, recurse=False)
+        self.applied = True
+        if replicas.elastic is not None:  # what one unit gathers whole, for the planner
+            replicas.elastic.unit_params = unit_params(self.module, self.blocks)
+
+    def apply_to_replacement(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        """A replacement taken in shards its model on the group the plan puts it in (the
+        generation's default group is built by now); its optimizers, made by the script
+        over the whole parameters, are pointed at the shards that replaced them (they
+        hold no state yet: the heal brings it)."""
+        before = dict(self.module.named_parameters())
+        self.apply()
+        after = dict(self.module.named_parameters())
+        moved = {id(p): after[name] for name, p in before.items()}
+        for inner in optimizers:
+            if inner.state:
+                raise RuntimeError(
+                    "chameleon: a replacement of a sharded model has optimizer state before "
+                    "its heal (a checkpoint loaded into it?): it takes its shards' state from "
+                    "a live member (model.replacement: skip the load)"
+                )
+            for group in inner.param_groups:
+                group["params"] = [moved.get(id(p), p) for p in group["params"]]
+
+    def refresh(self) -> None:
+        """After a recovery: the mesh on the new generation's group (``refresh_mesh``)."""
+        replicas = self.replicas
+        refresh_mesh(self.module, replicas.layout_now(), replicas.rank, replicas.blocking)
+
+    def agree(self, failure: tuple[str, bool] | None) -> tuple[str, bool] | None:
+        """The group agrees whether its step's sums are whole before any member shows
+        them: a member whose column's sum failed while its group-mate's succeeded would
+        otherwise show DTensor gradients to a loop whose norm (``clip_grad_norm_``) is a
+        collective of the group its mate has left. One flag, summed over the group on
+        the generation's (abortable) collectives; returns the step's failure, if any."""
+        flag = torch.tensor([0.0 if failure is None else 1.0])
+        try:
+            self.replicas.group_allreduce(flag)
+        except (Aborted, CommError) as exc:
+            return failure or (str(exc), False)
+        if flag.item() and failure is None:
+            return ("a member of this replica group failed its step's sums", False)
+        return failure
+
+    def _device_type(self) -> str:
+        first = next(self.module.parameters(), None)
+        return first.device.type if first is not None else "cpu"

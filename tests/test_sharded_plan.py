@@ -3,12 +3,12 @@ sharded_options): a replica group computes only whole."""
 
 from __future__ import annotations
 
-from chameleon_runtime.elastic import dp_plan
 from chameleon_runtime.protocol.wire import JobDescription
 from planner.choice.policy import Policy
 from planner.choice.selection import decide
 from planner.choice.sharded import broken_groups, groups_of
 from planner.job.costtable import LayerCost
+from planner.plans.plan import data_parallel
 
 
 def job(workers: int, shards: int, micro_batches: int):
@@ -46,7 +46,7 @@ def job(workers: int, shards: int, micro_batches: int):
 def candidates(
     workers: int, shards: int, micro_batches: int, failed: list[int], *, held=None, idle=()
 ):
-    plan = dp_plan(list(range(workers)) if held is None else held, micro_batches)
+    plan = data_parallel(list(range(workers)) if held is None else held, micro_batches)
     decision = decide(job(workers, shards, micro_batches), plan, failed, idle=list(idle))
     return {c.policy: c for c in decision.candidates}
 

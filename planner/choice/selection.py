@@ -43,7 +43,6 @@ from planner.choice.policy import (
 from planner.choice.risk import risk_s
 from planner.choice.sharded import (
     broken_groups,
-    data_parallel,
     lost_shards_reason,
     ranks_text,
     regrow,
@@ -52,7 +51,7 @@ from planner.choice.sharded import (
 from planner.estimator.estimate import Estimate
 from planner.job.workload import Job
 from planner.plans.migration import Migration
-from planner.plans.plan import Plan
+from planner.plans.plan import Plan, data_parallel
 from planner.search.layouts import Proposal, Search
 from planner.search.reference import exhaustive
 

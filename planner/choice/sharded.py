@@ -21,7 +21,7 @@ from planner.estimator.transition import groups_s, protocol
 from planner.job.cost import CostModel
 from planner.plans.matching import Transfer
 from planner.plans.migration import Migration, schedule_s
-from planner.plans.plan import Plan, contiguous_runs, pipelines_plan, split_evenly
+from planner.plans.plan import Plan, contiguous_runs, data_parallel
 from planner.search.layouts import Search
 
 
@@ -60,26 +60,6 @@ def lost_shards_reason(workers: Sequence[int], shards: int, failed: Sequence[int
     return (
         f"shard(s) {gone} of the model have no live copy (every worker holding them was "
         "lost): only a checkpoint has them"
-    )
-
-
-def data_parallel(
-    workers: Sequence[int], num_micro_batches: int, shards: int = 1, num_layers: int = 1
-) -> Plan:
-    """Every worker holds the model (all ``num_layers``: the drop-in describes one), the
-    step dealt as the runtime deals it (chameleon_runtime.sampler.deal): ``shards``
-    micro-batches a turn, one to each member of a group, the groups in turn, so the
-    members of a group run as many."""
-    ordered = sorted(workers)
-    groups = max(1, len(ordered) // shards)
-    turns = split_evenly(num_micro_batches // shards, [1.0] * groups)
-    counts = [turns[i // shards] for i in range(len(ordered))]
-    return pipelines_plan(
-        num_layers=num_layers,
-        num_micro_batches=num_micro_batches,
-        pipelines=[[w] for w in ordered],
-        boundaries=[[0, num_layers]] * len(ordered),
-        micro_batch_counts=counts,
     )
 
 

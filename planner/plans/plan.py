@@ -220,6 +220,26 @@ def pipelines_plan(
     )
 
 
+def data_parallel(
+    workers: Sequence[int], num_micro_batches: int, shards: int = 1, num_layers: int = 1
+) -> Plan:
+    """Every worker holds the model (all ``num_layers``: the drop-in describes one), the
+    step dealt as the runtime deals it (chameleon_runtime.sampler.deal): ``shards``
+    micro-batches a turn, one to each member of a group, the groups in turn, so the
+    members of a group run as many."""
+    ordered = sorted(workers)
+    groups = max(1, len(ordered) // shards)
+    turns = split_evenly(num_micro_batches // shards, [1.0] * groups)
+    counts = [turns[i // shards] for i in range(len(ordered))]
+    return pipelines_plan(
+        num_layers=num_layers,
+        num_micro_batches=num_micro_batches,
+        pipelines=[[w] for w in ordered],
+        boundaries=[[0, num_layers]] * len(ordered),
+        micro_batch_counts=counts,
+    )
+
+
 def contiguous_runs(values: Iterable[int]) -> list[tuple[int, int]]:
     """[(first, end)] of maximal runs of consecutive integers, e.g. 0,1,2,5 -> (0,3),(5,6)."""
     runs: list[tuple[int, int]] = []
