@@ -43,9 +43,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from chameleon_runtime.sharding import local, shown_as
+from chameleon_runtime.shardlayout import local, shown_as
 
-Post = Callable[[torch.Tensor], Any]  # posts an all-reduce of a bucket, returns its work
+Post = Callable[["Bucket", torch.Tensor], Any]  # posts a bucket's sums of a buffer: its work
 
 BUCKET_CAP_BYTES = 25 << 20
 FIRST_BUCKET_CAP_BYTES = 1 << 20
@@ -72,6 +72,7 @@ class Bucket:
         self.ready = 0  # parameters whose gradient of the current backward is in
         self.work: Any = None  # the all-reduce in flight
         self.extra: torch.Tensor | None = None  # a repeated backward's sums
+        self.pieces: Any = None  # (layout, its sums' pieces: chameleon_runtime.rowsums)
 
     def _views(self, flat: torch.Tensor) -> dict[nn.Parameter, torch.Tensor]:
         return {p: flat[a:b].view(self.shapes[p]) for p, (a, b) in self.spans.items()}
@@ -96,12 +97,17 @@ class Bucket:
         return self.extra[a:b].view(self.shapes[p])
 
 
-def make_buckets(params: list[nn.Parameter]) -> list[Bucket]:
+def make_buckets(params: list[nn.Parameter], shards: int = 1) -> list[Bucket]:
+    """A sharded model's buckets are cut by a shard's share of each parameter
+    (``numel / shards``), not by what this member holds: every member then has the same
+    buckets of the same parameters, which the sums of a group re-sharded over fewer
+    members pair by (chameleon_runtime.replicagroup)."""
     out: list[Bucket] = []
     group: list[nn.Parameter] = []
     size, cap = 0, FIRST_BUCKET_CAP_BYTES
     for p in reversed(params):
-        nbytes = local(p).numel() * p.element_size()
+        numel = p.numel() // shards if shards > 1 else local(p).numel()
+        nbytes = numel * p.element_size()
         if group and (
             size + nbytes > cap or p.dtype != group[0].dtype or p.device != group[0].device
         ):
@@ -117,9 +123,9 @@ def make_buckets(params: list[nn.Parameter]) -> list[Bucket]:
 class Gradients:
     """The buckets of one model and what this step has put in them."""
 
-    def __init__(self, params: list[nn.Parameter]) -> None:
+    def __init__(self, params: list[nn.Parameter], shards: int = 1) -> None:
         self.params = params
-        self.buckets = make_buckets(params)
+        self.buckets = make_buckets(params, shards)
         self.bucket_of = {p: k for k, b in enumerate(self.buckets) for p in b.params}
         self.written: set[nn.Parameter] = set()  # got a gradient this step (locally)
         self.carried: dict[nn.Parameter, torch.Tensor] = {}  # left in .grad by the user
@@ -278,20 +284,21 @@ class Gradients:
     def _post(self, post: Post) -> None:
         bucket = self.buckets[self.launched]
         self.launched += 1
-        bucket.work = post(bucket.flat)
+        bucket.work = post(bucket, bucket.flat)
 
     def wait_all(self, wait: Callable[[Any], None]) -> None:
         for b in self.buckets:
             wait(b.work)
             b.work = None
 
-    def reduce_extra(self, allreduce: Callable[[torch.Tensor], None], count: int) -> None:
+    def reduce_extra(self, post: Post, wait: Callable[[Any], None], count: int) -> None:
         """A repeated backward's sums: every bucket's (the members' collectives must
-        agree whichever buckets it touched here), all-reduced, divided, added."""
+        agree whichever buckets it touched here), summed as the step's are, divided,
+        added."""
         for b in self.buckets:
             if b.extra is None:
                 b.extra = torch.zeros_like(b.flat)
-            allreduce(b.extra)
+            wait(post(b, b.extra))
         with torch.no_grad():
             for b in self.buckets:
                 assert b.extra is not None

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from chameleon_runtime.replicagroup import ReplicaGroup
-from chameleon_runtime.sharding import local
+from chameleon_runtime.shardlayout import local
 from chameleon_runtime.stepmeta import StepMeta
 
 
@@ -114,7 +114,8 @@ class Consistency:
         self.checks += 1
         rows = self._gather(self.fingerprint(), members, me)
         bits = rows.contiguous().view(torch.int64).tolist()
-        # the members that must agree: all, or each column of a sharded model
+        # the members that must agree: all, or each column of a sharded model (a group
+        # re-sharded over its survivors is in none: its shards cut the rows elsewhere)
         if self.model.sharded:
             columns = [[members.index(r) for r in c] for c in group.layout_now().columns]
         else:

@@ -56,7 +56,8 @@ from chameleon_runtime.heal import ReplicaState, check_travels
 from chameleon_runtime.replicagroup import ReplicaGroup
 from chameleon_runtime.sampler import ElasticSampler, MicroBatch
 from chameleon_runtime.shard import Streams, op_seed
-from chameleon_runtime.sharding import Sharding, check_even_deal, local
+from chameleon_runtime.sharding import Sharding, check_even_deal
+from chameleon_runtime.shardlayout import local
 from chameleon_runtime.stepmeta import StepMeta
 
 
@@ -142,6 +143,10 @@ class ElasticDataParallel(nn.Module):
                 find_unused=find_unused_parameters,
                 run=self._group_collective if self.elastic is not None else None,
             )  # fmt: skip
+            self.sharding.optimizers = lambda: [o.optimizer for o in self.optimizers]
+            self.sharding.rebuilt = self._rebuilt
+            if self.elastic is not None:
+                self.elastic.reshaper = self.sharding
             if not self.replacement:
                 self.sharding.apply()
         self._track()
@@ -180,11 +185,17 @@ class ElasticDataParallel(nn.Module):
             hook.remove()
         self._params = [p for p in self.module.parameters() if p.requires_grad]
         self._names = {p: name for name, p in self.module.named_parameters()}
-        self.grads = Gradients(self._params)
+        self.grads = Gradients(self._params, self.replicas.shards)
         self.meta = StepMeta(self.module, self._params, find_unused=self._find_unused)
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._accumulated) for p in self._params
         ]
+
+    def _rebuilt(self) -> None:
+        """A re-shard put new sharded parameters in place (chameleon_runtime.reshard):
+        the sums and hooks follow them; the buffers are the committed ones still."""
+        self._track()
+        self.meta.committed = self.meta.flat_buffers()
 
     def _broadcast_start(self) -> None:
         """Every replica starts from rank 0's weights, as DDP's (sharded: each shard from
@@ -480,7 +491,7 @@ class ElasticDataParallel(nn.Module):
         self.repeat = False
         try:
             if self.failure is None:
-                self.grads.reduce_extra(self.replicas.allreduce, self._count())
+                self.grads.reduce_extra(self.replicas.post, self.replicas.wait, self._count())
         except (Aborted, CommError) as exc:
             self.failure = (str(exc), False)
         if self.failure is not None:

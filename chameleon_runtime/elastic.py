@@ -35,7 +35,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -46,13 +46,29 @@ from chameleon_runtime.heal import receive_state, send_state
 from chameleon_runtime.profile import host_cores, memory_per_worker, optimizer_bytes_per_param
 from chameleon_runtime.protocol.messages import Applied, Finish, Joined, Ready
 from chameleon_runtime.protocol.wire import JobDescription, PlanMessage
-from chameleon_runtime.sharding import ShardLayout
+from chameleon_runtime.shardlayout import ShardLayout
 from chameleon_runtime.transport import GlooTransport
 from planner.job.costtable import LayerCost
 from planner.plans.plan import data_parallel
 
 if TYPE_CHECKING:
     from chameleon_runtime.sampler import ElasticSampler
+
+
+class Reshaper(Protocol):
+    """A sharded model's re-shard (chameleon_runtime.sharding.Sharding): the rows move
+    during the migration; the model is set up on them when its mesh is rebuilt."""
+
+    def move(
+        self,
+        old: ShardLayout,
+        new: ShardLayout,
+        me: int,
+        pairs: list[tuple[int, int]],
+        send: Callable[[torch.Tensor, int], None],
+        recv: Callable[[torch.Tensor, int], Any],
+        flush: Callable[[], None],
+    ) -> None: ...
 
 
 class _ScriptErrors:
@@ -109,6 +125,8 @@ class Membership:
         self.members: list[int] = list(range(self.world_size))
         self.shards = shards  # a sharded model's replica groups (chameleon_runtime.sharding)
         self.unit_params = 0  # its largest FSDP unit (ElasticDataParallel says)
+        self.row_counts: tuple[int, ...] = ()  # its parameters' rows (dim 0), for row sums
+        self.reshaper: Reshaper | None = None  # a sharded model's re-shard (Sharding)
         self.layout = ShardLayout(tuple(self.members), shards)
         self.described = False
         self._timing: list[float] = []  # the first step's forward start and end, backward end
@@ -180,16 +198,27 @@ class Membership:
         )
         self.control.put_signed(self.control.keys.job, description)
 
-    def _enter(self, generation: int, members: list[int], *, build_agreement: bool = True) -> None:
+    def _enter(
+        self,
+        generation: int,
+        members: list[int],
+        layout: ShardLayout | None = None,
+        *,
+        build_agreement: bool = True,
+    ) -> None:
         self.generation = generation
         self.control.status.update(phase="groups", generation=generation)
         if build_agreement and not self.control.agree(generation, "groups", len(members)).held:
             raise Aborted(f"generation {generation} aborted before its groups were built")
         # (the last generation's collectives were let go of when it was left: each
         # generation builds its own)
-        layout = ShardLayout(tuple(sorted(members)), self.shards)
+        layout = layout or ShardLayout(tuple(sorted(members)), self.shards)
         self.gen = self.control.generation(
-            generation, members, self.collectives, layout.collectives(), transport=self.transport
+            generation,
+            members,
+            self.collectives,
+            layout.collectives(self.row_counts),
+            transport=self.transport,
         )
         self.members = list(members)
         self.layout = layout
@@ -218,6 +247,9 @@ class Membership:
         gen = self.gen
         assert gen is not None
         group = self.layout.group_of(self.rank)
+        if len(group) == 1:  # a group re-sharded down to one member: it holds everything
+            output.view(-1).copy_(tensor.view(-1))
+            return
         post = gen.allgather if kind == "allgather" else gen.reducescatter
         gen.wait(post(group, output, tensor), group)
 
@@ -327,13 +359,35 @@ class Membership:
             raise Aborted("a spare waits for the next plan")
         rf = message.roll_forward
         roll = pending and rf is not None and rf.step == step
-        self._enter(message.generation, members)
+        sizes = tuple(len(g) for g in plan.replica_groups)
+        target = ShardLayout(tuple(sorted(plan.workers)), self.shards, sizes)
+        # (sources outside the plan send whole states: a model that is not sharded)
+        self._enter(
+            message.generation, members, target if members == list(target.members) else None
+        )
         self.control.status.update(phase="migrate")
         t0 = time.perf_counter()
         received = None
         gen = self.gen
         assert gen is not None
-        for t in sorted(message.transfers, key=lambda t: t.round):
+        transfers = sorted(message.transfers, key=lambda t: t.round)
+        if message.reshard_from and self.reshaper is not None:
+            # Groups re-sharded: rows move, in the plan's rounds (chameleon_runtime.reshard);
+            # the pending step first, on every member that moves rows of it.
+            if roll and roll_now is not None:
+                roll_now()
+                roll_now = None
+            old = ShardLayout(
+                tuple(w for g in message.reshard_from for w in g),
+                self.shards,
+                tuple(len(g) for g in message.reshard_from),
+            )
+            self.reshaper.move(
+                old, target, self.rank, [(t.src, t.dst) for t in transfers],
+                lambda x, d: gen.send(x, d), lambda x, s: gen.recv(x, s), gen.flush_sends,
+            )  # fmt: skip
+            transfers = []
+        for t in transfers:
             if t.src == self.rank:  # streamed in chunks (chameleon_runtime.heal)
                 if roll and roll_now is not None:
                     # The replacement resumes after the step rolled forward: it must get
@@ -348,8 +402,9 @@ class Membership:
             raise Aborted(f"generation {message.generation} aborted during its migration")
         self.applied = message.generation
         self.members = sorted(plan.workers)
-        self.layout = ShardLayout(tuple(self.members), self.shards)
+        self.layout = target
         self.sampler.members = list(self.members)
+        self.sampler.sizes = sizes
         if self.rank in self.members:
             self._user_group(message.generation)
         else:  # a source that gave its state away: a spare from now on

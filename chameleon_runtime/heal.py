@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from chameleon_runtime.shard import Seeder
-from chameleon_runtime.sharding import local, shown_as
+from chameleon_runtime.shardlayout import local, shown_as
 
 CHUNK_ENV = "CHAMELEON_HEAL_CHUNK_BYTES"
 DEFAULT_CHUNK_BYTES = 64 << 20

@@ -23,7 +23,9 @@ import torch.distributed as dist
 
 from chameleon_runtime import usergroup
 from chameleon_runtime.elastic import Membership, under_chameleon
-from chameleon_runtime.sharding import ShardLayout, column_groups
+from chameleon_runtime.rowsums import PostedSums, pieces
+from chameleon_runtime.sharding import column_groups
+from chameleon_runtime.shardlayout import ShardLayout
 
 
 class ReplicaGroup:
@@ -74,9 +76,19 @@ class ReplicaGroup:
         """The members that hold what this one holds (all of them, unsharded)."""
         return self.layout_now().column_of(self.rank)
 
-    def post(self, tensor: torch.Tensor) -> Any:
-        """Post the all-reduce of a gradient bucket over the column (asynchronous);
-        ``wait`` for its work."""
+    def post(self, bucket: Any, tensor: torch.Tensor) -> Any:
+        """Post the sums of a gradient bucket's buffer ``tensor`` (asynchronous): over
+        the column, or, with a re-sharded group, each piece over its holders
+        (chameleon_runtime.rowsums); ``wait`` for its work."""
+        layout = self.layout_now()
+        if self.elastic is None or layout.even:
+            return self._post_column(tensor)
+        if bucket.pieces is None or bucket.pieces[0] != layout:  # (cut once a layout)
+            spans = [bucket.spans[p] for p in bucket.params]
+            bucket.pieces = (layout, pieces(layout, self.rank, bucket.params, spans))
+        return PostedSums(tensor, bucket.pieces[1], self.elastic.allreduce)
+
+    def _post_column(self, tensor: torch.Tensor) -> Any:
         if self.elastic is not None:
             column = self.column
             if len(column) == 1:
@@ -87,7 +99,10 @@ class ReplicaGroup:
     def wait(self, work: Any) -> None:
         if work is None:
             return
-        if self.elastic is not None:
+        if isinstance(work, PostedSums):
+            assert self.elastic is not None
+            work.finish(self.elastic.wait)
+        elif self.elastic is not None:
             self.elastic.wait(work, self.column)
         else:
             work.wait()
@@ -114,7 +129,7 @@ class ReplicaGroup:
 
     def column_allreduce(self, tensor: torch.Tensor) -> None:
         """A blocking sum over the column (what a shard's replicas compare or share)."""
-        self.wait(self.post(tensor))
+        self.wait(self._post_column(tensor))
 
     def allreduce(self, tensor: torch.Tensor) -> None:
         """A blocking sum in place (nothing alone)."""

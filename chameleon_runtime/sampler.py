@@ -19,11 +19,13 @@ per iteration, and ``set_epoch`` as for DistributedSampler.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator, Sized
+from collections.abc import Callable, Iterator, Sequence, Sized
 from dataclasses import dataclass
 
 import torch
 from torch.utils.data import IterableDataset
+
+from planner.plans.plan import turn_counts
 
 
 @dataclass(frozen=True)
@@ -37,23 +39,39 @@ class MicroBatch:
     deal: int = 0  # the sampler's deal it belongs to (a recovery starts a new one)
 
 
-def deal(num_micro_batches: int, members: list[int], rank: int, shards: int = 1) -> list[int]:
+def deal(
+    num_micro_batches: int,
+    members: list[int],
+    rank: int,
+    shards: int = 1,
+    sizes: Sequence[int] = (),
+) -> list[int]:
     """The micro-batches of a step that ``rank`` computes among ``members``. A sharded
-    model's replica groups (``shards`` consecutive members: chameleon_runtime.sharding)
-    take them ``shards`` at a time, one each, the groups in turn: every member of a group
-    runs as many as the others (their collectives are the group's), and a group may run
-    one turn more than another. With one group of one this is ``j % n == p``, and with
+    model's replica groups (``shards`` consecutive members, or ``sizes`` when a group was
+    re-sharded over its survivors: chameleon_runtime.sharding) take them a turn at a
+    time, one micro-batch to each member, the groups in turn, each group as many turns as
+    ``turn_counts`` gives it: every member of a group runs as many as the others (their
+    collectives are the group's). With one group of one this is ``j % n == p``, and with
     whole turns for every group too."""
     ranks = sorted(members)
     p, n = ranks.index(rank), len(ranks)
     if shards == 1:
         return [j for j in range(num_micro_batches) if j % n == p]
-    groups, (group, place) = n // shards, divmod(p, shards)
-    return [
-        j
-        for j in range(num_micro_batches)
-        if j % shards == place and (j // shards) % groups == group
-    ]
+    sizes = list(sizes) or [shards] * (n // shards)
+    turns = turn_counts(num_micro_batches, sizes)
+    if turns is None:
+        raise ValueError(f"{num_micro_batches} micro-batches are no whole turns of groups {sizes}")
+    starts = [sum(sizes[:g]) for g in range(len(sizes))]
+    group = max(g for g in range(len(sizes)) if starts[g] <= p)
+    place = p - starts[group]
+    out, j = [], 0
+    for turn in range(max(turns)):
+        for g, k in enumerate(sizes):
+            if turns[g] > turn:
+                if g == group:
+                    out.append(j + place)
+                j += k
+    return out
 
 
 class ElasticSampler:
@@ -95,6 +113,7 @@ class ElasticSampler:
         world = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
         self.members = list(range(world))  # who computes steps now (DataParallel updates it)
         self.shards = 1  # a sharded model's replica groups (ElasticDataParallel sets it)
+        self.sizes: tuple[int, ...] = ()  # their sizes, when a group was re-sharded
         self.epoch = 0
         self.step = 0  # the next step to run, global (counted over epochs)
         self._order: tuple[int, torch.Tensor] | None = None  # an epoch's permutation
@@ -137,7 +156,7 @@ class ElasticSampler:
     def mine(self, step: int) -> list[int]:
         """The micro-batches of ``step`` this worker computes."""
         del step  # every step is dealt alike among the same members
-        return deal(self.num_micro_batches, self.members, self.rank, self.shards)
+        return deal(self.num_micro_batches, self.members, self.rank, self.shards, self.sizes)
 
     # -- DistributedSampler's interface ----------------------------------------------------
 

@@ -44,7 +44,6 @@ the group's members.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -52,51 +51,7 @@ import torch.distributed as dist
 from torch import nn
 
 from chameleon_runtime.comm import Aborted, CommError
-
-
-@dataclass(frozen=True)
-class ShardLayout:
-    """Replica groups and columns over ``members`` (sorted global ranks), ``shards``
-    members a group."""
-
-    members: tuple[int, ...]
-    shards: int
-
-    def __post_init__(self) -> None:
-        if self.shards < 1:
-            raise ValueError(f"shards must be 1 or more, not {self.shards}")
-        if len(self.members) % self.shards:
-            raise ValueError(
-                f"{len(self.members)} workers do not make whole replica groups of "
-                f"{self.shards} shards"
-            )
-
-    @property
-    def sharded(self) -> bool:
-        return self.shards > 1
-
-    @property
-    def groups(self) -> list[tuple[int, ...]]:
-        s = self.shards
-        return [self.members[i : i + s] for i in range(0, len(self.members), s)]
-
-    @property
-    def columns(self) -> list[tuple[int, ...]]:
-        return [tuple(g[i] for g in self.groups) for i in range(self.shards)]
-
-    def group_of(self, rank: int) -> tuple[int, ...]:
-        return self.groups[self.members.index(rank) // self.shards]
-
-    def column_of(self, rank: int) -> tuple[int, ...]:
-        return self.columns[self.members.index(rank) % self.shards]
-
-    def collectives(self) -> list[tuple[int, ...]]:
-        """The holder sets a generation builds collective groups for: every member (the
-        step's metadata and commit), and, sharded, each group and each column."""
-        out = [self.members]
-        if self.sharded:
-            out += [t for t in [*self.groups, *self.columns] if len(t) > 1 and t != self.members]
-        return sorted(set(out))
+from chameleon_runtime.shardlayout import ShardLayout
 
 
 def check_even_deal(num_micro_batches: int, shards: int) -> None:
@@ -110,29 +65,6 @@ def check_even_deal(num_micro_batches: int, shards: int) -> None:
             "as the others (FSDP's collectives are the group's): make the global batch a "
             "multiple of micro_batch_size * shards"
         )
-
-
-def local(t: torch.Tensor) -> torch.Tensor:
-    """This member's part of a sharded tensor (a DTensor's local shard), or ``t``."""
-    inner = getattr(t, "_local_tensor", None)
-    return inner if inner is not None else t
-
-
-def shown_as(param: torch.Tensor, view: torch.Tensor) -> torch.Tensor:
-    """``view`` (a local gradient) as ``param``'s ``.grad``: a DTensor with the
-    parameter's placement for a sharded parameter."""
-    if getattr(param, "_local_tensor", None) is None:
-        return view
-    from torch.distributed.tensor import DTensor
-
-    return DTensor.from_local(
-        view,
-        param.device_mesh,
-        param.placements,
-        run_check=False,
-        shape=param.shape,
-        stride=param.stride(),
-    )
 
 
 Blocking = Callable[[Callable[[], Any], str], Any]  # runs a blocking call (abortably)
@@ -213,6 +145,12 @@ def _subgroups(layout: ShardLayout, sets: list[tuple[int, ...]], me: int) -> Any
         if me in members:
             mine = made
     return mine
+
+
+def row_counts(module: nn.Module) -> tuple[int, ...]:
+    """The parameters' rows (dim 0, what FSDP2 shards): where a re-sharded group's sums
+    cut them. The same before and after ``fully_shard`` (a DTensor's shape is whole)."""
+    return tuple(sorted({p.shape[0] for p in module.parameters() if p.dim()}))
 
 
 def unit_params(module: nn.Module, blocks: Iterable[nn.Module]) -> int:
@@ -327,6 +265,18 @@ class Sharding:
         self.find_unused = find_unused
         self.run = run
         self.applied = False  # fully_shard applied
+        # (ElasticDataParallel sets these: the inner optimizers, and what follows a
+        # rebuild of the parameters: its hooks and buckets on the new ones)
+        self.optimizers: Callable[[], list[torch.optim.Optimizer]] = list
+        self.rebuilt: Callable[[], None] = lambda: None
+        self._moved: tuple[list[Any], list[torch.Tensor]] | None = None  # rows to set up
+        if replicas.elastic is not None:  # (a replacement's too, before it is sharded)
+            replicas.elastic.row_counts = row_counts(module)
+        if "shard_placement_fn" in options:
+            raise ValueError(
+                "fsdp_options: shard_placement_fn: the drop-in shards every parameter by "
+                "rows (Shard(0)), which its sums across groups and a re-shard rely on"
+            )
 
     def apply(self) -> None:
         """FSDP2 within this member's replica group."""
@@ -362,10 +312,40 @@ class Sharding:
             for group in inner.param_groups:
                 group["params"] = [moved.get(id(p), p) for p in group["params"]]
 
+    def move(
+        self,
+        old: ShardLayout,
+        new: ShardLayout,
+        me: int,
+        pairs: list[tuple[int, int]],
+        send: Callable[[torch.Tensor, int], None],
+        recv: Callable[[torch.Tensor, int], Any],
+        flush: Callable[[], None],
+    ) -> None:
+        """A plan re-shards groups (chameleon_runtime.reshard): the rows move now, in the
+        migration; the model is set up on them at ``refresh``, on the new mesh."""
+        from chameleon_runtime.reshard import move_rows, row_tensors
+
+        tensors = row_tensors(self.module, self.optimizers())
+        fresh = move_rows(old, new, me, tensors, send, recv, flush, pairs)
+        self._moved = None if fresh is None else (tensors, fresh)
+
     def refresh(self) -> None:
-        """After a recovery: the mesh on the new generation's group (``refresh_mesh``)."""
+        """After a recovery: the mesh on the new generation's group (``refresh_mesh``), or,
+        re-sharded, the model set up again on a new mesh of its group with the rows
+        moved to it (every member builds the groups once either way: ``new_group`` is a
+        collective of the default group)."""
         replicas = self.replicas
-        refresh_mesh(self.module, replicas.layout_now(), replicas.rank, replicas.blocking)
+        moved, self._moved = self._moved, None
+        if moved is None:
+            refresh_mesh(self.module, replicas.layout_now(), replicas.rank, replicas.blocking)
+            return
+        from chameleon_runtime.reshard import rebuild
+
+        layout = replicas.layout_now()
+        mesh = group_mesh(layout, replicas.rank, self._device_type(), replicas.blocking)
+        rebuild(self.module, self.optimizers(), *moved, mesh, layout, replicas.rank)
+        self.rebuilt()
 
     def agree(self, failure: tuple[str, bool] | None) -> tuple[str, bool] | None:
         """The group agrees whether its step's sums are whole before any member shows

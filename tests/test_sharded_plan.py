@@ -65,8 +65,44 @@ def test_a_lost_member_drops_its_whole_group():
     assert reroute.plan.workers == (2, 3)
     assert reroute.label == "drop 1 replica group(s) of [0, 1]"
     assert reroute.plan.load() == {2: 4, 3: 4}  # the whole step, on the group left
-    assert not c[Policy.REPARALLELIZE].feasible  # nothing to take back
-    assert c[Policy.REPARALLELIZE].reason == "no whole replica group to take back"
+    # nothing to take back; re-sharded instead: rank 0 alone holds the whole model, the
+    # rows of rank 1's shard from rank 3 (its column), and runs turns of one
+    reshard = c[Policy.REPARALLELIZE]
+    assert reshard.feasible, reshard.reason
+    assert reshard.label == "re-shard replica group(s) [[0]] over their survivors"
+    assert reshard.plan.replica_groups == ((0,), (2, 3))
+    assert reshard.plan.load() == {0: 2, 2: 3, 3: 3}  # 2 turns of 1 and 3 of 2: 8
+    assert [(t.src, t.dst) for t in reshard.migration.transfers] == [(3, 0)]
+    assert reshard.migration.reshard_from == ((0, 1), (2, 3))
+    # its state doubled (16 bytes a parameter, 10,000 parameters: 80 kB a shard)
+    assert reshard.estimate.memory_bytes[0] - reshard.estimate.memory_bytes[2] == 80_000
+
+
+def test_a_re_shard_over_more_survivors_takes_rows_from_mates_and_the_column():
+    # 3 groups of 3, rank 1 lost: ranks 0 and 2 cut the rows in halves; what each
+    # lacks was rank 1's (the middle third), from the same shard of a whole group, one
+    # group per receiver (rank 4 of the first, rank 7 of the second), in one round
+    c = candidates(9, 3, 12, [1])
+    reshard = c[Policy.REPARALLELIZE]
+    assert reshard.plan.replica_groups == ((0, 2), (3, 4, 5), (6, 7, 8))
+    pairs = {(t.src, t.dst) for t in reshard.migration.transfers}
+    assert pairs == {(4, 0), (7, 2)}
+    assert reshard.migration.rounds == (0, 0)
+    # a member sends or receives once a round
+    by_round: dict[int, list] = {}
+    for t, r in zip(reshard.migration.transfers, reshard.migration.rounds, strict=True):
+        by_round.setdefault(r, []).extend([t.src, t.dst])
+    assert all(len(v) == len(set(v)) for v in by_round.values())
+
+
+def test_two_broken_groups_are_re_sharded_from_each_other():
+    # ranks 0 and 3 lost: no group is whole, nothing to drop to; each survivor takes the
+    # whole model, the half it lacks from the other
+    c = candidates(4, 2, 8, [0, 3])
+    assert not c[Policy.REROUTE].feasible
+    reshard = c[Policy.REPARALLELIZE]
+    assert reshard.feasible, reshard.reason
+    assert {(t.src, t.dst) for t in reshard.migration.transfers} == {(1, 2), (2, 1)}
 
 
 def test_groups_left_take_the_step_in_turns():

@@ -156,6 +156,9 @@ class PlanMessage(_Wire):
     transfers: list[TransferWire] = []
     estimated_step_s: float | None = None
     roll_forward: RollForwardWire | None = None
+    # the replica groups whose rows the transfers re-shard (planner.plans.rows); empty:
+    # each transfer heals its destination whole (chameleon_runtime.heal)
+    reshard_from: list[list[int]] = []
 
     @classmethod
     def build(
@@ -187,4 +190,5 @@ class PlanMessage(_Wire):
             roll_forward=RollForwardWire(step=roll_forward[0], values=list(roll_forward[1]))
             if roll_forward is not None
             else None,
+            reshard_from=[list(g) for g in migration.reshard_from] if migration else [],
         )

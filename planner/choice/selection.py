@@ -42,16 +42,18 @@ from planner.choice.policy import (
 )
 from planner.choice.risk import risk_s
 from planner.choice.sharded import (
-    broken_groups,
-    lost_shards_reason,
+    lost_rows_reason,
+    plan_groups,
     ranks_text,
     regrow,
+    reshard,
+    turns_reason,
     uneven_reason,
 )
 from planner.estimator.estimate import Estimate
 from planner.job.workload import Job
 from planner.plans.migration import Migration
-from planner.plans.plan import Plan, data_parallel
+from planner.plans.plan import Plan, data_parallel, turn_counts
 from planner.search.layouts import Proposal, Search
 from planner.search.reference import exhaustive
 
@@ -336,42 +338,50 @@ def sharded_options(
     search: Search, current: Plan, failed: Sequence[int], survivors: Sequence[int], options: Options
 ) -> Options:
     """A sharded model (HSDP, planner.choice.sharded): rerouting drops every replica group
-    that lost a member (its survivors wait, idle) and deals the step to the whole groups
-    left, as many micro-batches to each worker (a group's members step in lockstep);
-    re-partitioning takes back the whole groups out of the plan whose members all live,
-    healed shard by shard. Re-sharding a group over its survivors is not built yet."""
+    that lost a member (its survivors wait, idle) and deals the step to the groups left,
+    as many micro-batches to each member of a group (its members step in lockstep);
+    re-parallelizing either re-shards each broken group over its survivors or takes back
+    the whole groups out of the plan whose members all live, healed shard by shard (the
+    better of the two by score, as a pipeline's re-partition variants)."""
     job = search.job
-    dropped = broken_groups(current.workers, job.training.shards, failed)
-    left = len(current.workers) - len(dropped)
     shards, m = job.training.shards, job.training.num_micro_batches
-    reason = lost_shards_reason(current.workers, shards, failed) or uneven_reason(left, m, shards)
-    kept = [w for w in current.workers if w not in set(dropped)]
+    lost = set(failed)
+    groups = plan_groups(current, shards)
+    kept_groups = [g for g in groups if not lost & set(g)]
+    dropped = sorted(w for g in groups if lost & set(g) for w in g)
+    kept = [w for g in kept_groups for w in g]
+    sizes = [len(g) for g in kept_groups]
+    layers = current.num_layers
+    reason = lost_rows_reason(current, shards, failed)
+    if reason is None and not kept:
+        reason = uneven_reason(0, m, shards)
+    if reason is None and all(k == shards for k in sizes):
+        reason = uneven_reason(len(kept), m, shards)
+    if reason is None and turn_counts(m, sizes) is None:
+        reason = turns_reason(m, sizes)
     if reason is not None:
         reroute = Candidate(Policy.REROUTE, reason=reason)
     else:
         # the groups left take the step as the runtime deals it (planner.choice.sharded)
-        layers = current.num_layers
-        whole = data_parallel(current.workers, m, shards, layers)
+        whole = data_parallel(current.workers, m, shards, layers, [len(g) for g in groups])
         reroute = reroute_candidate(search, whole, dropped)
         if reroute.feasible:
-            plan = data_parallel(kept, m, shards, layers)
+            plan = data_parallel(kept, m, shards, layers, sizes)
             reroute = replace(reroute, plan=plan, estimate=search.estimate(plan))
-            groups = len(dropped) // shards
+            broken = len(groups) - len(kept_groups)
             label = (
-                f"drop {groups} replica group(s) of {ranks_text(dropped)}"
+                f"drop {broken} replica group(s) of {ranks_text(dropped)}"
                 if dropped
                 else "keep groups"
             )
             reroute = replace(reroute, label=label)
-    if m % shards:
-        regrown = Candidate(Policy.REPARALLELIZE, reason=uneven_reason(1, m, shards))
-    elif kept:
-        base = data_parallel(kept, m, shards, current.num_layers)
-        alive = sorted(set(kept) | (set(survivors) - set(failed)))
-        regrown = regrow(search, base, alive)
-    else:
-        regrown = Candidate(Policy.REPARALLELIZE, reason=reason or "no replica group is whole")
-    return replace(options, reroute=reroute, reparallelize=(regrown,))
+    variants = [reshard(search, current, failed)]
+    if kept:
+        base = data_parallel(kept, m, shards, layers, sizes) if turn_counts(m, sizes) else None
+        alive = sorted(set(kept) | (set(survivors) - lost))
+        if base is not None:
+            variants.append(regrow(search, base, alive))
+    return replace(options, reroute=reroute, reparallelize=tuple(variants))
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,11 @@ workers) are always the launch's.
   with the replacements of its lost members) are taken back by ``regrow``: each member
   receives its shard (parameters and optimizer state) from the lowest live member of
   its column, the sources sending in parallel, each one transfer a round.
+- A broken group is re-sharded over its survivors by ``reshard`` (the paper's dynamic
+  re-parallelization, applied to sharding): each survivor takes a larger shard, the rows
+  it lacks from a group-mate or from a whole peer group (planner.plans.rows), in rounds
+  no member sends or receives twice in; the group then runs turns of fewer
+  micro-batches (planner.plans.plan.turn_counts), its members holding more.
 """
 
 from __future__ import annotations
@@ -19,10 +24,21 @@ from collections.abc import Sequence
 from planner.choice.policy import Candidate, Policy, Transition, overflow_reason
 from planner.estimator.transition import groups_s, protocol
 from planner.job.cost import CostModel
+from planner.plans.colouring import Task, colour_rounds
 from planner.plans.matching import Transfer
 from planner.plans.migration import Migration, schedule_s
-from planner.plans.plan import Plan, contiguous_runs, data_parallel
+from planner.plans.plan import Plan, contiguous_runs, data_parallel, turn_counts
+from planner.plans.rows import LostRows, move_pairs
 from planner.search.layouts import Search
+
+
+def plan_groups(plan: Plan, shards: int) -> list[tuple[int, ...]]:
+    """A sharded plan's replica groups: its own when one was re-sharded, else ``shards``
+    consecutive workers each."""
+    if plan.replica_groups:
+        return [tuple(g) for g in plan.replica_groups]
+    w = sorted(plan.workers)
+    return [tuple(w[i : i + shards]) for i in range(0, len(w), shards)]
 
 
 def groups_of(workers: Sequence[int], shards: int) -> list[tuple[int, ...]]:
@@ -63,6 +79,38 @@ def lost_shards_reason(workers: Sequence[int], shards: int, failed: Sequence[int
     )
 
 
+def turns_reason(num_micro_batches: int, sizes: Sequence[int]) -> str:
+    """Why a step is no whole turns of groups of ``sizes`` (runs of one size counted)."""
+    runs: list[list[int]] = []
+    for k in sizes:
+        if runs and runs[-1][0] == k:
+            runs[-1][1] += 1
+        else:
+            runs.append([k, 1])
+    text = ", ".join(f"{k}" if n == 1 else f"{k} x {n}" for k, n in runs)
+    return (
+        f"the {num_micro_batches} micro-batches of a step are no whole turns of replica "
+        f"groups of [{text}] members (each runs one a turn, every group one turn at least)"
+    )
+
+
+def lost_rows_reason(current: Plan, shards: int, failed: Sequence[int]) -> str | None:
+    """``lost_shards_reason`` for any plan: with a re-sharded group, by the rows each
+    live member holds (planner.plans.rows)."""
+    if not current.replica_groups:
+        return lost_shards_reason(current.workers, shards, failed)
+    lost = set(failed)
+    old = plan_groups(current, shards)
+    try:
+        move_pairs(old, [g for g in (tuple(w for w in g if w not in lost) for g in old) if g])
+    except LostRows:
+        return (
+            "rows of the model have no live copy (every worker holding them was lost): only a "
+            "checkpoint has them"
+        )
+    return None
+
+
 def uneven_reason(workers: int, num_micro_batches: int, shards: int) -> str | None:
     if workers == 0:
         return "no whole replica group is left"
@@ -85,19 +133,27 @@ def regrow(search: Search, current: Plan, alive: Sequence[int]) -> Candidate:
     ]
     if not back:
         return Candidate(Policy.REPARALLELIZE, reason="no whole replica group to take back")
-    workers = sorted(held | {w for g in back for w in g})
+    groups = sorted([*plan_groups(current, shards), *back])
+    workers = [w for g in groups for w in g]
     m = job.training.num_micro_batches
+    sizes = [len(g) for g in groups]
     reason = uneven_reason(len(workers), m, shards)
+    if reason is None and turn_counts(m, sizes) is None:
+        reason = turns_reason(m, sizes)
     if reason is not None:
         return Candidate(Policy.REPARALLELIZE, reason=reason)
     params = int(job.model.total("num_params", 0, current.num_layers))
     shard_bytes = job.training.moved_bytes_per_param * params // shards
+    # (a shard's rows are where its index says only in a whole group)
+    whole = {w for g in plan_groups(current, shards) if len(g) == shards for w in g}
     transfers: list[Transfer] = []
     rounds: list[int] = []
     sent: dict[int, int] = {}
     for g in back:
         for w in g:
-            src = min(h for h in held if h % shards == w % shards)
+            src = min((h for h in whole if h % shards == w % shards), default=None)
+            if src is None:
+                return Candidate(Policy.REPARALLELIZE, reason="no whole replica group to heal from")
             transfers.append(Transfer(src, w, 0, current.num_layers, shard_bytes))
             rounds.append(sent.get(src, 0))
             sent[src] = sent.get(src, 0) + 1
@@ -108,7 +164,7 @@ def regrow(search: Search, current: Plan, alive: Sequence[int]) -> Candidate:
         naive_est_time_s=schedule_s(CostModel(job), transfers, list(range(len(transfers)))),
         naive_transfers=tuple(transfers),
     )
-    plan = data_parallel(workers, m, shards, current.num_layers)
+    plan = data_parallel(workers, m, shards, current.num_layers, sizes)
     estimate = search.estimate(plan)
     if not estimate.feasible:
         return Candidate(
@@ -128,6 +184,67 @@ def regrow(search: Search, current: Plan, alive: Sequence[int]) -> Candidate:
         ).total_s,
     )
     label = f"take back replica group(s) {groups_text(back)}, healed shard by shard"
+    return Candidate(
+        Policy.REPARALLELIZE,
+        plan=plan,
+        estimate=estimate,
+        transition=transition,
+        migration=migration,
+        label=label,
+    )
+
+
+def reshard(search: Search, current: Plan, failed: Sequence[int]) -> Candidate:
+    """Re-shard every group that lost a member over its survivors (module doc)."""
+    job = search.job
+    shards, m = job.training.shards, job.training.num_micro_batches
+    lost = set(failed)
+    old = plan_groups(current, shards)
+    new = [g for g in (tuple(w for w in g if w not in lost) for g in old) if g]
+    changed = [g for g in new if g not in old]
+    if not changed:
+        return Candidate(Policy.REPARALLELIZE, reason="no replica group lost a member")
+    reason = lost_rows_reason(current, shards, failed)
+    if reason is not None:
+        return Candidate(Policy.REPARALLELIZE, reason=reason)
+    pairs = move_pairs(old, new)
+    sizes = [len(g) for g in new]
+    if turn_counts(m, sizes) is None:
+        return Candidate(Policy.REPARALLELIZE, reason=turns_reason(m, sizes))
+    layers = current.num_layers
+    plan = data_parallel([w for g in new for w in g], m, shards, layers, sizes)
+    estimate = search.estimate(plan)
+    if not estimate.feasible:
+        return Candidate(
+            Policy.REPARALLELIZE,
+            reason=overflow_reason(estimate, job),
+            plan=plan,
+            estimate=estimate,
+        )
+    costs = CostModel(job)
+    state = job.training.moved_bytes_per_param * job.model.total("num_params", 0, layers)
+    transfers = [Transfer(s, d, 0, layers, int(share * state)) for s, d, share in pairs]
+    tasks = [Task((t.src, t.dst), float(t.num_bytes)) for t in transfers]
+    rounds = colour_rounds(tasks)
+    migration = Migration(
+        transfers=tuple(transfers),
+        rounds=tuple(rounds),
+        est_time_s=schedule_s(costs, transfers, rounds),
+        naive_est_time_s=schedule_s(costs, transfers, list(range(len(transfers)))),
+        naive_transfers=tuple(transfers),
+        reshard_from=tuple(old),
+    )
+    f = job.cluster.transition_factor
+    members = {w for g in new for w in g}
+    transition = Transition(
+        migration_s=f * migration.est_time_s,
+        groups_s=f * groups_s(job, current, plan, (), members=members),
+        protocol_s=f
+        * protocol(
+            job, plan, survivors=sorted(members), members=members, current=current, moved=True
+        ).total_s,
+    )
+    label = f"re-shard replica group(s) {groups_text(changed)} over their survivors"
     return Candidate(
         Policy.REPARALLELIZE,
         plan=plan,

@@ -107,6 +107,12 @@ def estimate(job: Job, plan: Plan, *, memo: Memo | None = None) -> Estimate:
         if need is None:
             need = sized[key] = costs.memory_bytes(*key)
         memory[w] = need
+    shards = job.training.shards
+    for group in plan.replica_groups:  # re-sharded over fewer: a larger share each
+        if 0 < len(group) < shards:
+            for w in group:
+                first, end = ranges[w]
+                memory[w] += costs.state_bytes(first, end) * (shards - len(group)) // len(group)
     return Estimate(
         plan=plan,
         step_s=step_s,

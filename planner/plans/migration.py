@@ -28,6 +28,9 @@ class Migration:
     naive_est_time_s: float
     # Oobleck's restorer on the same plan change, for comparison: one transfer per round.
     naive_transfers: tuple[Transfer, ...] = ()
+    # A sharded job's replica groups the transfers move rows from, when they re-shard
+    # groups (planner.plans.rows; a heal's transfers send whole states: empty).
+    reshard_from: tuple[tuple[int, ...], ...] = ()
 
     @property
     def num_bytes(self) -> int:
@@ -45,6 +48,7 @@ class Migration:
             est_time_s=self.naive_est_time_s,
             naive_est_time_s=self.naive_est_time_s,
             naive_transfers=self.naive_transfers,
+            reshard_from=self.reshard_from,
         )
 
 

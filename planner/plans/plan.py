@@ -19,7 +19,7 @@ same global samples, so every layout computes the same step.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import NamedTuple
 
@@ -56,6 +56,10 @@ class Plan:
     # Whole pipelines: disjoint worker chains that cover every layer. After rerouting, a
     # pipeline that lost a worker is no longer one; its survivors still hold their stages.
     pipelines: tuple[tuple[int, ...], ...] = ()
+    # A sharded data-parallel plan's replica groups, when one is not of ``shards``
+    # consecutive workers (re-sharded over its survivors: planner.choice.sharded); each
+    # group's workers in shard order, the groups in worker order.
+    replica_groups: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -113,6 +117,9 @@ def _validate(plan: Plan) -> None:
             layer = stage.end_layer
         if layer != plan.num_layers:
             raise PlanError(f"chain {chain} does not reach the last layer")
+    grouped = [w for g in plan.replica_groups for w in g]
+    if plan.replica_groups and grouped != list(plan.workers):
+        raise PlanError("replica groups must split the workers, in worker order")
     in_pipelines = [w for p in plan.pipelines for w in p]
     if len(in_pipelines) != len(set(in_pipelines)):
         raise PlanError("a worker is in two pipelines")
@@ -167,6 +174,7 @@ def rename_workers(
         ("stages", stages),
         ("routes", routes),
         ("pipelines", pipelines),
+        ("replica_groups", tuple(tuple(map(get, g, g)) for g in plan.replica_groups)),
     ):
         object.__setattr__(out, field, value)
     return out
@@ -220,24 +228,73 @@ def pipelines_plan(
     )
 
 
+def turn_counts(num_micro_batches: int, sizes: Sequence[int]) -> list[int] | None:
+    """How many turns each replica group runs in a step (a group of ``k`` members runs
+    ``k`` micro-batches a turn, one each): the fewest turns for the busiest group, the
+    step covered exactly, every group one turn at least (its members' loop must see the
+    step); the lower groups take the larger counts, so that whole groups alike get the
+    lower ones one more (as the even deal). None if no count covers the step."""
+    m, n = num_micro_batches, len(sizes)
+    if not n or min(sizes) < 1:
+        return None
+    if len(set(sizes)) == 1:  # groups alike: the turns split evenly
+        k = sizes[0]
+        if m % k or m // k < n:
+            return None
+        return split_evenly(m // k, [1.0] * n)
+    for most in range(max(1, -(-m // sum(sizes))), m + 1):
+        # reach[g]: bit r set when groups g.. can cover r micro-batches exactly
+        reach = [0] * (n + 1)
+        reach[n] = 1
+        for g in reversed(range(n)):
+            bits = 0
+            for t in range(1, most + 1):
+                bits |= reach[g + 1] << (t * sizes[g])
+            reach[g] = bits & ((1 << (m + 1)) - 1)
+        if not reach[0] >> m & 1:
+            continue
+        counts, left = [], m
+        for g in range(n):
+            t = next(
+                t for t in range(most, 0, -1)
+                if left - t * sizes[g] >= 0 and reach[g + 1] >> (left - t * sizes[g]) & 1
+            )  # fmt: skip
+            counts.append(t)
+            left -= t * sizes[g]
+        return counts
+    return None
+
+
 def data_parallel(
-    workers: Sequence[int], num_micro_batches: int, shards: int = 1, num_layers: int = 1
+    workers: Sequence[int],
+    num_micro_batches: int,
+    shards: int = 1,
+    num_layers: int = 1,
+    sizes: Sequence[int] = (),
 ) -> Plan:
     """Every worker holds the model (all ``num_layers``: the drop-in describes one), the
-    step dealt as the runtime deals it (chameleon_runtime.sampler.deal): ``shards``
-    micro-batches a turn, one to each member of a group, the groups in turn, so the
-    members of a group run as many."""
+    step dealt as the runtime deals it (chameleon_runtime.sampler.deal): a replica group
+    (``shards`` consecutive workers, or ``sizes`` when a group was re-sharded over its
+    survivors) takes a turn of one micro-batch each, the groups in turn
+    (``turn_counts``), so the members of a group run as many."""
     ordered = sorted(workers)
-    groups = max(1, len(ordered) // shards)
-    turns = split_evenly(num_micro_batches // shards, [1.0] * groups)
-    counts = [turns[i // shards] for i in range(len(ordered))]
-    return pipelines_plan(
+    sizes = list(sizes) or [shards] * max(1, len(ordered) // shards)
+    turns = turn_counts(num_micro_batches, sizes)
+    if turns is None:
+        raise PlanError(f"{num_micro_batches} micro-batches are no whole turns of groups {sizes}")
+    counts = [t for t, k in zip(turns, sizes, strict=True) for _ in range(k)]
+    plan = pipelines_plan(
         num_layers=num_layers,
         num_micro_batches=num_micro_batches,
         pipelines=[[w] for w in ordered],
         boundaries=[[0, num_layers]] * len(ordered),
         micro_batch_counts=counts,
     )
+    if any(k != shards for k in sizes):
+        starts = [sum(sizes[:g]) for g in range(len(sizes))]
+        groups = tuple(tuple(ordered[a : a + k]) for a, k in zip(starts, sizes, strict=True))
+        plan = replace(plan, replica_groups=groups)
+    return plan
 
 
 def contiguous_runs(values: Iterable[int]) -> list[tuple[int, int]]:

@@ -31,6 +31,7 @@ class PlanWire(_Json):
     stages: list[StageWire]
     routes: list[RouteWire]
     pipelines: list[list[int]]
+    replica_groups: list[list[int]] = []
 
     @classmethod
     def of(cls, plan: Plan) -> PlanWire:
@@ -46,6 +47,7 @@ class PlanWire(_Json):
                 for r in plan.routes
             ],
             pipelines=[list(p) for p in plan.pipelines],
+            replica_groups=[list(g) for g in plan.replica_groups],
         )
 
     def to_plan(self) -> Plan:
@@ -55,4 +57,5 @@ class PlanWire(_Json):
             stages=tuple(Stage(s.worker, s.first_layer, s.end_layer) for s in self.stages),
             routes=tuple(Route(r.home, tuple(r.hops), tuple(r.micro_batches)) for r in self.routes),
             pipelines=tuple(tuple(p) for p in self.pipelines),
+            replica_groups=tuple(tuple(g) for g in self.replica_groups),
         )

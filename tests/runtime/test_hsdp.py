@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from chameleon_runtime.sharding import ShardLayout, check_even_deal
+from chameleon_runtime.sharding import check_even_deal
+from chameleon_runtime.shardlayout import ShardLayout
 from tests.launcher.helpers import (
     devices_config,
     env,
@@ -101,6 +102,58 @@ def test_a_kill_drops_the_damaged_group_in_place(tmp_path):
     assert [e["rank"] for e in log if e["event"] == "failure"] == [1]
     assert sorted(killed) == [2, 3]
     for rank in (2, 3):
+        assert relative(free[0], killed[rank]) <= TOLERANCE
+
+
+@pytest.mark.slow
+def test_a_kill_re_shards_the_damaged_group_over_its_survivor(tmp_path):
+    """kill -9 of rank 1 at step 3, --policy reparallelize: group 0 is re-sharded over
+    rank 0 alone (the rows of rank 1's shard and their optimizer state from rank 3, its
+    column in group 1), which then holds the whole model and runs turns of one
+    micro-batch while group 1 runs turns of two; its sums pair piece by piece with
+    group 1's shards (chameleon_runtime.rowsums). The failure-free weights, in place."""
+    done, free = chameleon(tmp_path, "free")
+    assert done.returncode == 0, done.stderr[-3000:]
+    done, killed = chameleon(
+        tmp_path, "kill",
+        launch=(
+            "--max-rejoins", "0", "--policy", "reparallelize",
+            "--inject-fault", "kill:rank=1,step=3",
+        ),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    log = events(tmp_path / "kill.events")
+    chosen = [(e["policy"], e["label"]) for e in log if e["event"] == "plan_chosen"]
+    assert chosen == [("reparallelize", "re-shard replica group(s) [[0]] over their survivors")]
+    assert not [e for e in log if e["event"] == "decision" and e.get("action") == "restart"]
+    assert [e["rank"] for e in log if e["event"] == "failure"] == [1]
+    assert sorted(killed) == [0, 2, 3]
+    for rank in (0, 2, 3):
+        assert relative(free[0], killed[rank]) <= TOLERANCE
+
+
+@pytest.mark.slow
+def test_a_group_of_three_re_shards_over_two_survivors(tmp_path):
+    """6 workers, 2 groups of 3 shards, 12 micro-batches; kill -9 of rank 1: ranks 0 and 2
+    cut every parameter in halves on a new mesh of two (each keeps what it had of its
+    half and takes the rest of the middle third from rank 4), then group 0 runs 3 turns
+    of 2 micro-batches and group 1 2 turns of 3. The failure-free weights, in place."""
+    extra = ("--shards", "3", "--micro-batches", "12", "--steps", "6")
+    done, free = chameleon(tmp_path, "free", *extra, workers=6)
+    assert done.returncode == 0, done.stderr[-3000:]
+    done, killed = chameleon(
+        tmp_path, "kill", *extra, workers=6,
+        launch=(
+            "--max-rejoins", "0", "--policy", "reparallelize",
+            "--inject-fault", "kill:rank=1,step=2",
+        ),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    log = events(tmp_path / "kill.events")
+    chosen = [(e["policy"], e["label"]) for e in log if e["event"] == "plan_chosen"]
+    assert chosen == [("reparallelize", "re-shard replica group(s) [[0, 2]] over their survivors")]
+    assert sorted(killed) == [0, 2, 3, 4, 5]
+    for rank in killed:
         assert relative(free[0], killed[rank]) <= TOLERANCE
 
 

@@ -1,0 +1,167 @@
+"""A replica group re-sharded over other members in place (HSDP: chameleon_runtime.
+sharding): its survivors after a member was lost, each taking a larger shard of every
+parameter and of its optimizer state, the rows it lacks from a live group-mate or, for
+the lost member's rows, from the peer group that holds them (planner.plans.rows: the
+same moves the planner priced, in the rounds it scheduled).
+
+FSDP2 has no re-shard of a module in place. Each FSDP parameter is set up again on the
+group's new mesh (``FSDPParam._init_sharded_param``, what ``fully_shard`` runs, given a
+tensor of the parameter's full shape of which only this member's new rows are written:
+the rest is never read, and on the host never touched), which puts a new sharded
+parameter on the module; the optimizers' parameters and states are pointed at the new
+ones (a state shaped like its parameter is re-sharded as the parameter).
+
+Memory: a member holds its old and its new shards while the rows move (its state grows
+from ``1/S`` of the model's to ``1/(S-1)`` anyway); nothing is staged whole.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from chameleon_runtime.shardlayout import ShardLayout, local
+from planner.plans.rows import row_moves
+
+Send = Callable[[torch.Tensor, int], None]
+Recv = Callable[[torch.Tensor, int], Any]
+
+
+def row_tensors(module: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> list[Any]:
+    """What a re-shard moves, in one order on every member: the sharded parameters (the
+    module's order), then each optimizer's states shaped like their parameter (its
+    parameters' order, keys sorted)."""
+    params = [p for p in module.parameters() if local(p) is not p]
+    out: list[Any] = list(params)
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                state = optimizer.state.get(p, {})
+                for key in sorted(state, key=str):
+                    v = state[key]
+                    if torch.is_tensor(v) and local(v) is not v and v.shape == p.shape:
+                        out.append(v)
+    return out
+
+
+def move_rows(
+    old: ShardLayout,
+    new: ShardLayout,
+    me: int,
+    tensors: Sequence[Any],
+    send: Send,
+    recv: Recv,
+    flush: Callable[[], None],
+    pairs: Sequence[tuple[int, int]] = (),
+) -> list[torch.Tensor] | None:
+    """Move the rows of ``tensors`` (sharded as ``old`` lays them out) so that every
+    member of a changed group holds its rows under ``new``; returns this member's new
+    local tensors, or None if its group did not change. ``pairs``: (src, dst) in the
+    plan's order (its rounds); a pair of ours it lacks goes after (module doc)."""
+    old_groups, new_groups = [tuple(g) for g in old.groups], [tuple(g) for g in new.groups]
+    moves = [row_moves(old_groups, new_groups, t.shape[0]) for t in tensors]
+    mine = new.group_of(me) if me in new.members else None
+    changed = mine is not None and mine not in old_groups
+    out: list[torch.Tensor] = []
+    if changed:
+        for t, ms in zip(tensors, moves, strict=True):
+            a, b = new.rows_of(me, t.shape[0])
+            fresh = local(t).new_empty((b - a, *t.shape[1:]))
+            oa = old.rows_of(me, t.shape[0])[0] if me in old.members else 0
+            for src, dst, x, y in ms:
+                if src == dst == me:
+                    fresh[x - a : y - a].copy_(local(t)[x - oa : y - oa])
+            out.append(fresh)
+    order = list(
+        dict.fromkeys([*pairs, *sorted({(s, d) for ms in moves for s, d, _, _ in ms if s != d})])
+    )
+    for src, dst in order:
+        if me not in (src, dst):
+            continue
+        for i, (t, ms) in enumerate(zip(tensors, moves, strict=True)):
+            n = t.shape[0]
+            for s, d, x, y in ms:
+                if (s, d) != (src, dst):
+                    continue
+                if s == me:
+                    oa = old.rows_of(me, n)[0]
+                    piece = local(t)[x - oa : y - oa]
+                    send(piece if piece.device.type == "cpu" else piece.cpu(), dst)
+                else:
+                    a = new.rows_of(me, n)[0]
+                    into = out[i][x - a : y - a]
+                    if into.device.type == "cpu":
+                        recv(into, src)
+                    else:
+                        into.copy_(recv(torch.empty(into.shape, dtype=into.dtype), src))
+        flush()
+    return out if changed else None
+
+
+def rebuild(
+    module: nn.Module,
+    optimizers: Sequence[torch.optim.Optimizer],
+    tensors: Sequence[Any],
+    fresh: Sequence[torch.Tensor],
+    mesh: Any,
+    layout: ShardLayout,
+    me: int,
+) -> dict[int, nn.Parameter]:
+    """Set the module's FSDP parameters up again on ``mesh`` with this member's new rows
+    (``fresh``, in ``row_tensors``' order, the old ``tensors``), and the optimizers on
+    the new parameters. Returns {id(old parameter): new parameter}."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo
+    from torch.distributed.tensor import DTensor
+
+    new_local = {id(t): f for t, f in zip(tensors, fresh, strict=True)}
+    moved: dict[int, nn.Parameter] = {}
+    info = FSDPMeshInfo(mesh, shard_mesh_dim=0)
+    with torch.no_grad():
+        for m in module.modules():
+            if not isinstance(m, FSDPModule):
+                continue
+            for group in m._get_fsdp_state()._fsdp_param_groups:
+                post = info if group.post_forward_mesh_info is not None else None
+                group.mesh_info, group.post_forward_mesh_info = info, post
+                for fp in group.fsdp_params:
+                    old = fp.sharded_param
+                    rows = new_local[id(old)]
+                    n = old.shape[0]
+                    a, b = layout.rows_of(me, n)
+                    whole = torch.empty(old.shape, dtype=old.dtype, device=rows.device)
+                    whole[a:b].copy_(rows)
+                    fp.post_forward_mesh_info = post
+                    fp._init_sharded_param(
+                        nn.Parameter(whole, requires_grad=old.requires_grad), fp.device, None, info
+                    )
+                    del whole
+                    if post is not None:
+                        fp._init_sharded_post_forward_param_metadata(fp.sharded_param)
+                    fp.all_gather_outputs = []  # (sized for the old mesh: made again)
+                    if hasattr(fp, "_unsharded_param"):
+                        del fp._unsharded_param
+                    moved[id(old)] = fp.sharded_param
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            params = []
+            for p in group["params"]:
+                q = moved.get(id(p))
+                if q is None:
+                    params.append(p)
+                    continue
+                state = optimizer.state.pop(p, {})
+                for key, value in list(state.items()):
+                    if id(value) in new_local:
+                        state[key] = DTensor.from_local(
+                            new_local[id(value)], q.device_mesh, q.placements,
+                            run_check=False, shape=q.shape, stride=q.stride(),
+                        )  # fmt: skip
+                if state:
+                    optimizer.state[q] = state
+                params.append(q)
+            group["params"] = params
+    return moved
