@@ -260,6 +260,7 @@ class Generation:
         over included; the ones ``wanted`` that it lacks are built into it."""
         self.generation = generation
         self.me = me
+        self.store = store  # what its groups (and the script's: usergroup) are built on
         self.members = list(adopt.members if adopt is not None else members)
         self._index = {rank: i for i, rank in enumerate(self.members)}
         self.interrupts = interrupts

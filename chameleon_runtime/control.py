@@ -281,8 +281,12 @@ class Control:
         """Generation ``generation``'s group over ``members`` (chameleon_runtime.comm), on
         this worker's store, abortable by its interrupts; ``kwargs``: ``transport``,
         ``adopt`` (a group carried over)."""
+        # Its groups are built on a connection of their own: a build blocks in the store
+        # until every member has written its address, and a member lost meanwhile leaves
+        # it blocked until its timeout, with the connection it uses; the abort, the Ready
+        # and the next plan go over this worker's own, never behind it.
         return Generation(
-            store=self.store,
+            store=self.store.clone(),
             prefix=self.keys.groups(generation),
             generation=generation,
             members=members,

@@ -399,6 +399,13 @@ class ElasticDataParallel(nn.Module):
         micro-batch): ``.grad`` shows zeros (chameleon_runtime.buckets)."""
         self._shown_queued = False
         if not self.synced and not self.repeat:
+            if self.sharding is not None and self.elastic is not None and not self.discard:
+                # A group agrees on an accumulating turn too (chameleon_runtime.sharding:
+                # ``agree``): a member whose collective saw the launcher's abort first
+                # shows None, its mate whose same collective ended first would show
+                # zeros, and a norm the loop takes of them is a collective of the group
+                # that one member no longer joins.
+                self.failure = self.sharding.agree(self.failure)
             broken = self.failure is not None or (self.sharded and self.discard)
             self.grads.expose_scratch(broken=broken)
 
@@ -613,8 +620,6 @@ class ElasticDataParallel(nn.Module):
         )  # fmt: skip
         self.sampler.rewind(resume, elastic.members)
         self.consistency.last_checked = -1  # (as every member of the new generation)
-        if self.sharding is not None:  # FSDP2's mesh on the new generation's groups
-            self.sharding.refresh()
         if roll or self._rolled:  # committed elsewhere: these sums (their mean) are final
             if self._rolled:  # (applied already, before this member sent its state)
                 return True

@@ -70,6 +70,12 @@ class Reshaper(Protocol):
         flush: Callable[[], None],
     ) -> None: ...
 
+    def commit(self) -> None: ...
+
+    def regroup(self, layout: ShardLayout) -> None: ...
+
+    def forget(self) -> None: ...
+
 
 class _ScriptErrors:
     """Whether the script raised: an uncaught exception goes through ``sys.excepthook``
@@ -351,6 +357,8 @@ class Membership:
         roll_now: Callable[[], None] | None = None,
     ) -> tuple[int, bool]:
         plan = message.plan.to_plan()
+        if self.reshaper is not None:
+            self.reshaper.forget()  # (rows an aborted generation moved)
         members = sorted(set(plan.workers) | {t.src for t in message.transfers})
         if self.rank not in members:  # not used by this plan: wait for the next one
             self.generation = message.generation
@@ -372,8 +380,8 @@ class Membership:
         assert gen is not None
         transfers = sorted(message.transfers, key=lambda t: t.round)
         if message.reshard_from and self.reshaper is not None:
-            # Groups re-sharded: rows move, in the plan's rounds (chameleon_runtime.reshard);
-            # the pending step first, on every member that moves rows of it.
+            # Groups re-sharded: rows move among their holders, in the plan's rounds
+            # (chameleon_runtime.reshard); the pending step first, on every member.
             if roll and roll_now is not None:
                 roll_now()
                 roll_now = None
@@ -382,11 +390,13 @@ class Membership:
                 self.shards,
                 tuple(len(g) for g in message.reshard_from),
             )
+            moves = [(t.src, t.dst) for t in transfers if t.dst in old.members]
             self.reshaper.move(
-                old, target, self.rank, [(t.src, t.dst) for t in transfers],
+                old, target, self.rank, moves,
                 lambda x, d: gen.send(x, d), lambda x, s: gen.recv(x, s), gen.flush_sends,
             )  # fmt: skip
-            transfers = []
+            # (a member that held nothing, a replacement, is healed whole below)
+            transfers = [t for t in transfers if t.dst not in old.members]
         for t in transfers:
             if t.src == self.rank:  # streamed in chunks (chameleon_runtime.heal)
                 if roll and roll_now is not None:
@@ -400,13 +410,20 @@ class Membership:
                 received = receive_state(lambda x, s=t.src: gen.recv(x, s))
         if not self.control.agree(message.generation, "migrated", len(members)).held:
             raise Aborted(f"generation {message.generation} aborted during its migration")
+        # Applied (the launcher plans the next failure from this generation's layout): a
+        # re-shard's moved rows are what this member holds now, set up in the model once
+        # the groups are built (a failure before that keeps them for the next plan).
         self.applied = message.generation
+        if self.reshaper is not None:
+            self.reshaper.commit()
         self.members = sorted(plan.workers)
         self.layout = target
         self.sampler.members = list(self.members)
         self.sampler.sizes = sizes
         if self.rank in self.members:
             self._user_group(message.generation)
+            if self.reshaper is not None:  # the mesh a sharded model shards on
+                self.reshaper.regroup(target)
         else:  # a source that gave its state away: a spare from now on
             usergroup.remove()
         if received is not None:  # (after the groups: a sharded model shards on them)
@@ -454,13 +471,13 @@ class Membership:
         if self.control.interrupts.finished is not None:
             self._end()
 
-    def _user_group(self, generation: int) -> None:
+    def _user_group(self, generation: int, workers: list[int] | None = None) -> None:
         """The script's default process group over this generation's workers
         (chameleon_runtime.usergroup)."""
         assert self.gen is not None
         usergroup.install(
-            self.gen, self.control.store, self.control.keys.groups(generation), self.members,
-            self.rank,
+            self.gen, self.gen.store, self.control.keys.groups(generation),
+            workers if workers is not None else self.members, self.rank,
         )  # fmt: skip
 
     def _leave(self) -> None:

@@ -56,11 +56,14 @@ def move_rows(
     recv: Recv,
     flush: Callable[[], None],
     pairs: Sequence[tuple[int, int]] = (),
+    held: Sequence[torch.Tensor] | None = None,
 ) -> list[torch.Tensor] | None:
     """Move the rows of ``tensors`` (sharded as ``old`` lays them out) so that every
     member of a changed group holds its rows under ``new``; returns this member's new
     local tensors, or None if its group did not change. ``pairs``: (src, dst) in the
-    plan's order (its rounds); a pair of ours it lacks goes after (module doc)."""
+    plan's order (its rounds); a pair of ours it lacks goes after (module doc).
+    ``held``: this member's rows of each under ``old`` (default: the tensors' own)."""
+    mine_old = list(held) if held is not None else [local(t) for t in tensors]
     old_groups, new_groups = [tuple(g) for g in old.groups], [tuple(g) for g in new.groups]
     moves = [row_moves(old_groups, new_groups, t.shape[0]) for t in tensors]
     mine = new.group_of(me) if me in new.members else None
@@ -69,11 +72,11 @@ def move_rows(
     if changed:
         for t, ms in zip(tensors, moves, strict=True):
             a, b = new.rows_of(me, t.shape[0])
-            fresh = local(t).new_empty((b - a, *t.shape[1:]))
+            fresh = mine_old[len(out)].new_empty((b - a, *t.shape[1:]))
             oa = old.rows_of(me, t.shape[0])[0] if me in old.members else 0
             for src, dst, x, y in ms:
                 if src == dst == me:
-                    fresh[x - a : y - a].copy_(local(t)[x - oa : y - oa])
+                    fresh[x - a : y - a].copy_(mine_old[len(out)][x - oa : y - oa])
             out.append(fresh)
     order = list(
         dict.fromkeys([*pairs, *sorted({(s, d) for ms in moves for s, d, _, _ in ms if s != d})])
@@ -88,7 +91,7 @@ def move_rows(
                     continue
                 if s == me:
                     oa = old.rows_of(me, n)[0]
-                    piece = local(t)[x - oa : y - oa]
+                    piece = mine_old[i][x - oa : y - oa]
                     send(piece if piece.device.type == "cpu" else piece.cpu(), dst)
                 else:
                     a = new.rows_of(me, n)[0]

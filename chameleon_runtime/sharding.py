@@ -51,7 +51,7 @@ import torch.distributed as dist
 from torch import nn
 
 from chameleon_runtime.comm import Aborted, CommError
-from chameleon_runtime.shardlayout import ShardLayout
+from chameleon_runtime.shardlayout import ShardLayout, local
 
 
 def check_even_deal(num_micro_batches: int, shards: int) -> None:
@@ -89,15 +89,13 @@ def group_mesh(
     return DeviceMesh.from_group(mine, device_type)
 
 
-def refresh_mesh(
-    module: nn.Module, layout: ShardLayout, me: int, blocking: Blocking | None = None
-) -> None:
+def rebind_mesh(module: nn.Module, fresh: Any, me: int) -> None:
     """A recovery rebuilt the default process group (chameleon_runtime.usergroup): the
-    mesh FSDP2 shards on gets this generation's group over ``me``'s replica group, whose
-    members and their places are the same (a plan keeps groups whole:
-    planner.choice.selection.sharded_options). The mesh resolves its group by name at
-    each use, and FSDP2 keeps the group object it was given: both are pointed at the new
-    one (torch has no public way to rebind a mesh to a rebuilt group)."""
+    mesh FSDP2 shards on is pointed at ``fresh``, this generation's group over ``me``'s
+    replica group, whose members and their places are the same (a plan that changes a
+    group re-shards it: chameleon_runtime.reshard). The mesh resolves its group by name
+    at each use, and FSDP2 keeps the group object it was given: both are pointed at the
+    new one (torch has no public way to rebind a mesh to a rebuilt group)."""
     from torch.distributed.fsdp import FSDPModule
 
     mesh = None
@@ -110,7 +108,6 @@ def refresh_mesh(
             break
     if mesh is None:
         return
-    fresh = group_mesh(layout, me, mesh.device_type, blocking).get_group()
     if fresh.size() != mesh.size():
         raise RuntimeError(
             f"chameleon: replica group of rank {me} has {fresh.size()} members now, "
@@ -241,6 +238,11 @@ class Replicas(Protocol):
     def group_allreduce(self, tensor: torch.Tensor) -> None: ...
 
 
+# A re-shard's rows: the sharded tensors (chameleon_runtime.reshard.row_tensors), this
+# member's rows of each under a layout, and that layout.
+Rows = tuple[list[Any], list[torch.Tensor], ShardLayout]
+
+
 class Sharding:
     """The FSDP2 side of one drop-in model (``ElasticDataParallel(shards=S)``): what is
     sharded and how (``blocks``, ``options``), whether it is yet (a replacement's only
@@ -269,7 +271,10 @@ class Sharding:
         # rebuild of the parameters: its hooks and buckets on the new ones)
         self.optimizers: Callable[[], list[torch.optim.Optimizer]] = list
         self.rebuilt: Callable[[], None] = lambda: None
-        self._moved: tuple[list[Any], list[torch.Tensor]] | None = None  # rows to set up
+        # rows moved by the plan being applied, and held but not yet set up in the model
+        self._moving: Rows | None = None
+        self._pending: Rows | None = None
+        self._mesh: Any = None  # the mesh of the plan applied last (``regroup``)
         if replicas.elastic is not None:  # (a replacement's too, before it is sharded)
             replicas.elastic.row_counts = row_counts(module)
         if "shard_placement_fn" in options:
@@ -279,11 +284,14 @@ class Sharding:
             )
 
     def apply(self) -> None:
-        """FSDP2 within this member's replica group."""
+        """FSDP2 within this member's replica group (on the mesh ``regroup`` built, once a
+        plan took a replacement in)."""
         replicas = self.replicas
-        mesh = group_mesh(
-            replicas.layout_now(), replicas.rank, self._device_type(), replicas.blocking
-        )
+        mesh = self._mesh
+        if mesh is None:
+            mesh = group_mesh(
+                replicas.layout_now(), replicas.rank, self._device_type(), replicas.blocking
+            )
         shard_model(self.module, mesh, self.blocks, self.run, self.options)
         if self.find_unused:  # members that used different parameters scatter alike
             for m in self.module.modules():
@@ -323,28 +331,58 @@ class Sharding:
         flush: Callable[[], None],
     ) -> None:
         """A plan re-shards groups (chameleon_runtime.reshard): the rows move now, in the
-        migration; the model is set up on them at ``refresh``, on the new mesh."""
+        migration, from what this member holds (rows an earlier re-shard moved and no
+        mesh has taken yet, or the model's shards); ``commit`` makes them held once the
+        plan is agreed, ``regroup`` sets the model up on them."""
         from chameleon_runtime.reshard import move_rows, row_tensors
 
-        tensors = row_tensors(self.module, self.optimizers())
-        fresh = move_rows(old, new, me, tensors, send, recv, flush, pairs)
-        self._moved = None if fresh is None else (tensors, fresh)
+        if self._pending is not None:
+            tensors, rows, layout = self._pending
+            if layout.groups != old.groups:
+                raise RuntimeError(
+                    f"chameleon: rank {me} holds rows laid out as {layout.groups}, the plan "
+                    f"re-shards from {old.groups}"
+                )
+        else:
+            tensors = row_tensors(self.module, self.optimizers())
+            rows = [local(t) for t in tensors]
+        fresh = move_rows(old, new, me, tensors, send, recv, flush, pairs, rows)
+        self._moving = None if fresh is None else (tensors, fresh, new)
 
-    def refresh(self) -> None:
-        """After a recovery: the mesh on the new generation's group (``refresh_mesh``), or,
-        re-sharded, the model set up again on a new mesh of its group with the rows
-        moved to it (every member builds the groups once either way: ``new_group`` is a
-        collective of the default group)."""
+    def commit(self) -> None:
+        """The plan is agreed (its layout is what the launcher plans from now): the rows
+        moved for it are this member's."""
+        if self._moving is not None:
+            self._pending, self._moving = self._moving, None
+
+    def forget(self) -> None:
+        """A new plan: rows an aborted one moved are dropped (never agreed)."""
+        self._moving = None
+
+    def regroup(self, layout: ShardLayout) -> None:
+        """The plan's groups are built (chameleon_runtime.elastic): the mesh of this
+        member's group under ``layout``, on the new default group (abortable; every
+        member builds once a generation, ``new_group`` being a collective of the default
+        group; a replacement too, which shards on it when healed). Then, local: held rows
+        set up on it (``rebuild``: chameleon_runtime.reshard), or the model's mesh
+        pointed at the new group (``rebind_mesh``)."""
         replicas = self.replicas
-        moved, self._moved = self._moved, None
-        if moved is None:
-            refresh_mesh(self.module, replicas.layout_now(), replicas.rank, replicas.blocking)
+        self._mesh = group_mesh(layout, replicas.rank, self._device_type(), replicas.blocking)
+        if not self.applied:
+            return  # a replacement: it shards on the mesh when healed (apply_to_replacement)
+        pending, self._pending = self._pending, None
+        if pending is None:
+            rebind_mesh(self.module, self._mesh.get_group(), replicas.rank)
             return
         from chameleon_runtime.reshard import rebuild
 
-        layout = replicas.layout_now()
-        mesh = group_mesh(layout, replicas.rank, self._device_type(), replicas.blocking)
-        rebuild(self.module, self.optimizers(), *moved, mesh, layout, replicas.rank)
+        tensors, rows, held = pending
+        if held.group_of(replicas.rank) != layout.group_of(replicas.rank):
+            raise RuntimeError(
+                f"chameleon: rank {replicas.rank}'s rows are laid out for group "
+                f"{held.group_of(replicas.rank)}, the plan puts it in {layout.group_of(replicas.rank)}"
+            )
+        rebuild(self.module, self.optimizers(), tensors, rows, self._mesh, layout, replicas.rank)
         self.rebuilt()
 
     def agree(self, failure: tuple[str, bool] | None) -> tuple[str, bool] | None:

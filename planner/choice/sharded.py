@@ -123,17 +123,25 @@ def uneven_reason(workers: int, num_micro_batches: int, shards: int) -> str | No
 
 
 def regrow(search: Search, current: Plan, alive: Sequence[int]) -> Candidate:
-    """Take back every group out of ``current`` whose members are all in ``alive``,
-    each member healed shard by shard from its column (module doc)."""
+    """Take back every group out of ``current`` whose members are all in ``alive``, and
+    grow every re-sharded group whose missing members are back (replacements) to whole:
+    each member that holds nothing healed shard by shard from its column, the members
+    of a grown group re-sharded to the whole group's rows (module doc)."""
     job = search.job
     shards = job.training.shards
     held = set(current.workers)
-    back = [
-        g for g in groups_of([w for w in alive if w not in held], shards) if set(g) <= set(alive)
-    ]
-    if not back:
+    live = set(alive)
+    old = plan_groups(current, shards)
+    launch = groups_of(list(live), shards)
+    back = [g for g in launch if set(g) <= live and not set(g) & held]
+    grown = {
+        g: next(h for h in old if set(h) < set(g))
+        for g in launch
+        if set(g) <= live and any(set(h) < set(g) for h in old)
+    }
+    if not back and not grown:
         return Candidate(Policy.REPARALLELIZE, reason="no whole replica group to take back")
-    groups = sorted([*plan_groups(current, shards), *back])
+    groups = sorted([*(h for h in old if h not in grown.values()), *grown, *back])
     workers = [w for g in groups for w in g]
     m = job.training.num_micro_batches
     sizes = [len(g) for g in groups]
@@ -143,26 +151,26 @@ def regrow(search: Search, current: Plan, alive: Sequence[int]) -> Candidate:
     if reason is not None:
         return Candidate(Policy.REPARALLELIZE, reason=reason)
     params = int(job.model.total("num_params", 0, current.num_layers))
-    shard_bytes = job.training.moved_bytes_per_param * params // shards
+    state = job.training.moved_bytes_per_param * params
     # (a shard's rows are where its index says only in a whole group)
-    whole = {w for g in plan_groups(current, shards) if len(g) == shards for w in g}
+    whole = {w for g in old if len(g) == shards for w in g}
     transfers: list[Transfer] = []
-    rounds: list[int] = []
-    sent: dict[int, int] = {}
-    for g in back:
-        for w in g:
-            src = min((h for h in whole if h % shards == w % shards), default=None)
-            if src is None:
-                return Candidate(Policy.REPARALLELIZE, reason="no whole replica group to heal from")
-            transfers.append(Transfer(src, w, 0, current.num_layers, shard_bytes))
-            rounds.append(sent.get(src, 0))
-            sent[src] = sent.get(src, 0) + 1
+    for w in sorted(set(workers) - held):
+        src = min((h for h in whole if h % shards == w % shards), default=None)
+        if src is None:
+            return Candidate(Policy.REPARALLELIZE, reason="no whole replica group to heal from")
+        transfers.append(Transfer(src, w, 0, current.num_layers, state // shards))
+    if grown:  # the grown groups' holders cut their rows as a whole group does
+        for src, dst, share in move_pairs(old, groups):
+            transfers.append(Transfer(src, dst, 0, current.num_layers, int(share * state)))
+    rounds = colour_rounds([Task((t.src, t.dst), float(t.num_bytes)) for t in transfers])
     migration = Migration(
         transfers=tuple(transfers),
         rounds=tuple(rounds),
         est_time_s=schedule_s(CostModel(job), transfers, rounds),
         naive_est_time_s=schedule_s(CostModel(job), transfers, list(range(len(transfers)))),
         naive_transfers=tuple(transfers),
+        reshard_from=tuple(old) if grown else (),
     )
     plan = data_parallel(workers, m, shards, current.num_layers, sizes)
     estimate = search.estimate(plan)
@@ -183,7 +191,10 @@ def regrow(search: Search, current: Plan, alive: Sequence[int]) -> Candidate:
             job, plan, survivors=workers, members=sources, current=current, moved=True
         ).total_s,
     )
-    label = f"take back replica group(s) {groups_text(back)}, healed shard by shard"
+    said = [f"take back replica group(s) {groups_text(back)}"] if back else []
+    if grown:
+        said.append(f"grow re-sharded group(s) {groups_text(list(grown.values()))} whole")
+    label = ", ".join(said) + ", healed shard by shard"
     return Candidate(
         Policy.REPARALLELIZE,
         plan=plan,

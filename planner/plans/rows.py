@@ -37,7 +37,9 @@ def row_moves(
 ) -> list[tuple[int, int, int, int]]:
     """``(src, dst, a, b)``: rows ``[a, b)`` of an ``n``-row parameter that ``dst``, a
     member of a new group that is not an old one, takes from ``src`` (``src == dst``: it
-    keeps them). The members of the new groups are the live ones (module doc)."""
+    keeps them). The members of the new groups are the live ones (module doc); one that
+    held nothing (a replacement) takes no rows here: it is healed whole, from the member
+    of a whole group that holds its shard (chameleon_runtime.heal)."""
     live = {r for g in new_groups for r in g}
     held = {r: span for g in old_groups for r, span in zip(g, rows(n, len(g)), strict=True)}
     old_group_of = {r: g for g in old_groups for r in g}
@@ -48,7 +50,7 @@ def row_moves(
         if group in old_groups:
             continue
         for dst, (a, b) in zip(group, rows(n, len(group)), strict=True):
-            if a == b:
+            if a == b or dst not in held:  # (a member that held nothing is healed whole)
                 continue
             mates = [m for m in old_group_of.get(dst, ()) if m in live and m != dst]
             peers = list(kept[turn % len(kept)]) if kept else []

@@ -106,30 +106,36 @@ def test_a_kill_drops_the_damaged_group_in_place(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_kill_re_shards_the_damaged_group_over_its_survivor(tmp_path):
-    """kill -9 of rank 1 at step 3, --policy reparallelize: group 0 is re-sharded over
-    rank 0 alone (the rows of rank 1's shard and their optimizer state from rank 3, its
-    column in group 1), which then holds the whole model and runs turns of one
-    micro-batch while group 1 runs turns of two; its sums pair piece by piece with
-    group 1's shards (chameleon_runtime.rowsums). The failure-free weights, in place."""
-    done, free = chameleon(tmp_path, "free")
+def test_a_kill_re_shards_the_group_then_grows_it_back_whole(tmp_path):
+    """kill -9 of rank 1 at step 3, its replacement started, the planner's own choices:
+    group 0 is re-sharded over rank 0 alone (the rows of rank 1's shard and their
+    optimizer state from rank 3, its column in group 1), which then holds the whole
+    model and runs turns of one micro-batch while group 1 runs turns of two, its sums
+    paired piece by piece with group 1's shards (chameleon_runtime.rowsums); once the
+    replacement is up the group grows back whole: the replacement healed from rank 3,
+    rank 0 cut back to its half. Every rank ends with the failure-free weights. Planned
+    as if each worker had a device (devices_config)."""
+    config = ("--config", str(devices_config(tmp_path)))
+    done, free = chameleon(
+        tmp_path, "free", "--steps", "60", launch=("--max-rejoins", "0", *config)
+    )
     assert done.returncode == 0, done.stderr[-3000:]
-    done, killed = chameleon(
-        tmp_path, "kill",
-        launch=(
-            "--max-rejoins", "0", "--policy", "reparallelize",
-            "--inject-fault", "kill:rank=1,step=3",
-        ),
+    done, grown = chameleon(
+        tmp_path, "kill", "--steps", "60",
+        launch=(*config, "--inject-fault", "kill:rank=1,step=3"),
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     log = events(tmp_path / "kill.events")
     chosen = [(e["policy"], e["label"]) for e in log if e["event"] == "plan_chosen"]
-    assert chosen == [("reparallelize", "re-shard replica group(s) [[0]] over their survivors")]
+    assert chosen == [
+        ("reparallelize", "re-shard replica group(s) [[0]] over their survivors"),
+        ("reparallelize", "grow re-sharded group(s) [[0]] whole, healed shard by shard"),
+    ], chosen
     assert not [e for e in log if e["event"] == "decision" and e.get("action") == "restart"]
     assert [e["rank"] for e in log if e["event"] == "failure"] == [1]
-    assert sorted(killed) == [0, 2, 3]
-    for rank in (0, 2, 3):
-        assert relative(free[0], killed[rank]) <= TOLERANCE
+    assert sorted(grown) == [0, 1, 2, 3]
+    for rank in range(4):
+        assert relative(free[0], grown[rank]) <= TOLERANCE
 
 
 @pytest.mark.slow
@@ -159,14 +165,18 @@ def test_a_group_of_three_re_shards_over_two_survivors(tmp_path):
 
 @pytest.mark.slow
 def test_a_dropped_group_is_taken_back_healed_shard_by_shard(tmp_path):
-    """kill -9 of rank 1 at step 3, its replacement started: the planner drops group 0;
-    once the replacement is up, the group (the survivor, idle since, and the
+    """kill -9 of rank 1 at step 3, its replacement started, on devices too small for a
+    re-shard: group 0 is dropped; once the replacement is up, the group (the survivor, idle since, and the
     replacement) is taken back, each member receiving its shard's parameters and
     optimizer state from the member of its column in group 1. All four end with the
     failure-free weights. Planned as if each worker had a device (devices_config): on
     this 2-core host two workers are as fast as four, and taking the group back would
     not pay."""
-    config = ("--config", str(devices_config(tmp_path)))
+    # devices of 16 kB: a shard's state fits (11 kB planned), the whole model's that a
+    # group re-sharded over rank 0 alone would hold does not (20 kB): dropping pays
+    path = devices_config(tmp_path)
+    path.write_text(path.read_text().replace("device_memory_gib = 2", "device_memory_gib = 1.5e-5"))
+    config = ("--config", str(path))
     done, free = chameleon(
         tmp_path, "free", "--steps", "60", launch=("--max-rejoins", "0", *config)
     )
@@ -190,10 +200,12 @@ def test_a_dropped_group_is_taken_back_healed_shard_by_shard(tmp_path):
 
 @pytest.mark.slow
 def test_a_replacement_killed_while_it_is_healed(tmp_path):
-    """The second kill lands in the recovery that takes group 0 back: the replacement
-    of rank 1 dies while its shard streams in (recovery 2, phase migrate). The job keeps
-    group 1 in place ("keep groups"), takes the next replacement back, and every rank
-    ends with the failure-free weights."""
+    """The second kill lands in the recovery that grows group 0 (re-sharded over rank 0
+    at the first) back whole: the replacement of rank 1 dies while its shard streams in
+    (recovery 2, phase migrate). Rank 0 keeps the whole model it holds ("keep groups"),
+    or, if the growth was agreed before the kill, holds half and is re-sharded again;
+    the next replacement is taken in, and every rank ends with the failure-free
+    weights."""
     config = ("--config", str(devices_config(tmp_path)))
     done, free = chameleon(
         tmp_path, "free", "--steps", "80", launch=("--max-rejoins", "0", *config)
@@ -208,9 +220,11 @@ def test_a_replacement_killed_while_it_is_healed(tmp_path):
     log = events(tmp_path / "twice.events")
     assert [e["rank"] for e in log if e["event"] == "failure"] == [1, 1]
     labels = [e["label"] for e in log if e["event"] == "plan_chosen"]
-    assert labels[0] == "drop 1 replica group(s) of [0, 1]"
-    assert "keep groups" in labels
-    assert labels[-1] == "take back replica group(s) [[0, 1]], healed shard by shard"
+    assert labels[0] == "re-shard replica group(s) [[0]] over their survivors"
+    # killed before the growth was agreed: rank 0 keeps the whole model; after: the
+    # grown group is re-sharded again, rank 0 then holding half rows it kept
+    assert labels[2] in ("keep groups", "re-shard replica group(s) [[0]] over their survivors")
+    assert labels[-1] == "grow re-sharded group(s) [[0]] whole, healed shard by shard"
     assert not [e for e in log if e["event"] == "decision" and e.get("action") == "restart"]
     assert sorted(healed) == [0, 1, 2, 3]
     for rank in range(4):
