@@ -36,6 +36,7 @@ _EXPORTS = {
     "heartbeat": "chameleon_runtime.scriptbeat",
     "is_saver": "chameleon_runtime.usergroup",
     "section": "chameleon_runtime.scriptbeat",
+    "state_dict_for_save": "chameleon_runtime.sharding",
 }
 
 if TYPE_CHECKING:
@@ -44,6 +45,7 @@ if TYPE_CHECKING:
     from chameleon_runtime.elastic_optimizer import ElasticOptimizer
     from chameleon_runtime.sampler import ElasticSampler
     from chameleon_runtime.scriptbeat import heartbeat, section
+    from chameleon_runtime.sharding import state_dict_for_save
     from chameleon_runtime.trainer import FitResult, StepInfo, Trainer
     from chameleon_runtime.usergroup import is_saver
 
@@ -59,6 +61,7 @@ __all__ = [
     "heartbeat",
     "is_saver",
     "section",
+    "state_dict_for_save",
 ]
 
 

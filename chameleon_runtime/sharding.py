@@ -400,6 +400,34 @@ class Sharding:
             return ("a member of this replica group failed its step's sums", False)
         return failure
 
+    def writes(self) -> bool:
+        """Whether this member's shards go into a torch.distributed.checkpoint save
+        (``state_dict_for_save``): DCP keeps one copy of chunks that are the same on
+        several members (a shard's replicas) and refuses chunks that overlap otherwise,
+        which a group re-sharded over fewer members has with the whole ones. The whole
+        groups write (or, none being whole, the groups the size of the first)."""
+        layout = self.replicas.layout_now()
+        if layout.even:
+            return True
+        whole = [g for g in layout.groups if len(g) == layout.shards] or layout.groups[:1]
+        return len(layout.group_of(self.replicas.rank)) == len(whole[0])
+
     def _device_type(self) -> str:
         first = next(self.module.parameters(), None)
         return first.device.type if first is not None else "cpu"
+
+
+def state_dict_for_save(model: nn.Module, *optimizers: Any) -> tuple[dict, dict]:
+    """What this member passes to ``torch.distributed.checkpoint.save``: the drop-in
+    model's (``ElasticDataParallel``) and its optimizers' state dicts, as
+    ``get_state_dict(model.module, optimizers)`` gives them, or two empty ones on a
+    member of a replica group re-sharded over its survivors (its rows are in the whole
+    groups' shards: ``Sharding.writes``). Loading needs nothing of the kind: DCP reads
+    each member's rows, however its group is cut."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    sharding = getattr(model, "sharding", None)
+    if sharding is not None and not sharding.writes():
+        return {}, {}
+    inner = [getattr(o, "optimizer", o) for o in optimizers]
+    return get_state_dict(getattr(model, "module", model), inner[0] if len(inner) == 1 else inner)

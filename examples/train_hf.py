@@ -98,10 +98,11 @@ class Sharded:
 
     def save(self, model, optimizer, schedule, sampler) -> None:
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict
 
         folder = self.root / f"step_{sampler.step:06d}"
-        weights, moments = get_state_dict(model.module, optimizer.optimizer)
+        # (a member of a group re-sharded over its survivors writes nothing: its rows
+        # are the whole groups', which DCP would find overlapping its own)
+        weights, moments = cr.state_dict_for_save(model, optimizer)
         dcp.save({"model": weights, "optimizer": moments}, checkpoint_id=folder)
         if cr.is_saver():
             extra = {"schedule": schedule.state_dict(), "sampler": sampler.state_dict()}

@@ -274,7 +274,8 @@ def test_every_holder_of_a_shard_lost_restarts_from_the_checkpoint_and_says_so(t
     """examples/train_hf.py --shards 2 (GPT-2, float64) saving with
     torch.distributed.checkpoint every 5 steps; ranks 1 and 3 (shard 1 of both groups)
     killed at step 7: nothing in place can go on, the launcher restarts, the job resumes
-    from step 5's checkpoint and ends with the failure-free weights."""
+    from step 5's checkpoint and ends with the failure-free weights. And rank 1 alone
+    killed, --policy reparallelize: re-sharded in place, the failure-free weights."""
     pytest.importorskip("transformers")
     common = ["--shards", "2", "--float64", "--steps", "12", "--global-batch", "64"]
     common += ["--micro-batch", "8", "--checkpoint-every", "5"]
@@ -304,6 +305,20 @@ def test_every_holder_of_a_shard_lost_restarts_from_the_checkpoint_and_says_so(t
     for rank in range(4):
         for key, value in free[0].items():
             assert abs(lost[rank][key] - value) <= 1e-12 * abs(value), key
+    # the same model re-sharded in place instead (--policy reparallelize, rank 1 alone
+    # killed): rank 0 holds GPT-2 whole from step 3 on, nothing reloaded
+    done = train("reshard", "--policy", "reparallelize", "--inject-fault", "kill:rank=1,step=3")
+    assert done.returncode == 0, done.stderr[-3000:]
+    chosen = [
+        e["label"] for e in events(tmp_path / "reshard.events") if e["event"] == "plan_chosen"
+    ]
+    assert chosen == ["re-shard replica group(s) [[0]] over their survivors"]
+    assert "resumed from step" not in done.stdout
+    resharded = {r: out["weights"] for r, out in rank_outputs(tmp_path, "reshard").items()}
+    assert sorted(resharded) == [0, 2, 3]
+    for rank in resharded:
+        for key, value in free[0].items():
+            assert abs(resharded[rank][key] - value) <= 1e-12 * abs(value), key
     assert leftovers(tmp_path) == []
 
 
