@@ -242,6 +242,18 @@ class ElasticDataParallel(nn.Module):
                 self.failure = (str(exc), False)
         output.zero_()
 
+    def _export(self) -> tuple[dict, list[torch.Tensor]]:
+        """What a heal sends (chameleon_runtime.heal). Never a sharded model's stale
+        shards: rows a re-shard moved here that no mesh has taken yet (its groups' build
+        failed after the plan was agreed) are not in the model."""
+        if self.sharding is not None and self.sharding.holds_unset_rows:
+            raise RuntimeError(
+                f"chameleon: rank {self.rank} was asked to heal a replacement while its "
+                "re-sharded rows are not set up (a failure right after the re-shard): it "
+                "stops rather than send stale shards"
+            )
+        return self.replica.export()
+
     @property
     def replica(self) -> ReplicaState:
         return ReplicaState(
@@ -615,7 +627,7 @@ class ElasticDataParallel(nn.Module):
         self.meta.restore()
         self._rolled = False
         resume, roll = elastic.recover(
-            why, step=mb.step, pending=pending, export=self.replica.export,
+            why, step=mb.step, pending=pending, export=self._export,
             install=self._install, roll_now=lambda: self._roll_now(mb),
         )  # fmt: skip
         self.sampler.rewind(resume, elastic.members)

@@ -5,11 +5,12 @@ the lost member's rows, from the peer group that holds them (planner.plans.rows:
 same moves the planner priced, in the rounds it scheduled).
 
 FSDP2 has no re-shard of a module in place. Each FSDP parameter is set up again on the
-group's new mesh (``FSDPParam._init_sharded_param``, what ``fully_shard`` runs, given a
-tensor of the parameter's full shape of which only this member's new rows are written:
-the rest is never read, and on the host never touched), which puts a new sharded
+group's new mesh (``FSDPParam._init_sharded_param``, what ``fully_shard`` runs, on a
+parameter of the full shape on the meta device, then this member's new rows put in as
+FSDP2 takes a swapped-in parameter: ``reset_sharded_param``), which puts a new sharded
 parameter on the module; the optimizers' parameters and states are pointed at the new
-ones (a state shaped like its parameter is re-sharded as the parameter).
+ones (a state shaped like its parameter is re-sharded as the parameter; one sharded
+otherwise, a factored optimizer's, is refused in one line).
 
 Memory: a member holds its old and its new shards while the rows move (its state grows
 from ``1/S`` of the model's to ``1/(S-1)`` anyway); nothing is staged whole.
@@ -34,6 +35,7 @@ def row_tensors(module: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) 
     """What a re-shard moves, in one order on every member: the sharded parameters (the
     module's order), then each optimizer's states shaped like their parameter (its
     parameters' order, keys sorted)."""
+    resharded(module)
     params = [p for p in module.parameters() if local(p) is not p]
     out: list[Any] = list(params)
     for optimizer in optimizers:
@@ -42,9 +44,26 @@ def row_tensors(module: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) 
                 state = optimizer.state.get(p, {})
                 for key in sorted(state, key=str):
                     v = state[key]
-                    if torch.is_tensor(v) and local(v) is not v and v.shape == p.shape:
+                    if torch.is_tensor(v) and local(v) is not v:
+                        if v.shape != p.shape:  # (a factored state: rows of something else)
+                            raise RuntimeError(
+                                f"chameleon: optimizer state {key!r} is sharded unlike its "
+                                "parameter (a factored optimizer?): a re-shard moves states "
+                                "shaped like their parameter only"
+                            )
                         out.append(v)
     return out
+
+
+def resharded(module: nn.Module) -> None:
+    """Every FSDP unit back to its shards: a forward with no backward after it (an
+    evaluation) leaves the root's parameters whole, which are then not the shards a
+    re-shard moves and sets up."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
 
 
 def move_rows(
@@ -119,7 +138,9 @@ def rebuild(
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo
     from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
+    resharded(module)
     new_local = {id(t): f for t, f in zip(tensors, fresh, strict=True)}
     moved: dict[int, nn.Parameter] = {}
     info = FSDPMeshInfo(mesh, shard_mesh_dim=0)
@@ -132,18 +153,30 @@ def rebuild(
                 group.mesh_info, group.post_forward_mesh_info = info, post
                 for fp in group.fsdp_params:
                     old = fp.sharded_param
-                    rows = new_local[id(old)]
-                    n = old.shape[0]
-                    a, b = layout.rows_of(me, n)
-                    whole = torch.empty(old.shape, dtype=old.dtype, device=rows.device)
-                    whole[a:b].copy_(rows)
-                    fp.post_forward_mesh_info = post
-                    fp._init_sharded_param(
-                        nn.Parameter(whole, requires_grad=old.requires_grad), fp.device, None, info
+                    # What fully_shard does, on a parameter of the whole shape on the meta
+                    # device (nothing allocated), then this member's rows put in as FSDP2
+                    # takes a parameter swapped in (to_empty, load_state_dict(assign=True)):
+                    # padded into its own storage.
+                    whole = nn.Parameter(
+                        torch.empty(old.shape, dtype=old.dtype, device="meta"),
+                        requires_grad=old.requires_grad,
                     )
-                    del whole
+                    fp.post_forward_mesh_info = post
+                    fp._init_sharded_param(whole, fp.device, None, info)
                     if post is not None:
-                        fp._init_sharded_post_forward_param_metadata(fp.sharded_param)
+                        fp._init_sharded_post_forward_param_metadata(whole)
+                    rows = nn.Parameter(
+                        fp.to_sharded_dtensor(new_local[id(old)]), requires_grad=old.requires_grad
+                    )
+                    fp._setattr_on_modules(rows)
+                    fp.reset_sharded_param()
+                    if fp.sharded_param.device_mesh is not mesh:
+                        # (nn.Parameter detaches the DTensor, and the spec DTensor's cache
+                        # gives back may hold an equal mesh bound to another group)
+                        spec = fp._sharding_spec
+                        fp._sharding_spec = fp.sharded_param._spec = DTensorSpec(
+                            mesh, spec.placements, tensor_meta=spec.tensor_meta
+                        )
                     fp.all_gather_outputs = []  # (sized for the old mesh: made again)
                     if hasattr(fp, "_unsharded_param"):
                         del fp._unsharded_param

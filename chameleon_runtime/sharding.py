@@ -86,7 +86,26 @@ def group_mesh(
 
     mine = blocking(build, "groups") if blocking is not None else build()
     assert mine is not None
-    return DeviceMesh.from_group(mine, device_type)
+    places = (device_type, *(layout.members.index(r) for r in layout.group_of(me)))
+    mesh = _meshes.get(places)
+    if mesh is None:
+        mesh = _meshes[places] = DeviceMesh.from_group(mine, device_type)
+    else:
+        _bind(mesh, mine)
+    return mesh
+
+
+# One mesh object per group of places in the default group, bound to the latest group
+# over them: DeviceMesh equality ignores the group a mesh is bound to, and DTensor's
+# sharding propagation caches specs by equality, so a DTensor made on a new mesh equal to
+# an old one (a group grown back to the size it had) can come back holding the old one.
+_meshes: dict[tuple, Any] = {}
+
+
+def _bind(mesh: Any, group: Any) -> None:
+    mesh._dim_group_names = [group.group_name]
+    if isinstance(getattr(mesh, "_pg_registry", None), dict):  # (torch.compile's lookup)
+        mesh._pg_registry = {group.group_name: group}
 
 
 def rebind_mesh(module: nn.Module, fresh: Any, me: int) -> None:
@@ -113,9 +132,7 @@ def rebind_mesh(module: nn.Module, fresh: Any, me: int) -> None:
             f"chameleon: replica group of rank {me} has {fresh.size()} members now, "
             f"{mesh.size()} when the model was sharded"
         )
-    mesh._dim_group_names = [fresh.group_name]
-    if isinstance(getattr(mesh, "_pg_registry", None), dict):  # (torch.compile's lookup)
-        mesh._pg_registry = {fresh.group_name: fresh}
+    _bind(mesh, fresh)
     # (the mesh's rank map keeps the default group's ranks of the launch: the group's own
     # ranks, its coordinate and size, which FSDP2 and DTensor use, are the same)
     for m in module.modules():
@@ -336,6 +353,9 @@ class Sharding:
         plan is agreed, ``regroup`` sets the model up on them."""
         from chameleon_runtime.reshard import move_rows, row_tensors
 
+        if not self.applied:  # a replacement holds nothing: it is healed whole
+            self._moving = None
+            return
         if self._pending is not None:
             tensors, rows, layout = self._pending
             if layout.groups != old.groups:
@@ -358,6 +378,11 @@ class Sharding:
     def forget(self) -> None:
         """A new plan: rows an aborted one moved are dropped (never agreed)."""
         self._moving = None
+
+    @property
+    def holds_unset_rows(self) -> bool:
+        """Rows held (agreed) that the model does not have yet: its shards are stale."""
+        return self._pending is not None
 
     def regroup(self, layout: ShardLayout) -> None:
         """The plan's groups are built (chameleon_runtime.elastic): the mesh of this

@@ -366,3 +366,54 @@ def test_groups_take_turns_and_a_group_runs_in_lockstep():
     assert [deal(12, members, r, shards=2) for r in members] == [
         deal(12, members, r) for r in members
     ]
+
+
+def test_a_rebuilt_model_trains_as_the_whole_model_even_from_an_unsharded_root():
+    """chameleon_runtime.reshard.rebuild on one process: a model sharded by FSDP2, stepped
+    once, its root left whole by an evaluation forward (no backward after it), set up
+    again on a new mesh from its rows; it then trains as the unsharded model does, its
+    AdamW state carried over (float64)."""
+    from torch import nn
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    from chameleon_runtime.reshard import rebuild, row_tensors
+    from chameleon_runtime.shardlayout import local
+
+    dist = pytest.importorskip("torch.distributed")
+    import torch
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 3)).double()
+        ref = nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 3)).double()
+        ref.load_state_dict(model.state_dict())
+        mesh = DeviceMesh.from_group(dist.new_group([0]), "cpu")
+        for m in (model[0], model[2], model):
+            fully_shard(m, mesh=mesh)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.1)
+        x = torch.randn(4, 5, dtype=torch.double)
+
+        def step():
+            for net, o in ((model, opt), (ref, ref_opt)):
+                net(x).sum().backward()
+                o.step()
+                o.zero_grad()
+
+        step()
+        with torch.no_grad():
+            model(x)  # the root's parameters stay whole after it
+        tensors = row_tensors(model, [opt])
+        assert len(tensors) == 4 + 2 * 4  # parameters, then AdamW's two moments of each
+        fresh = [local(t).clone() for t in tensors]
+        mesh = DeviceMesh.from_group(dist.new_group([0]), "cpu")
+        rebuild(model, [opt], tensors, fresh, mesh, ShardLayout((0,), 2, (1,)), 0)
+        assert all(p.device_mesh.get_group() is mesh.get_group() for p in model.parameters())
+        step()
+        step()
+        for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+            assert torch.equal(p.full_tensor(), q)
+    finally:
+        dist.destroy_process_group()
