@@ -94,6 +94,8 @@ class ReplicaGroup:
             if len(column) == 1:
                 return None  # one replica group: nobody to sum with
             return self.elastic.allreduce(tensor, column)
+        if not self.group:
+            return None  # alone: nobody to sum with
         return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.column_group, async_op=True)
 
     def wait(self, work: Any) -> None:
