@@ -163,46 +163,16 @@ def regrow(search: Search, current: Plan, alive: Sequence[int]) -> Candidate:
     if grown:  # the grown groups' holders cut their rows as a whole group does
         for src, dst, share in move_pairs(old, groups):
             transfers.append(Transfer(src, dst, 0, current.num_layers, int(share * state)))
-    rounds = colour_rounds([Task((t.src, t.dst), float(t.num_bytes)) for t in transfers])
-    migration = Migration(
-        transfers=tuple(transfers),
-        rounds=tuple(rounds),
-        est_time_s=schedule_s(CostModel(job), transfers, rounds),
-        naive_est_time_s=schedule_s(CostModel(job), transfers, list(range(len(transfers)))),
-        naive_transfers=tuple(transfers),
-        reshard_from=tuple(old) if grown else (),
-    )
     plan = data_parallel(workers, m, shards, current.num_layers, sizes)
-    estimate = search.estimate(plan)
-    if not estimate.feasible:
-        return Candidate(
-            Policy.REPARALLELIZE,
-            reason=overflow_reason(estimate, job),
-            plan=plan,
-            estimate=estimate,
-        )
-    f = job.cluster.transition_factor
-    sources = {t.src for t in transfers}
-    transition = Transition(
-        migration_s=f * migration.est_time_s,
-        groups_s=f * groups_s(job, current, plan, (), members=sources),
-        protocol_s=f
-        * protocol(
-            job, plan, survivors=workers, members=sources, current=current, moved=True
-        ).total_s,
-    )
     said = [f"take back replica group(s) {groups_text(back)}"] if back else []
     if grown:
         said.append(f"grow re-sharded group(s) {groups_text(list(grown.values()))} whole")
     label = ", ".join(said) + ", healed shard by shard"
-    return Candidate(
-        Policy.REPARALLELIZE,
-        plan=plan,
-        estimate=estimate,
-        transition=transition,
-        migration=migration,
-        label=label,
-    )
+    sources = {t.src for t in transfers}
+    return moved_candidate(
+        search, current, plan, transfers, tuple(old) if grown else (),
+        survivors=workers, members=sources, label=label,
+    )  # fmt: skip
 
 
 def reshard(search: Search, current: Plan, failed: Sequence[int]) -> Candidate:
@@ -224,6 +194,32 @@ def reshard(search: Search, current: Plan, failed: Sequence[int]) -> Candidate:
         return Candidate(Policy.REPARALLELIZE, reason=turns_reason(m, sizes))
     layers = current.num_layers
     plan = data_parallel([w for g in new for w in g], m, shards, layers, sizes)
+    state = job.training.moved_bytes_per_param * job.model.total("num_params", 0, layers)
+    transfers = [Transfer(s, d, 0, layers, int(share * state)) for s, d, share in pairs]
+    members = {w for g in new for w in g}
+    label = f"re-shard replica group(s) {groups_text(changed)} over their survivors"
+    return moved_candidate(
+        search, current, plan, transfers, tuple(old),
+        survivors=sorted(members), members=members, label=label,
+    )  # fmt: skip
+
+
+def moved_candidate(
+    search: Search,
+    current: Plan,
+    plan: Plan,
+    transfers: list[Transfer],
+    reshard_from: tuple[tuple[int, ...], ...],
+    *,
+    survivors: Sequence[int],
+    members: set[int],
+    label: str,
+) -> Candidate:
+    """A re-parallelization to ``plan`` by ``transfers`` (heals, or a re-shard's row
+    moves from ``reshard_from``'s groups), in rounds coloured so that no member sends or
+    receives twice in one, priced: the plan's step and memory, the migration, the new
+    groups and the protocol among ``members``."""
+    job = search.job
     estimate = search.estimate(plan)
     if not estimate.feasible:
         return Candidate(
@@ -233,29 +229,24 @@ def reshard(search: Search, current: Plan, failed: Sequence[int]) -> Candidate:
             estimate=estimate,
         )
     costs = CostModel(job)
-    state = job.training.moved_bytes_per_param * job.model.total("num_params", 0, layers)
-    transfers = [Transfer(s, d, 0, layers, int(share * state)) for s, d, share in pairs]
-    tasks = [Task((t.src, t.dst), float(t.num_bytes)) for t in transfers]
-    rounds = colour_rounds(tasks)
+    rounds = colour_rounds([Task((t.src, t.dst), float(t.num_bytes)) for t in transfers])
     migration = Migration(
         transfers=tuple(transfers),
         rounds=tuple(rounds),
         est_time_s=schedule_s(costs, transfers, rounds),
         naive_est_time_s=schedule_s(costs, transfers, list(range(len(transfers)))),
         naive_transfers=tuple(transfers),
-        reshard_from=tuple(old),
+        reshard_from=reshard_from,
     )
     f = job.cluster.transition_factor
-    members = {w for g in new for w in g}
     transition = Transition(
         migration_s=f * migration.est_time_s,
         groups_s=f * groups_s(job, current, plan, (), members=members),
         protocol_s=f
         * protocol(
-            job, plan, survivors=sorted(members), members=members, current=current, moved=True
+            job, plan, survivors=survivors, members=members, current=current, moved=True
         ).total_s,
     )
-    label = f"re-shard replica group(s) {groups_text(changed)} over their survivors"
     return Candidate(
         Policy.REPARALLELIZE,
         plan=plan,
