@@ -18,6 +18,12 @@ no other public way to install a group built beforehand). gloo takes CPU and CUD
 tensors. Its keys live under the generation's prefix in the worker store, which the
 leader deletes with the generation's.
 
+A group the script or the drop-in makes from it (``new_group``: a sharded model's replica
+groups, on which its DeviceMesh and so every DTensor collective of the script runs) is
+abortable (chameleon_runtime.abortable): its waits end at the generation's abort, so that
+a member whose mate left the step for the recovery is not held in a ``clip_grad_norm_``
+the mate never joins.
+
 What a failure does to the script's own collective: one that a lost peer interrupts
 raises the backend's error in the script, as under torchrun, and that member is lost too
 (the launcher sees a peer's error, not the script's: it recovers in place). The drop-in's
@@ -40,18 +46,28 @@ from typing import Any
 
 import torch.distributed as dist
 
+from chameleon_runtime.abortable import AbortableGroup, gloo_group
 from chameleon_runtime.comm import OP_TIMEOUT_S, Generation
 
 BACKEND = "chameleon"
 _built: list[Any] = []  # the group the next init_process_group installs
 _ours = False  # the default group is one this module installed
+_generation: list[Generation] = []  # the generation whose groups new_group makes now
 
 
 def _hand_over(store: Any, rank: int, size: int, timeout: Any) -> Any:
     if _built:  # the generation's default group, built already on its helper
         return _built[0]
-    # A group the script asks for itself (dist.new_group) on the default backend.
-    return dist.ProcessGroupGloo(store, rank, size, timeout)
+    # A group made from the default one (dist.new_group on the default backend): the
+    # script's, or a sharded model's replica group.
+    if not _generation:
+        return dist.ProcessGroupGloo(store, rank, size, timeout)
+    gen = _generation[0]
+    return AbortableGroup(
+        gloo_group(store, rank, size, timeout),
+        lambda: gen.interrupts.aborted(gen.generation),
+        lambda event: gen.interrupts.watch(gen.generation, event),
+    )
 
 
 def install(gen: Generation, store: dist.Store, prefix: str, members: list[int], me: int) -> None:
@@ -79,11 +95,13 @@ def install(gen: Generation, store: dist.Store, prefix: str, members: list[int],
         _built.clear()
         sys.excepthook = hook
     _ours = True
+    _generation[:] = [gen]
 
 
 def remove() -> None:
     """Leave the generation's default group (a recovery, the end)."""
     global _ours
+    _generation.clear()
     if _ours and dist.is_initialized():
         dist.destroy_process_group()
     _ours = False
