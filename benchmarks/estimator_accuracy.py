@@ -23,7 +23,18 @@ measured:
   (kill to noticed) is printed beside them, not predicted;
 - the re-partition once more under the naive migration schedule (each piece from its
   first holder, one transfer at a time): the measured ratio naive / ours beside the
-  model's.
+  model's;
+- a sharded model on the drop-in (HSDP: examples/train_hf.py ``--shards 2``, GPT-2 of 2
+  blocks, 4 workers as 2 replica groups of 2): rank 1 killed at step ``--kill-at``,
+  recovered by dropping its group (``--policy reroute``) and by re-sharding the group
+  over its survivor (``--policy reparallelize``). The drop-in describes itself (its
+  first step's passes) and the launcher fits that model to the steps it measures (their
+  CPU on this shared host: launcher/calibration.py), so the prediction tested is of the
+  plan the recovery moves to, made from the fit of the plan before: the step (against
+  the new generation's median step, as the launcher measures it) and the transition
+  (``plan_chosen``'s estimate plus the decision's measured time, against the
+  recovery's). Needs ``transformers`` (``pip install -e '.[hf]'``); skipped without it.
+  Peak memory is not measured by the drop-in (no row).
 
 Every layout and both recoveries run ``--rounds`` times (3), one round after another, so
 that the machine's drift over minutes (a layout's median step moves by 10-15% between
@@ -50,6 +61,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from processes import free_port
+
+
+def _importable(name: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(name) is not None
+
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -274,6 +292,57 @@ def one_round(
     return rows, infos
 
 
+HF_EXAMPLE = ROOT / "examples" / "train_hf.py"
+
+
+def hsdp_rows(work: Path, config: Path, job, k: int) -> tuple[list[Row], list[str]]:  # noqa: ANN001
+    """The sharded drop-in's two recoveries once (round ``k``; module doc)."""
+    rows: list[Row] = []
+    infos: list[str] = []
+    for policy in ("reroute", "reparallelize"):
+        events = work / f"hsdp-{policy}-{k}.jsonl"
+        cmd = [
+            sys.executable, "-m", "chameleon_cli.app", "run", "--nproc-per-node", "4",
+            "--master-port", str(free_port()), "--events", str(events), "--plain",
+            "--config", str(config), "--max-rejoins", "0", "--policy", policy,
+            "--inject-fault", f"kill:rank=1,step={ARGS.kill_at}", str(HF_EXAMPLE),
+            "--shards", "2", "--layers", "2", "--steps", str(ARGS.hsdp_steps),
+        ]  # fmt: skip
+        out = subprocess.run(
+            cmd, cwd=work, env=env(), capture_output=True, text=True, timeout=ARGS.timeout
+        )
+        if out.returncode != 0:
+            raise SystemExit(f"hsdp {policy}: exit {out.returncode}\n{out.stderr[-2000:]}")
+        log = [json.loads(x) for x in events.read_text().splitlines() if x.strip()]
+        chosen = next(e for e in log if e["event"] == "plan_chosen")
+        done = next(e for e in log if e["event"] == "recovered")
+        fits = {e["generation"]: e for e in log if e["event"] == "calibrated"}
+        if done["generation"] not in fits:
+            raise SystemExit(f"hsdp {policy}: no settled step after the recovery (--hsdp-steps)")
+        name = f"HSDP 2x2, rank 1 lost: {policy} ({chosen['label']})"
+        measured = fits[done["generation"]]["measured_step_s"]
+        rows.append(Row("step", name, chosen["estimated_step_s"], measured, "ms"))
+        # (a candidate's transition charges the plan phase its keys alone: the decision's
+        # time is known once it is made, as in transition_rows)
+        predicted = chosen["transition_s"] + chosen["search_ms"] / 1e3
+        rows.append(Row("transition", f"{name}: whole", predicted, done["duration_s"], "ms"))
+        before = fits.get(0)
+        if before is not None:
+            infos.append(
+                f"  HSDP {policy}: generation 0 measured {before['measured_step_s'] * 1e3:.1f} "
+                f"ms, the first step's passes predicted {before['estimated_step_s'] * 1e3:.1f} "
+                f"ms (fitted: x{before['factor']:.3f} on the passes, "
+                f"{before['host_cores'] or 0:.2f} cores busy); recovery phases "
+                + ", ".join(f"{p} {v * 1e3:.1f}" for p, v in done["phases_s"].items())
+                + f" ms against a transition of {chosen['transition_s'] * 1e3:.1f} ms planned "
+                + "(" + ", ".join(
+                    f"{p} {v * 1e3:.1f}" for p, v in chosen["transition_parts_s"].items()
+                ) + ")"
+            )  # fmt: skip
+        print(f"  round {k + 1}: measured {name}", flush=True)
+    return rows, infos
+
+
 def exact_job(job):  # noqa: ANN001, ANN201
     """``job`` as Trainer(exact=True) runs it: an exchange program and float64 sums
     (chameleon_runtime.protocol.wire.JobDescription.to_job says the same of a live job)."""
@@ -328,14 +397,19 @@ def main() -> int:
     rounds: list[list[Row]] = []
     infos: list[str] = []
     migrations: dict[str, tuple[float, dict]] = {}
+    hsdp = _importable("transformers")
     try:
         config = profile(work)
         job = load_job(config)
         for k in range(ARGS.rounds):
-            rows, more = one_round(work, config, job, k, migrations)
+            rows, more = ([], []) if ARGS.hsdp_only else one_round(work, config, job, k, migrations)
+            if hsdp:
+                extra, notes = hsdp_rows(work, config, job, k)
+                rows, more = rows + extra, more + notes
             rounds.append(rows)
             infos += more
-        naive_migration(work, config, migrations)
+        if not ARGS.hsdp_only:
+            naive_migration(work, config, migrations)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     rows = pooled(rounds)
@@ -347,7 +421,10 @@ def main() -> int:
         print(r.line())
     print("\nNot predicted")
     print("\n".join(infos))
-    print_migration(job, migrations)
+    if not hsdp:
+        print("  HSDP rows skipped: transformers is not installed (pip install -e '.[hf]')")
+    if migrations:
+        print_migration(job, migrations)
     print("\nworst (relative to its target)")
     print(worst.line())
     return 0 if worst.over <= 1 else 1
@@ -396,6 +473,8 @@ if __name__ == "__main__":
         "--rounds", type=int, default=3,
         help="runs of every layout and recovery, interleaved; each row is their median",
     )  # fmt: skip
+    parser.add_argument("--hsdp-steps", type=int, default=45, help="steps of each HSDP run")
+    parser.add_argument("--hsdp-only", action="store_true", help="the HSDP rows alone")
     ARGS = parser.parse_args()
     ARGS.layouts = [(8, 4), (8, 2), (6, 3), (4, 4), (4, 2), (4, 1), (2, 1)]
     ARGS.exact_layouts = [(8, 4), (4, 1)]

@@ -168,6 +168,9 @@ class ElasticDataParallel(nn.Module):
         self._rolled = False  # a step rolled forward was applied before a heal's export
         self._outcome = Outcome(0, False)
         self._last_commit = time.perf_counter()
+        self._cpu_mark = time.process_time()
+        self._compute_cpu = 0.0  # the passes' CPU since the last commit (main thread)
+        self._backward_cpu: float | None = None  # thread CPU when the backward began
         if not self.replacement:
             self._broadcast_start()
         self.meta.committed = self.meta.flat_buffers()
@@ -318,8 +321,10 @@ class ElasticDataParallel(nn.Module):
         # weights as one that did not.
         if self.elastic is not None:
             self.elastic.mark(0)  # (the first step's forward, timed for the planner)
+        started = time.thread_time()
         with self._streams.drawing(op_seed(self.sampler.seed, self.mb.step, self.mb.index, 0)):
             out = self.module(*args, **kwargs)
+        self._compute_cpu += time.thread_time() - started
         if self.elastic is not None:
             self.elastic.mark(1)
         self._watch_backward(out)
@@ -384,6 +389,9 @@ class ElasticDataParallel(nn.Module):
         gradient is accumulated."""
         if self.mb is None:
             return
+        if self._backward_cpu is None:  # (the passes' CPU, for the launcher's fit)
+            self._backward_cpu = time.thread_time()
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_timed)
         if self.synced and not self.repeat and not self.discard:
             self.repeat = True
             self.grads.hide()
@@ -398,6 +406,17 @@ class ElasticDataParallel(nn.Module):
             self._queue_sync()
         elif not self.armed:
             self._show_zeros_after()
+
+    def _backward_timed(self) -> None:
+        """The backward's passes are done (queued before the step's sums, which are the
+        runtime's, not the model's): their CPU."""
+        if self._backward_cpu is not None:
+            self._compute_cpu += time.thread_time() - self._backward_cpu
+            self._backward_cpu = None
+
+    def charge_cpu(self, seconds: float) -> None:
+        """CPU an optimizer spent applying a step: counted with the passes'."""
+        self._compute_cpu += seconds
 
     def _queue_sync(self) -> None:
         if not self._sync_queued:
@@ -584,9 +603,13 @@ class ElasticDataParallel(nn.Module):
         self.step_open = False
         elastic = self.elastic
         if elastic is not None:
-            now = time.perf_counter()
-            elastic.progress(mb.step + 1, now - self._last_commit)
-            self._last_commit = now
+            now, cpu = time.perf_counter(), time.process_time()
+            # (the CPU of the whole process, every thread: what a step costs a host whose
+            # cores the workers share)
+            elastic.progress(
+                mb.step + 1, now - self._last_commit, cpu - self._cpu_mark, self._compute_cpu
+            )
+            self._last_commit, self._cpu_mark, self._compute_cpu = now, cpu, 0.0
             if self.optimizers:
                 elastic.describe_measured(
                     lambda: sum(p.numel() for p in self.module.parameters()),

@@ -43,6 +43,7 @@ from chameleon_runtime import usergroup
 from chameleon_runtime.comm import COLLECTIVE_RELEASE, Aborted, Collective, CommError, Generation
 from chameleon_runtime.control import STORE_LOST, Control, Finished
 from chameleon_runtime.heal import receive_state, send_state
+from chameleon_runtime.pace import Pace
 from chameleon_runtime.profile import host_cores, memory_per_worker, optimizer_bytes_per_param
 from chameleon_runtime.protocol.messages import Applied, Finish, Joined, Ready
 from chameleon_runtime.protocol.wire import JobDescription, PlanMessage
@@ -140,6 +141,7 @@ class Membership:
         self.joined = False  # a replacement taken in
         self._progress = 0  # steps this process committed
         self._slowest = 0.0
+        self._pace = Pace()
 
     # -- generation 0 ----------------------------------------------------------------------
 
@@ -259,16 +261,20 @@ class Membership:
         post = gen.allgather if kind == "allgather" else gen.reducescatter
         gen.wait(post(group, output, tensor), group)
 
-    def progress(self, step: int, step_s: float) -> None:
+    def progress(self, step: int, step_s: float, cpu_s: float, compute_cpu_s: float) -> None:
         """A step committed: what the launcher's progress watch reads (its step timeout
-        is a multiple of the slowest step seen)."""
+        is a multiple of the slowest step seen), and what its model is fitted to: the
+        step's CPU, the process's and its passes' (launcher/calibration.py: on a host
+        whose cores the workers share, what a step costs the host)."""
         self._progress += 1
         # (the first steps pay for start-up: as the Trainer, the slowest is of the rest)
         if self._progress > 2:
             self._slowest = max(self._slowest, step_s)
+        self._pace.add(self.generation, step_s, cpu_s, compute_cpu_s)
         self.control.status.update(
             phase="train", generation=self.generation, step=step, progress=self._progress,
-            step_s=step_s, slowest_step_s=self._slowest or step_s,
+            step_s=step_s, slowest_step_s=self._slowest or step_s, cpu_s=cpu_s,
+            compute_cpu_s=compute_cpu_s, **self._pace.means(),
         )  # fmt: skip
 
     # -- recovery ------------------------------------------------------------------------

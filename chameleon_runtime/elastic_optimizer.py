@@ -17,6 +17,7 @@ update is skipped everywhere or nowhere: what DDP with a scaler does for one bat
 
 from __future__ import annotations
 
+import time
 import warnings
 from collections import defaultdict
 from typing import Any
@@ -124,10 +125,12 @@ class ElasticOptimizer(torch.optim.Optimizer):
             return
         self._applied_turn = turn
         if scaler is None or self._finite(scaler):
+            started = time.thread_time()
             if closure is not None:
                 self.optimizer.step(closure)
             else:
                 self.optimizer.step()
+            self.model.charge_cpu(time.thread_time() - started)
         self.model.after_apply()
 
     def _finite(self, scaler: Any) -> bool:

@@ -196,9 +196,12 @@ class RunFit:
     host: tuple[float, float, float, float, float] | None = None
 
     def apply(self, job: Job) -> Job:
-        fitted = scaled(job, self.factor)
         if self.host is None:
-            return fitted
+            # Fitted as if each worker had a device (``fit_run``'s fallback where the
+            # workers report no CPU time): applied the same way, or a host bound the fit
+            # never saw keeps the estimate of the running plan above its measured step.
+            return scaled(replace(job, cluster=replace(job.cluster, host_cores=None)), self.factor)
+        fitted = scaled(job, self.factor)
         cores, overhead, wait, per_message, per_pass = self.host
         cluster = replace(
             fitted.cluster,
