@@ -103,6 +103,11 @@ class _Helper:
                     box.append((False, exc))
                 self.busy_with = None
                 done.set()
+                # Not held while waiting for the next job: the job's closure holds its
+                # work, and the work its tensors (a sharded model's last all-gather, a
+                # whole block unsharded, stayed alive between steps: 3 MB of GPT-2's
+                # 3.2M-parameter benchmark model, found by a census of live tensors).
+                job = fn = done = box = None
         finally:
             with _LIVE_LOCK:
                 _LIVE.discard(self)

@@ -350,6 +350,7 @@ class ElasticDataParallel(nn.Module):
             mb = MicroBatch(self.sampler.step, self.rank, last=True, deal=self.sampler.deal_id)
             self.ddp_mode = True
         self.mb = mb
+        self._backward_cpu = None  # (a backward that raised never ran its callback)
         self._streams.new()
         self.discard = mb.deal != self.sampler.deal_id
         self.armed = not self.discard and mb.last
