@@ -89,14 +89,15 @@ def env(**extra: str) -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **extra}
 
 
-def kill_when(job: Job, victim: int, step: int, timeout: float) -> tuple[float, int] | None:
-    """Kill -9 worker ``victim`` once it has done ``step``: (when, its pid)."""
+def kill_when(job: Job, victim: int, step: int, timeout: float) -> tuple[float, int, int] | None:
+    """Kill -9 worker ``victim`` once it has done ``step``: (when, its pid, the last step
+    it was seen to commit)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         for line in job.lines():
             if line.get("rank") == victim and line.get("step", -1) >= step:
                 os.kill(line["pid"], signal.SIGKILL)
-                return time.time(), line["pid"]
+                return time.time(), line["pid"], line["step"]
         time.sleep(0.01)
     return None
 
@@ -184,11 +185,13 @@ def measure(lines: list[dict], steps: int, killed: tuple[float, int] | None) -> 
     return out
 
 
-def kill_times(rows: list[dict], killed: tuple[float, int], survivor: int) -> dict:
-    """From committed step lines: the survivor's time from the kill to its next step,
-    and the replacement's (worker 1 again, another pid) to its first."""
-    at, pid = killed
-    after = [x for x in rows if x["rank"] == survivor and x["t"] > at]
+def kill_times(rows: list[dict], killed: tuple[float, int, int], survivor: int) -> dict:
+    """From committed step lines: the survivor's time from the kill to its next step (one
+    after the victim's last: the survivor's line of that same step may be printed just
+    after the kill, which once made a 1.4 s recovery read 0.01 s), and the replacement's
+    (worker 1 again, another pid) to its first."""
+    at, pid, last = killed
+    after = [x for x in rows if x["rank"] == survivor and x["step"] > last and x["t"] > at]
     new = [x for x in rows if x["rank"] == 1 and x["pid"] != pid and x["t"] > at]
     return {
         "survivor_s": after[0]["t"] - at if after else float("nan"),

@@ -117,7 +117,7 @@ def first_error(tmp: Path, tag: str) -> str | None:
 
 
 def measure(
-    lines: list[dict], steps: int, killed: tuple[float, int] | None, tmp: Path, tag: str
+    lines: list[dict], steps: int, killed: tuple[float, int, int] | None, tmp: Path, tag: str
 ) -> dict:
     rows = [x for x in lines if "step" in x]
     watch = 2 if killed is not None else 0  # a rank of the group the planner keeps
