@@ -78,11 +78,21 @@ class Job:
             proc.wait(timeout=max(1.0, deadline - time.monotonic()))
 
     def kill_all(self) -> None:
+        """Every process of the job, its workers too: a process group outlives its leader
+        (two of TorchFT's workers ran on for an hour after its torchrun had exited), and
+        a worker may have left it."""
+        import psutil
+
         for proc, _log in self.procs:
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+            kids = []
+            with contextlib.suppress(psutil.Error):
+                kids = psutil.Process(proc.pid).children(recursive=True)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            for kid in kids:
+                with contextlib.suppress(psutil.Error):
+                    kid.kill()
+            proc.wait()
 
 
 def env(**extra: str) -> dict[str, str]:
