@@ -31,7 +31,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -39,15 +38,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from processes import free_port, importable
+
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = str(ROOT / "benchmarks" / "dropin_worker.py")
 MICRO, REPLICAS = 8, 2
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Job:
@@ -215,7 +210,7 @@ def main() -> int:
     p.add_argument("--kill-at", type=int, default=20)
     p.add_argument("--rounds", type=int, default=2, help="failure-free rounds, interleaved")
     args = p.parse_args()
-    missing = [m for m in ("torchft", "transformers") if not _importable(m)]
+    missing = [m for m in ("torchft", "transformers") if not importable(m)]
     if missing:
         print(f"needs {', '.join(missing)}: pip install -e '.[bench,hf]'", file=sys.stderr)
         return 2
@@ -267,12 +262,6 @@ def main() -> int:
         print(f"  {'met ' if ok else 'MISS'} {name}")
     (tmp / "result.json").write_text(json.dumps(result, indent=1))
     return 0 if all(checks.values()) else 1
-
-
-def _importable(name: str) -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec(name) is not None
 
 
 if __name__ == "__main__":

@@ -60,14 +60,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from processes import free_port
-
-
-def _importable(name: str) -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec(name) is not None
-
+from processes import free_port, importable
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -295,7 +288,7 @@ def one_round(
 HF_EXAMPLE = ROOT / "examples" / "train_hf.py"
 
 
-def hsdp_rows(work: Path, config: Path, job, k: int) -> tuple[list[Row], list[str]]:  # noqa: ANN001
+def hsdp_rows(work: Path, config: Path, k: int) -> tuple[list[Row], list[str]]:
     """The sharded drop-in's two recoveries once (round ``k``; module doc)."""
     rows: list[Row] = []
     infos: list[str] = []
@@ -397,14 +390,14 @@ def main() -> int:
     rounds: list[list[Row]] = []
     infos: list[str] = []
     migrations: dict[str, tuple[float, dict]] = {}
-    hsdp = _importable("transformers")
+    hsdp = importable("transformers")
     try:
         config = profile(work)
         job = load_job(config)
         for k in range(ARGS.rounds):
             rows, more = ([], []) if ARGS.hsdp_only else one_round(work, config, job, k, migrations)
             if hsdp:
-                extra, notes = hsdp_rows(work, config, job, k)
+                extra, notes = hsdp_rows(work, config, k)
                 rows, more = rows + extra, more + notes
             rounds.append(rows)
             infos += more

@@ -43,12 +43,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from dropin_vs_torchft import (  # noqa: E402 - the shared harness
     Job,
-    _importable,
     env,
     kill_times,
     kill_when,
     start_torchft,
 )
+from processes import importable  # noqa: E402 - the benchmarks' helpers
 
 WORKER = str(ROOT / "benchmarks" / "hsdp_worker.py")
 WORKERS, SHARDS, MICRO, MICRO_BATCHES = 4, 2, 4, 8
@@ -156,7 +156,7 @@ def main() -> int:
         "to rounding (in float32 a recovery's other summation order grows through training)",
     )
     args = p.parse_args()
-    if not _importable("transformers"):
+    if not importable("transformers"):
         print("needs transformers: pip install -e '.[hf]'", file=sys.stderr)
         return 2
     tmp = Path(tempfile.mkdtemp(prefix="hsdp_"))
@@ -193,7 +193,7 @@ def main() -> int:
         f"({'float64' if args.float64 else 'float32'}, relative "
         f"{abs(kill['final_loss'] / kill_free['final_loss'] - 1):.1e})"
     )
-    if _importable("torchft"):
+    if importable("torchft"):
         theirs = run_side("torchft", args.steps, None, tmp, config, 0)
         if theirs["error"] is None and theirs["step_s"] == theirs["step_s"]:
             print(

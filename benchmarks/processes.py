@@ -13,6 +13,13 @@ from pathlib import Path
 import psutil
 
 
+def importable(name: str) -> bool:
+    """Whether a module is installed (an optional side of a benchmark)."""
+    import importlib.util
+
+    return importlib.util.find_spec(name) is not None
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
