@@ -133,59 +133,51 @@ class AbortableGroup(dist.ProcessGroup):
     def rank(self) -> int:
         return self.inner.rank()
 
-    # -- the collectives (each delegated as it is; the outputs are what a future returns) --
-
-    def allreduce(self, tensors: list[torch.Tensor], opts: Any) -> AbortableWork:
-        return self._post(tensors, lambda: self.inner.allreduce(tensors, opts))
-
-    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any) -> AbortableWork:
-        return self._post(tensors, lambda: self.inner.allreduce_coalesced(tensors, opts))
-
-    def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any):  # noqa: ANN201
-        flat = [t for ts in outputs for t in ts]
-        return self._post(flat, lambda: self.inner.allgather(outputs, inputs, opts))
-
-    def _allgather_base(self, output: torch.Tensor, tensor: torch.Tensor, opts: Any):  # noqa: ANN201
-        return self._post([output], lambda: self.inner._allgather_base(output, tensor, opts))
-
-    def allgather_into_tensor_coalesced(self, outputs: list, inputs: list, opts: Any):  # noqa: ANN201
-        return self._post(
-            outputs, lambda: self.inner.allgather_into_tensor_coalesced(outputs, inputs, opts)
-        )
-
-    def reduce_scatter(self, outputs: list, inputs: list, opts: Any):  # noqa: ANN201
-        return self._post(outputs, lambda: self.inner.reduce_scatter(outputs, inputs, opts))
-
-    def _reduce_scatter_base(self, output: torch.Tensor, tensor: torch.Tensor, opts: Any):  # noqa: ANN201
-        return self._post([output], lambda: self.inner._reduce_scatter_base(output, tensor, opts))
-
-    def reduce_scatter_tensor_coalesced(self, outputs: list, inputs: list, opts: Any):  # noqa: ANN201
-        return self._post(
-            outputs, lambda: self.inner.reduce_scatter_tensor_coalesced(outputs, inputs, opts)
-        )
-
-    def alltoall_base(  # noqa: ANN201
-        self, output: torch.Tensor, tensor: torch.Tensor, out_splits: list, in_splits: list,
-        opts: Any,
-    ):  # fmt: skip
-        return self._post(
-            [output], lambda: self.inner.alltoall_base(output, tensor, out_splits, in_splits, opts)
-        )
-
-    def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> AbortableWork:
-        return self._post(tensors, lambda: self.inner.broadcast(tensors, opts))
-
-    def reduce(self, tensors: list[torch.Tensor], opts: Any) -> AbortableWork:
-        return self._post(tensors, lambda: self.inner.reduce(tensors, opts))
-
-    def gather(self, outputs: list, inputs: list, opts: Any):  # noqa: ANN201
-        flat = [t for ts in outputs for t in ts]
-        return self._post(flat, lambda: self.inner.gather(outputs, inputs, opts))
-
-    def scatter(self, outputs: list, inputs: list, opts: Any):  # noqa: ANN201
-        return self._post(outputs, lambda: self.inner.scatter(outputs, inputs, opts))
-
     def barrier(self, opts: Any = None) -> AbortableWork:
         return self._post(
             [], lambda: self.inner.barrier(opts) if opts is not None else self.inner.barrier()
         )
+
+
+def _delegated(name: str, outputs: Callable[..., list[torch.Tensor]]) -> Callable[..., Any]:
+    """The method ``name`` of AbortableGroup: posted on the inner group as it is, its
+    outputs (what ``outputs`` picks from the arguments) what the work's future returns."""
+
+    def method(self: AbortableGroup, *args: Any) -> AbortableWork:
+        return self._post(outputs(*args), lambda: getattr(self.inner, name)(*args))
+
+    method.__name__ = method.__qualname__ = name
+    return method
+
+
+def _first(tensors: list[torch.Tensor], *_: Any) -> list[torch.Tensor]:
+    return tensors
+
+
+def _one(output: torch.Tensor, *_: Any) -> list[torch.Tensor]:
+    return [output]
+
+
+def _nested(outputs: list[list[torch.Tensor]], *_: Any) -> list[torch.Tensor]:
+    return [t for ts in outputs for t in ts]
+
+
+# torch calls these by name on a Python group (pybind's override lookup): each collective
+# a DTensor, DeviceMesh or torch.distributed call may issue, with where its outputs are.
+for _name, _outputs in {
+    "allreduce": _first,
+    "allreduce_coalesced": _first,
+    "broadcast": _first,
+    "reduce": _first,
+    "allgather": _nested,
+    "gather": _nested,
+    "_allgather_base": _one,
+    "allgather_into_tensor_coalesced": _first,
+    "reduce_scatter": _first,
+    "_reduce_scatter_base": _one,
+    "reduce_scatter_tensor_coalesced": _first,
+    "scatter": _first,
+    "alltoall_base": _one,
+}.items():
+    setattr(AbortableGroup, _name, _delegated(_name, _outputs))
+del _name, _outputs
