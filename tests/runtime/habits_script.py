@@ -206,17 +206,18 @@ def main() -> None:
             elif habit not in ("zero_grad_first", "zero_grad_middle"):
                 for o in optimizers:
                     o.zero_grad()
-            if habit == "user_collectives" and committed and step % 2 == 1:
+            if habit == "user_collectives" and committed and step % 2 == 0:
                 # once a step, as a loop logs (every other step): every member takes as
                 # many steps, not as many turns (a member dealt two micro-batches takes
-                # two a step). Not after the step before the test's kill (step 5 begins):
-                # a peer killed just after a collective of the script's own can take its
-                # last bytes with it (the survivor's read fails, "Connection closed by
-                # peer"), and the survivor is lost too, as under torchrun (docs/
-                # dataparallel.md); with two workers none is left (seen once in CI).
+                # two a step). ``step`` counts the steps before this one, and the test's
+                # kill (step=5) pauses rank 0 at step 6's start: step 5, the one before
+                # it, has none. A peer killed just after a collective of the script's own
+                # can take its last bytes with it (the survivor's read fails, "Connection
+                # closed by peer"), and the survivor is lost too, as under torchrun
+                # (docs/dataparallel.md); with two workers none is left (seen in CI).
                 metric = loss.detach().clone()
                 dist.all_reduce(metric)
-                if step % 4 == 1:
+                if step % 4 == 2:
                     dist.barrier()
             if committed:
                 for s in schedules:
