@@ -43,6 +43,8 @@ def run(ctx: typer.Context) -> None:
     live = LiveView(RichConsole(file=sys.stderr)) if mode is Mode.RICH else None
     agent = Agent(args, console=console, events_listener=live.on_event if live else None)
     error(f"chameleon: run {agent.run_id}: logs in {agent.run_dir}, events in {agent.events.path}")
+    if args.from_env:
+        error(f"chameleon: from the environment: {', '.join(args.from_env)}")
     try:
         if live is None:
             outcome = agent.run()

@@ -445,6 +445,8 @@ class Agent:
             nproc_per_node=a.nproc_per_node,
             command=self.command,
             run_dir=str(self.run_dir),
+            from_env=list(a.from_env),
+            requeue=a.requeue,
         )
 
     def _join_job(self) -> ControlPlane:

@@ -7,12 +7,22 @@ that says so, never silently ignored. Errors raise ``ArgsError`` with one line.
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
+import signal
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from launcher.faults import ANY, FaultSpec, parse_fault
-from launcher.flags import UNSUPPORTED, ArgsError, parser, run_help  # noqa: F401 - re-exported
+from launcher.flags import (  # noqa: F401 - ArgsError and run_help re-exported
+    UNSUPPORTED,
+    ArgsError,
+    Parser,
+    parser,
+    run_help,
+)
+from launcher.scheduler import SchedulerError, SlurmLaunch, slurm_launch
 
 _DURATION = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(ms|s|m|min|h|d)?\s*$")
 _SCALE = {"ms": 1e-3, "s": 1.0, None: 1.0, "m": 60.0, "min": 60.0, "h": 3600.0, "d": 86400.0}
@@ -66,6 +76,13 @@ class RunArgs:
     preload: str  # --preload (launcher/preload.py)
     script: str
     script_args: tuple[str, ...] = field(default_factory=tuple)
+    # Signals that are preemption notices (save, then exit 75): the ones the user named
+    # in --signals-to-handle, SIGINT aside. The others of torchrun's four stop the run.
+    preempt_signals: frozenset[int] = frozenset()
+    preemption_grace_s: float = 25.0
+    requeue: int = 0  # SLURM_RESTART_COUNT: times the scheduler requeued this job
+    # Settings taken from the environment, as "--flag VALUE (VARIABLE)": said at start.
+    from_env: tuple[str, ...] = ()
 
 
 def _nnodes(text: str) -> tuple[int, int]:
@@ -129,8 +146,82 @@ def _rdzv_conf(text: str) -> dict[str, str]:
     return conf
 
 
-def parse_run_args(argv: list[str]) -> RunArgs:
-    ns = parser().parse_args(argv)
+def _signals(text: str) -> frozenset[int]:
+    found = set()
+    for name in filter(None, (n.strip() for n in text.split(","))):
+        upper = name.upper()
+        key = upper if upper.startswith("SIG") else f"SIG{upper}"
+        number = int(name) if name.isdigit() else getattr(signal, key, None)
+        if not isinstance(number, int) or number <= 0 or key in ("SIGKILL", "SIGSTOP"):
+            raise ArgsError(f"--signals-to-handle: {name!r} is not a signal that can be handled")
+        found.add(int(number))
+    return frozenset(found)
+
+
+def _given(argv: list[str]) -> set[str]:
+    """The destinations the command line itself sets (not defaults, not PET_*)."""
+    p = parser(environ={})
+    for action in p._actions:
+        action.default = argparse.SUPPRESS
+        action.required = False
+    return set(vars(p.parse_args(argv)))
+
+
+# Rendezvous settings Slurm gives where neither a flag nor PET_* does.
+def _from_slurm(slurm: SlurmLaunch) -> dict[str, str]:
+    return {
+        "nnodes": str(slurm.nodes),
+        "node_rank": str(slurm.node_rank),
+        "master_addr": slurm.first_host,
+        "master_port": str(slurm.port),
+        "rdzv_id": slurm.run_id,
+    }
+
+
+_SLURM_SOURCES = {
+    "nnodes": "SLURM_NNODES",
+    "node_rank": "SLURM_NODEID",
+    "master_addr": "SLURM_JOB_NODELIST",
+    "master_port": "SLURM_JOB_ID",
+    "rdzv_id": "SLURM_JOB_ID",
+}
+
+
+def _environment(argv: list[str], environ: Mapping[str, str]) -> tuple[Parser, list[str], int]:
+    """The parser with torchrun's PET_* defaults and, under srun, Slurm's; the settings
+    so taken ("--flag VALUE (VARIABLE)"); the requeue count."""
+    p = parser(environ)
+    taken = [f"{_flag(p, d)} {p.get_default(d)} ({v})" for d, v in p.from_env.items()]
+    try:
+        slurm = slurm_launch(environ)
+    except SchedulerError as exc:
+        raise ArgsError(str(exc)) from None
+    if slurm is None:
+        return p, taken, 0
+    given = _given(argv)
+    if "standalone" in given or p.get_default("standalone") is True:
+        return p, taken, slurm.requeue  # one node, as asked
+    given |= set(p.from_env)
+    fill = {d: v for d, v in _from_slurm(slurm).items() if d not in given}
+    if fill.keys() & {"nnodes", "node_rank", "master_addr"}:
+        try:
+            slurm.check_one_per_node()
+        except SchedulerError as exc:
+            raise ArgsError(str(exc)) from None
+    p.set_defaults(**fill)
+    taken += [f"{_flag(p, d)} {v} ({_SLURM_SOURCES[d]})" for d, v in fill.items()]
+    return p, taken, slurm.requeue
+
+
+def _flag(p: Parser, dest: str) -> str:
+    action = next(a for a in p._actions if a.dest == dest)
+    return max(action.option_strings, key=len)
+
+
+def parse_run_args(argv: list[str], environ: Mapping[str, str] | None = None) -> RunArgs:
+    """``environ``: where PET_* and SLURM_* are read (os.environ when None)."""
+    p, taken, requeue = _environment(argv, os.environ if environ is None else environ)
+    ns = p.parse_args(argv)
     for flag in UNSUPPORTED:
         if getattr(ns, f"unsupported_{flag[2:].replace('-', '_')}") is not None:
             raise ArgsError(
@@ -201,6 +292,13 @@ def parse_run_args(argv: list[str]) -> RunArgs:
             raise ArgsError(f"--mtbf: {exc}") from None
         if mtbf_s <= 0:
             raise ArgsError("--mtbf must be positive")
+    named = _signals(ns.signals_to_handle)
+    if "signals_to_handle" in p.from_env or "signals_to_handle" in _given(argv):
+        preempt = named - {signal.SIGINT}
+    else:
+        preempt = frozenset()
+    if ns.preemption_grace <= 0:
+        raise ArgsError("--preemption-grace must be positive seconds")
     shutdown = ns.shutdown_timeout
     if shutdown is None:
         shutdown = float(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30"))
@@ -243,4 +341,8 @@ def parse_run_args(argv: list[str]) -> RunArgs:
         preload=ns.preload,
         script=ns.training_script,
         script_args=tuple(ns.training_script_args),
+        preempt_signals=preempt,
+        preemption_grace_s=ns.preemption_grace,
+        requeue=requeue,
+        from_env=tuple(taken),
     )

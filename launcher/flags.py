@@ -1,9 +1,14 @@
 """``chameleon run``'s flags: torchrun's, with their spellings (``--foo-bar`` and
-``--foo_bar``) and defaults, then ours; parsed into ``RunArgs`` by launcher/args.py."""
+``--foo_bar``), defaults and ``PET_*`` variables, then ours; parsed into ``RunArgs`` by
+launcher/args.py."""
 
 from __future__ import annotations
 
 import argparse
+import os
+from collections.abc import Mapping
+
+from launcher.scheduler import SchedulerError, pet_name, pet_switch
 
 
 class ArgsError(ValueError):
@@ -25,8 +30,10 @@ UNSUPPORTED = {
     "--logs-specs": "not supported yet (logs go under --log-dir, per attempt and rank)",
     "--numa-binding": "not supported yet",
     "--virtual-local-rank": "not supported yet",
-    "--signals-to-handle": "not supported yet (SIGINT, SIGTERM, SIGHUP and SIGQUIT are forwarded)",
 }
+# torchrun's default: stop on these (ours: within seconds, launcher/agent.py). Signals the
+# user names in --signals-to-handle are preemption notices instead (docs/clusters.md).
+STOP_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
 
 
 def _both(name: str) -> list[str]:
@@ -34,8 +41,15 @@ def _both(name: str) -> list[str]:
     return [name, "--" + name[2:].replace("-", "_")] if "-" in name[2:] else [name]
 
 
-def parser() -> _Parser:
-    p = _Parser(
+class Parser(_Parser):
+    """The parser, and which of its defaults came from torchrun's ``PET_*`` variables."""
+
+    from_env: dict[str, str]  # dest -> the variable its default came from
+
+
+def parser(environ: Mapping[str, str] | None = None) -> Parser:
+    """``environ``: where ``PET_*`` defaults are read (os.environ when None)."""
+    p = Parser(
         prog="chameleon run",
         add_help=False,
         allow_abbrev=False,
@@ -116,6 +130,13 @@ def parser() -> _Parser:
         default=None,
         help="seconds from SIGTERM to SIGKILL (30)",
     )
+    add(
+        *_both("--signals-to-handle"),
+        default=STOP_SIGNALS,
+        help="signals that stop the run (default: " + STOP_SIGNALS + "); signals named here "
+        "beyond those, or all of them when given, are preemption notices: the workers save at "
+        "their next step and the run exits 75 (requeue me)",
+    )
     for flag in UNSUPPORTED:
         add(
             *_both(flag),
@@ -125,6 +146,7 @@ def parser() -> _Parser:
             const="",
             help=argparse.SUPPRESS,
         )
+    p.from_env = _env_defaults(t, os.environ if environ is None else environ)
     c = p.add_argument_group("chameleon flags")
     add = c.add_argument
     add(*_both("--heartbeat-timeout"), type=float, default=30.0,
@@ -197,6 +219,15 @@ def parser() -> _Parser:
         "do not: auto (the script's top-level third-party imports, read from its source), "
         "none, or comma-separated module names (may include auto)",
     )
+    add(
+        "--preemption-grace",
+        type=float,
+        default=25.0,
+        metavar="SECONDS",
+        help="after a preemption notice (--signals-to-handle), how long the workers have to "
+        "save before they are stopped; a little under the scheduler's own grace (Slurm's "
+        "--signal=B:USR1@N, Kubernetes' terminationGracePeriodSeconds)",
+    )
     add("--plain", action="store_true", help="plain output even on a terminal")
     p.add_argument(
         "training_script", metavar="SCRIPT", help="the training script (or module with -m)"
@@ -208,6 +239,29 @@ def parser() -> _Parser:
         help="passed through untouched",
     )
     return p
+
+
+def _env_defaults(group: argparse._ArgumentGroup, environ: Mapping[str, str]) -> dict[str, str]:
+    """torchrun's defaults from ``PET_<FLAG>`` (its long name, upper case, underscores),
+    for every torchrun flag, the refused ones included (set, they are refused as given)."""
+    found = {}
+    for action in group._group_actions:
+        longest = max(action.option_strings, key=len)
+        name = pet_name(longest.lstrip("-").replace("-", "_"))
+        if name not in environ:
+            continue
+        if action.nargs == 0:  # a switch: 0 off, 1 on
+            try:
+                value = pet_switch(environ, longest.lstrip("-").replace("-", "_"))
+            except SchedulerError as exc:
+                raise ArgsError(str(exc)) from None
+            if value is None:
+                continue
+            action.default = value
+        else:
+            action.default = environ[name]
+        found[action.dest] = name
+    return found
 
 
 def run_help() -> str:

@@ -107,6 +107,72 @@ def test_two_static_agents_run_one_ddp_job(tmp_path):
         assert (tmp_path / f"done_{rank}").read_text() == "4 6.0"  # 0+1+2+3 over 4 ranks
 
 
+def _free_slurm_job_id() -> str:
+    """A job id whose control store port (launcher/scheduler.py: 20000 + id % 10000) is
+    free here."""
+    import random
+    import socket
+
+    while True:
+        job = random.randrange(10000, 99999)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", 20000 + job % 10000))
+            except OSError:
+                continue
+        return str(job)
+
+
+def _two_agents(tmp_path, script, envs: list[dict[str, str]], *flags: str) -> None:
+    """Node 1 in the background, node 0 in the foreground; both exit 0, and every rank of
+    the 4 saw the same world."""
+    node1 = start(
+        "run", *flags, str(script), "5", cwd=tmp_path, log=tmp_path / "n1.log", env=envs[1]
+    )
+    node0 = run("run", *flags, str(script), "5", cwd=tmp_path, env=envs[0])
+    assert node0.returncode == 0, node0.stderr[-2000:]
+    assert node1.wait(timeout=60) == 0, (tmp_path / "n1.log").read_text()[-2000:]
+    for rank in range(4):
+        assert (tmp_path / f"done_{rank}").read_text() == "4 6.0"  # 0+1+2+3 over 4 ranks
+    return node0
+
+
+@pytest.mark.slow
+def test_two_agents_under_srun_take_the_rendezvous_from_slurm(tmp_path):
+    # What srun gives each task of `srun --nodes 2 --ntasks-per-node 1 chameleon run ...`
+    # (the two "hosts" are both this machine's loopback).
+    job = _free_slurm_job_id()
+    slurm = {
+        "SLURM_JOB_ID": job,
+        "SLURM_JOB_NODELIST": "127.0.0.[1-2]",
+        "SLURM_JOB_NUM_NODES": "2",
+        "SLURM_NTASKS": "2",
+        "CHAMELEON_JOB_TOKEN": "t0ken",
+    }
+    envs = [{**slurm, "SLURM_NODEID": str(n)} for n in (0, 1)]
+    script = write(tmp_path / "ddp.py", DDP)
+    node0 = _two_agents(tmp_path, script, envs, "--nproc-per-node", "2")
+    assert f"--master-port {20000 + int(job) % 10000} (SLURM_JOB_ID)" in node0.stderr
+    assert f"--rdzv-id {job} (SLURM_JOB_ID)" in node0.stderr
+
+
+@pytest.mark.slow
+def test_two_agents_configured_as_a_pytorchjob_does_form_one_job(tmp_path):
+    # Kubeflow's elastic PyTorchJob: the same PET_* variables in every pod, no flags.
+    port = free_port()
+    pet = {
+        "PET_NNODES": "2",
+        "PET_NPROC_PER_NODE": "2",
+        "PET_RDZV_BACKEND": "c10d",
+        "PET_RDZV_ENDPOINT": f"127.0.0.1:{port}",
+        "PET_RDZV_ID": "pytorchjob-7",
+        "CHAMELEON_JOB_TOKEN": "t0ken",
+    }
+    script = write(tmp_path / "ddp.py", DDP)
+    node0 = _two_agents(tmp_path, script, [pet, pet])
+    assert "--rdzv-backend c10d (PET_RDZV_BACKEND)" in node0.stderr
+
+
 SLEEPER = """
     import os, sys, time
     attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
