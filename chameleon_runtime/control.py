@@ -34,6 +34,7 @@ from chameleon_runtime.liveness import FOREVER, Heartbeat, Interrupts, Status, W
 from chameleon_runtime.protocol.messages import Aware, Keys, encode
 from chameleon_runtime.protocol.seal import TOKEN_ENV, Seal
 from chameleon_runtime.protocol.wire import PlanMessage
+from chameleon_runtime.stopsignals import StopSignals
 
 
 # The phases where an injected fault waits for the worker (Control.failpoint), and for
@@ -119,6 +120,7 @@ class Control:
             ),
         )
         self.status = Status(rank)
+        self.stop_signals = StopSignals(rank)
         self.interrupts = Interrupts()
         self._lock = threading.Lock()
         self._pending: _Pending | None = None
@@ -148,7 +150,8 @@ class Control:
 
     def wait(self, key: str) -> bytes:
         """Block until ``key`` is set; no timeout: the launcher's timeouts judge hangs."""
-        self.store.wait([key], FOREVER)
+        with self.stop_signals.blocked("the launcher"):
+            self.store.wait([key], FOREVER)
         return self.store.get(key)
 
     def put_signed(self, key: str, value: Any) -> None:
@@ -217,7 +220,10 @@ class Control:
         try:
             if aborted:  # the abort came before we were registered: poison it ourselves
                 poison(self.store, count_key, done_key, members)
-            with self.status.waiting("agree", name=name):
+            with (
+                self.status.waiting("agree", name=name),
+                self.stop_signals.blocked(f"its peers ({name})"),
+            ):
                 self.store.wait([done_key], FOREVER)
         finally:
             with self._lock:

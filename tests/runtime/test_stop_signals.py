@@ -1,0 +1,55 @@
+"""A stop signal ends a worker blocked in one of the runtime's store waits at once
+(chameleon_runtime/stopsignals.py): before, it sat there until the launcher's shutdown
+timeout (30 s) killed it. A real worker process, a real TCPStore, a real SIGINT."""
+
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch.distributed as dist
+
+from tests.launcher.helpers import env
+
+WAITER = """
+import sys, time
+from chameleon_runtime.control import Control
+control = Control("127.0.0.1", int(sys.argv[1]), rank=3)
+print("waiting", flush=True)
+if sys.argv[2] == "plan":
+    control.wait("never/set")            # as for the next plan
+else:
+    time.sleep(30)                       # the script's own code: Python's handling
+"""
+
+
+@pytest.mark.parametrize(
+    ("where", "signum", "code"),
+    [
+        ("plan", signal.SIGINT, 128 + signal.SIGINT),
+        ("plan", signal.SIGTERM, -signal.SIGTERM),  # (SIGTERM's default action ends it)
+        ("script", signal.SIGINT, -signal.SIGINT),  # KeyboardInterrupt: Python ends by it
+    ],
+)
+def test_a_stop_signal_ends_a_worker_blocked_in_a_store_wait(tmp_path, where, signum, code):
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    worker = subprocess.Popen(
+        [sys.executable, "-c", WAITER, str(store.port), where],
+        env={**env(), "TORCHELASTIC_RUN_ID": "t"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert worker.stdout.readline().strip() == "waiting"
+        time.sleep(0.3)  # inside the wait
+        sent = time.monotonic()
+        worker.send_signal(signum)
+        assert worker.wait(timeout=5) == code
+        assert time.monotonic() - sent < 2.0
+        if where == "plan" and signum == signal.SIGINT:
+            assert "SIGINT while waiting for the launcher" in worker.stderr.read()
+    finally:
+        worker.kill()
+        worker.wait()
