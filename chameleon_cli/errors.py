@@ -1,8 +1,9 @@
 """The one table from exceptions to messages and exit codes.
 
-Exit codes: 0 ok, 1 user or config error, 2 usage, 3 job failed after the recovery
-budget, 130 interrupted. Every error prints as one line on stderr; a traceback only
-with ``--debug`` (or CHAMELEON_DEBUG=1).
+Exit codes: 0 ok, 1 user or config error, 2 usage, 3 job failed, 130 interrupted; what
+``chameleon run`` exits with for a scheduler (75 requeue me, 93 do not) is in
+launcher/exitcodes.py. Every error prints as one line on stderr; a traceback only with
+``--debug`` (or CHAMELEON_DEBUG=1).
 """
 
 from __future__ import annotations
@@ -12,13 +13,12 @@ from dataclasses import dataclass
 
 import typer
 
+from launcher.exitcodes import JOB_FAILED, OK  # noqa: F401 - the run's codes, one table
 from planner.job.errors import ConfigError
 from planner.plans.layout import LayoutError
 
-OK = 0
 USER_ERROR = 1
 USAGE = 2
-JOB_FAILED = 3
 INTERRUPTED = 130
 
 

@@ -14,6 +14,8 @@ An ordinary DDP loop swaps three objects (docs/dataparallel.md)::
 
 A plain torchrun script gets hang detection from ``cr.heartbeat()`` once a step and
 ``with cr.section("checkpoint", timeout=600):`` around long phases (no-ops elsewhere).
+``cr.preempted()`` after ``optimizer.step()`` says when a preemption notice asks the job to
+save and leave (docs/clusters.md).
 See docs/runtime.md for the full API and examples/train_gpt.py for a complete script.
 """
 
@@ -35,6 +37,7 @@ _EXPORTS = {
     "Trainer": "chameleon_runtime.trainer",
     "heartbeat": "chameleon_runtime.scriptbeat",
     "is_saver": "chameleon_runtime.usergroup",
+    "preempted": "chameleon_runtime.preemption",
     "section": "chameleon_runtime.scriptbeat",
     "state_dict_for_save": "chameleon_runtime.sharding",
 }
@@ -43,6 +46,7 @@ if TYPE_CHECKING:
     from chameleon_runtime.dataparallel import DataParallel, ElasticDataParallel
     from chameleon_runtime.device import DeviceError
     from chameleon_runtime.elastic_optimizer import ElasticOptimizer
+    from chameleon_runtime.preemption import preempted
     from chameleon_runtime.sampler import ElasticSampler
     from chameleon_runtime.scriptbeat import heartbeat, section
     from chameleon_runtime.sharding import state_dict_for_save
@@ -60,6 +64,7 @@ __all__ = [
     "Trainer",
     "heartbeat",
     "is_saver",
+    "preempted",
     "section",
     "state_dict_for_save",
 ]

@@ -170,6 +170,7 @@ class ElasticDataParallel(nn.Module):
         self._last_commit = time.perf_counter()
         self._cpu_mark = time.process_time()
         self._compute_cpu = 0.0  # the passes' CPU since the last commit (main thread)
+        self._stop_agreed = False  # the last commit said a member heard a preemption notice
         self._backward_cpu: float | None = None  # thread CPU when the backward began
         if not self.replacement:
             self._broadcast_start()
@@ -587,8 +588,11 @@ class ElasticDataParallel(nn.Module):
         may be applied elsewhere: pending, the next plan says."""
         assert self.elastic is not None
         try:
-            self.meta.commit(
-                mb.step, self.replicas.allreduce, f"generation {self.elastic.generation}"
+            self._stop_agreed = self.meta.commit(
+                mb.step,
+                self.replicas.allreduce,
+                f"generation {self.elastic.generation}",
+                stop_asked=self.elastic.control.interrupts.preempt_signal is not None,
             )
         except (Aborted, CommError) as exc:
             self.failure = (str(exc), True)
@@ -611,6 +615,8 @@ class ElasticDataParallel(nn.Module):
                 mb.step + 1, now - self._last_commit, cpu - self._cpu_mark, self._compute_cpu
             )
             self._last_commit, self._cpu_mark, self._compute_cpu = now, cpu, 0.0
+            if self._stop_agreed and elastic.preempted_at is None:
+                elastic.preempted_at = mb.step + 1  # every member: the same commit
             if self.optimizers:
                 elastic.describe_measured(
                     lambda: sum(p.numel() for p in self.module.parameters()),

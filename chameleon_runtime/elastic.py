@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from chameleon_runtime import usergroup
+from chameleon_runtime import preemption, usergroup
 from chameleon_runtime.comm import COLLECTIVE_RELEASE, Aborted, Collective, CommError, Generation
 from chameleon_runtime.control import STORE_LOST, Control, Finished
 from chameleon_runtime.heal import receive_state, send_state
@@ -140,6 +140,10 @@ class Membership:
         self.joining = env.get("CHAMELEON_JOIN")
         self.joined = False  # a replacement taken in
         self._progress = 0  # steps this process committed
+        # The steps committed when the members agreed to stop for a preemption notice
+        # (chameleon_runtime.preemption): the same on every member.
+        self.preempted_at: int | None = None
+        preemption.follow(lambda: self.preempted_at is not None)
         self._slowest = 0.0
         self._pace = Pace()
 

@@ -35,6 +35,7 @@ from chameleon_runtime.protocol.messages import (
     Exit,
     Finish,
     Keys,
+    Save,
     Stop,
     WaitingOn,
     WorkerStatus,
@@ -186,6 +187,9 @@ class Interrupts:
         self._events: set[tuple[int, threading.Event]] = set()
         self.aborted_upto = -1  # every generation up to this one is aborted
         self.finished: int | None = None
+        # A preemption notice came (the launcher's Save): this member asks the others to
+        # stop at the step they commit next (chameleon_runtime.preemption).
+        self.preempt_signal: int | None = None
 
     @contextlib.contextmanager
     def watch(self, generation: int, event: threading.Event) -> Iterator[None]:
@@ -219,7 +223,8 @@ class Interrupts:
 class Watcher:
     """Pops this worker's mailbox and acts: ``Abort`` wakes the generation's waits and
     calls ``on_abort`` (which poisons a pending agreement), ``Exit`` ends the process,
-    ``Finish`` wakes a spare, ``Stop`` ends the thread."""
+    ``Finish`` wakes a spare, ``Save`` notes a preemption notice, ``Stop`` ends the
+    thread."""
 
     def __init__(
         self,
@@ -265,6 +270,8 @@ class Watcher:
                 os._exit(message.code)
             elif isinstance(message, Finish):
                 self._interrupts._finish(message.step)
+            elif isinstance(message, Save):
+                self._interrupts.preempt_signal = message.signal
             elif isinstance(message, Stop) and message.pid == me:
                 return
 

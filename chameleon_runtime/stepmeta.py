@@ -92,19 +92,22 @@ class StepMeta:
         allreduce(mine)
         self._unused, self._pending = self.unpack(mine)
 
-    def commit(self, step: int, allreduce: Sum, who: str) -> None:
+    def commit(self, step: int, allreduce: Sum, who: str, *, stop_asked: bool = False) -> bool:
         """The commit's all-reduce (module doc); raises when the members' steps differ.
-        ``who``: this member, for the message."""
+        ``who``: this member, for the message. ``stop_asked``: this member heard a
+        preemption notice; returns whether any member did, which every member that sees
+        the commit end learns at the same step (chameleon_runtime.preemption)."""
         s = float(step % STEP_MODULUS)
-        record = torch.tensor([1.0, s, s * s], dtype=torch.float64)
+        record = torch.tensor([1.0, s, s * s, float(stop_asked)], dtype=torch.float64)
         allreduce(record)
-        count, total, squares = record.tolist()
+        count, total, squares, asked = record.tolist()
         if total != count * s or squares != count * s * s:
             raise RuntimeError(
                 f"chameleon: the {int(count)} members of {who} disagree on the step they "
                 f"commit (this one is at step {step}, the mean of theirs is "
                 f"{total / max(count, 1):.2f} mod {STEP_MODULUS}): stopped before applying it"
             )
+        return asked > 0
 
     def committed_step(self) -> list[nn.Parameter]:
         """The step holds: its buffers are installed; returns the parameters no member

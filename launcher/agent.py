@@ -41,6 +41,7 @@ from chameleon_runtime.protocol.messages import StoreAddress
 from chameleon_runtime.protocol.seal import TOKEN_ENV, Seal
 from launcher.args import RunArgs
 from launcher.events import EventLog
+from launcher.exitcodes import REQUEUE
 from launcher.faults import FaultLedger
 from launcher.leader import Leader, lost_with
 from launcher.local import LocalGroup
@@ -127,12 +128,20 @@ class Agent:
             run_path=args.run_path,
         )
         self._signal: int | None = None
+        # A preemption notice (--signals-to-handle): its signal and when its grace ends
+        # (wall clock: other nodes' leader compares it), and whether the workers heard.
+        self._preempt: int | None = None
+        self._preempt_deadline = 0.0
+        self._preempt_told = False
         self._stop_heartbeat = threading.Event()
         # Set by the planner's thread when a decision is ready: the loop publishes it at
         # once instead of on its next poll (launcher/planning.py).
         self.nudge = threading.Event()
         self.failures: list[Failure] = []
         self.restarts_used = 0
+        # The root causes of the attempts restarted so far (Failure.signature; the
+        # supervisor's loop guard reads them).
+        self.earlier_causes: list[str | None] = []
         self.control: ControlPlane | None = None
         self.reaper: Reaper | None = None
         self.forkserver: ForkServer | None = None
@@ -162,7 +171,12 @@ class Agent:
     # -- signals ---------------------------------------------------------------------
 
     def _on_signal(self, signum: int, _frame: object) -> None:
-        if self._signal is None:
+        first_notice = self._preempt is None and self._signal is None
+        if signum in self.args.preempt_signals and first_notice:
+            self._preempt = signum
+            self._preempt_deadline = time.time() + self.args.preemption_grace_s
+            self.nudge.set()
+        elif self._signal is None:  # a stop, or a second notice: stop now
             self._signal = signum
 
     @property
@@ -181,8 +195,27 @@ class Agent:
         self.failures = self.failures + [f for f in failures if f not in self.failures]
 
     def _install_signals(self) -> None:
-        for signum in FORWARDED_SIGNALS:
+        for signum in {*FORWARDED_SIGNALS, *self.args.preempt_signals}:
             signal.signal(signum, self._on_signal)
+
+    def _tell_preemption(self, control: ControlPlane, world: World, group: LocalGroup) -> None:
+        """The notice reaches this node's workers and the leader (which stops the job
+        once they finished or the grace is over: launcher/supervisor.py)."""
+        signum = self._preempt
+        assert signum is not None
+        self._preempt_told = True
+        told = group.preempt(signum)
+        control.report_preempted(world.attempt, signum, self._preempt_deadline)
+        name = signal.Signals(signum).name
+        grace = self.args.preemption_grace_s
+        self.events.emit(
+            "preemption_notice", signal=name, grace_s=grace, told=told["mailbox"],
+            signalled=told["signal"],
+        )  # fmt: skip
+        self.console.say(
+            f"chameleon: {name}: a preemption notice; the workers save and stop within "
+            f"{grace:g} s, then the run exits {REQUEUE} (requeue me)"
+        )
 
     # -- setup -----------------------------------------------------------------------
 
@@ -349,6 +382,9 @@ class Agent:
                 # machine whose cores the workers saturate, the launcher's own polling
                 # comes out of their step time.
                 news = False
+                if self._preempt is not None and not self._preempt_told:
+                    self._tell_preemption(control, world, group)
+                    news = True
                 for failure in group.poll():
                     self.events.emit("failure", **failure.to_json())
                     control.report_failure(failure)
@@ -390,6 +426,7 @@ class Agent:
                 control.acknowledge(world.attempt)
                 # Kept by the followers too: one of them may lead the next round.
                 self.restarts_used = decision.get("restarts_used", self.restarts_used)
+                self.earlier_causes = decision.get("earlier_causes", self.earlier_causes)
             if decision["action"] == Action.RESTART:
                 group.stop(grace_s=RESTART_GRACE_S)
                 self.events.emit("restart", attempt=world.attempt + 1, reason=decision["reason"])

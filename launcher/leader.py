@@ -7,6 +7,7 @@ route its kill requests to the node that runs the rank, and take the round's dec
 
 from __future__ import annotations
 
+import signal
 import time
 from dataclasses import replace
 from typing import TYPE_CHECKING, Protocol
@@ -90,6 +91,7 @@ class Leader:
         if control.decision(world.attempt) is not None:
             return
         failures, restart_reason = self._recover_in_place(control.failures(world.attempt))
+        notices = control.preemptions(world.attempt, [k for k in self.keys if k not in self.lost])
         view = RoundView(
             attempt=world.attempt,
             restarts_used=self.agent.restarts_used,
@@ -102,6 +104,9 @@ class Leader:
             nodes_waiting=len(control.joined(world.attempt + 1)),
             failures=tuple(failures),
             stop_signal=self.agent.stop_signal,
+            earlier_causes=tuple(self.agent.earlier_causes),
+            preempted=signal.Signals(notices[0]["signal"]).name if notices else None,
+            preempt_overdue=any(time.time() > n["deadline"] for n in notices),
         )
         decision = decide(view)
         if restart_reason is not None and decision.action is Action.RESTART:
@@ -109,9 +114,10 @@ class Leader:
         if decision.action is Action.CONTINUE:
             return
         self.agent.record(failures)
+        cause = root_cause(failures)
         if decision.counts_as_restart:
             self.agent.restarts_used += 1
-        cause = root_cause(failures)
+            self.agent.earlier_causes.append(cause.signature if cause else None)
         self.agent.events.emit(
             "decision",
             attempt=world.attempt,
@@ -128,6 +134,7 @@ class Leader:
                 "reason": decision.reason,
                 "exit_code": decision.exit_code,
                 "restarts_used": self.agent.restarts_used,
+                "earlier_causes": self.agent.earlier_causes,
             },
         )
         if self.coordinator is not None:

@@ -83,6 +83,7 @@ class LocalGroup:
         self._liveness = Liveness(settings.watch)
         self._beats = ScriptBeats(settings.watch)
         self._runtime = False  # a worker of this node posted a chameleon_runtime status
+        self._runtime_ranks: set[int] = set()  # ... these ones
         ranks = list(range(settings.rank_offset, settings.rank_offset + settings.nproc))
         injector = Injector(
             [
@@ -265,6 +266,7 @@ class LocalGroup:
             return {}
         statuses = self.view.statuses(sorted(self.workers))
         self._runtime = self._runtime or bool(statuses)
+        self._runtime_ranks |= set(statuses)
         return statuses
 
     def _failure(
@@ -342,6 +344,24 @@ class LocalGroup:
         self.s = self.s.moved_to(addr, port)
         if self.view is not None:
             self.view.move(addr, port)
+
+    def preempt(self, signum: int) -> dict[str, list[int]]:
+        """A preemption notice to this node's live workers: chameleon_runtime workers
+        hear it through their mailbox (they agree on the step to stop at), the others
+        get the signal itself, as torchrun forwards it. Returns who got which."""
+        told: dict[str, list[int]] = {"mailbox": [], "signal": []}
+        if self.view is not None:
+            self._runtime_ranks |= set(self.view.statuses(sorted(self.workers)))
+        for rank, worker in sorted(self.workers.items()):
+            if worker.poll() is not None:
+                continue
+            runtime = rank in self._runtime_ranks and self.view is not None
+            if runtime and self.view.ask_save(rank, signum):  # type: ignore[union-attr]
+                told["mailbox"].append(rank)
+                continue
+            signal_worker(worker, signum)
+            told["signal"].append(rank)
+        return told
 
     def stop(self, *, signum: int = signal.SIGTERM, grace_s: float) -> None:
         stop_workers(

@@ -344,6 +344,14 @@ class ControlPlane:
     def done(self, attempt: int, keys: list[str]) -> int:
         return sum(1 for k in keys if self.get(f"r{attempt}/done/{k}") is not None)
 
+    def report_preempted(self, attempt: int, signum: int, deadline: float) -> None:
+        """This node got a preemption notice: its workers save until ``deadline`` (wall
+        clock), then the job stops (the leader's decision; launcher/supervisor.py)."""
+        self.put(f"r{attempt}/preempted/{self.key}", {"signal": signum, "deadline": deadline})
+
+    def preemptions(self, attempt: int, keys: list[str]) -> list[dict]:
+        return [v for k in keys if (v := self.get(f"r{attempt}/preempted/{k}")) is not None]
+
     def decide(self, attempt: int, decision: dict) -> None:
         self.put(f"r{attempt}/decision", decision)
 

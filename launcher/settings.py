@@ -82,6 +82,13 @@ class RoundSettings:
                 # checkpoints there, so a restart resumes and a new launch starts fresh.
                 "CHAMELEON_RUN_DIR": str(run_dir),
                 "CHAMELEON_HEARTBEAT_S": f"{watch.beat_period_s:g}",
+                # The preemption notices (--signals-to-handle) cr.preempted() takes over
+                # in a plain script (chameleon_runtime.preemption).
+                **(
+                    {"CHAMELEON_PREEMPT_SIGNALS": ",".join(map(str, sorted(a.preempt_signals)))}
+                    if a.preempt_signals
+                    else {}
+                ),
                 **(store_move_env(a, run_dir) if a.rdzv_backend == "etcd" else {}),
                 **({TOKEN_ENV: token} if token else {}),
             },

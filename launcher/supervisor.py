@@ -8,7 +8,9 @@ out; tests drive this directly.
 For a plain script the options are those of torchrun, made elastic: restart every worker
 (its own checkpoint logic resumes it), shrink to the surviving nodes within --nnodes
 MIN:MAX, admit waiting nodes up to MAX (not counted as a restart), or give up after
---max-restarts. The job's exit code is its root cause's: the earliest failure.
+--max-restarts. The job's exit code is its root cause's (the earliest failure's) when it
+had no restart budget, and GAVE_UP (93, "do not requeue") when it spent one or the same
+failure ended several attempts in a row (launcher/exitcodes.py).
 """
 
 from __future__ import annotations
@@ -16,7 +18,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-JOB_FAILED = 3
+from launcher.exitcodes import GAVE_UP, JOB_FAILED, REQUEUE
+
+# The same failure ending this many attempts in a row is a loop: the job gives up.
+LOOP_ATTEMPTS = 3
 
 
 class FailureKind(StrEnum):
@@ -55,6 +60,15 @@ class Failure:
         if self.kind is FailureKind.SIGNAL:
             return Cause.HARDWARE
         return Cause.INFRASTRUCTURE
+
+    @property
+    def signature(self) -> str | None:
+        """What makes two attempts' failures the same one: an exit with the same code and
+        message from the same place; None for a kill, a hang or a lost node (those
+        recur by chance, not by a bug)."""
+        if self.kind is not FailureKind.EXIT or not self.message:
+            return None
+        return f"exit {self.exit_code}: {self.message} at {self.where}"
 
     @property
     def script_error(self) -> bool:
@@ -117,6 +131,10 @@ class RoundView:
     nodes_waiting: int = 0
     failures: tuple[Failure, ...] = ()
     stop_signal: int | None = None  # a signal the leader received
+    # The root causes of the attempts before this one (``Failure.signature``), in order.
+    earlier_causes: tuple[str | None, ...] = ()
+    preempted: str | None = None  # a preemption notice a node got (its signal's name)
+    preempt_overdue: bool = False  # ... and its grace period is over
 
 
 @dataclass(frozen=True)
@@ -133,6 +151,22 @@ def decide(view: RoundView) -> Decision:
         return Decision(
             Action.FINISH, f"stopped by signal {view.stop_signal}", exit_code=128 + view.stop_signal
         )
+    if view.preempted is not None:
+        # The workers save and stop; a failure meanwhile is no reason to restart: the job
+        # is leaving anyway, and its requeue resumes from what was saved.
+        finished = view.nodes_done and view.nodes_done == view.nodes - view.nodes_lost
+        if finished or view.preempt_overdue or view.failures:
+            how = (
+                "the workers stopped"
+                if finished
+                else "stopped at the end of the grace period"
+                if view.preempt_overdue
+                else f"{summary(root_cause(view.failures))} while saving"  # type: ignore[arg-type]
+            )
+            return Decision(
+                Action.FINISH, f"preempted ({view.preempted}): {how}", exit_code=REQUEUE
+            )
+        return Decision(Action.CONTINUE, "saving for a preemption")
     if view.failures:
         cause = root_cause(view.failures)
         assert cause is not None
@@ -142,7 +176,15 @@ def decide(view: RoundView) -> Decision:
             return Decision(
                 Action.FINISH,
                 f"{what}; no restarts left (--max-restarts {view.max_restarts})",
-                exit_code=cause.job_exit_code,
+                exit_code=GAVE_UP if view.max_restarts else cause.job_exit_code,
+            )
+        last = view.earlier_causes[-(LOOP_ATTEMPTS - 1) :]
+        if cause.signature is not None and last == (cause.signature,) * (LOOP_ATTEMPTS - 1):
+            return Decision(
+                Action.FINISH,
+                f"{what}; the same failure ended the last {LOOP_ATTEMPTS} attempts: a "
+                "restart will not help",
+                exit_code=GAVE_UP,
             )
         if survivors < view.min_nodes:
             return Decision(

@@ -9,7 +9,14 @@ import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from chameleon_runtime.protocol.messages import Exit, Keys, RecoveryPhase, WorkerStatus, encode
+from chameleon_runtime.protocol.messages import (
+    Exit,
+    Keys,
+    RecoveryPhase,
+    Save,
+    WorkerStatus,
+    encode,
+)
 from chameleon_runtime.protocol.seal import Seal
 from launcher.store import connect_store
 
@@ -76,6 +83,17 @@ class WorkerStoreView:
     def ask_exit(self, rank: int, code: int, pid: int) -> None:
         message = self.seal.seal(encode(Exit(code=code, pid=pid)))
         self._store().queue_push(self.keys.mailbox(rank), message)
+
+    def ask_save(self, rank: int, signum: int) -> bool:
+        """A preemption notice to a chameleon_runtime worker (chameleon_runtime.preemption);
+        False when the store is out of reach."""
+        try:
+            self._store().queue_push(
+                self.keys.mailbox(rank), self.seal.seal(encode(Save(signal=signum)))
+            )
+        except Exception:
+            return False
+        return True
 
     def release_failpoint(self, node: int, phase: str) -> None:
         with contextlib.suppress(Exception):  # the store gone: nobody waits any more

@@ -174,6 +174,14 @@ class Finish(_Message):
     step: int
 
 
+class Save(_Message):
+    """A preemption notice (``--signals-to-handle``): save at the next step the members
+    agree on, then stop (chameleon_runtime.preemption)."""
+
+    kind: Literal["save"] = "save"
+    signal: int
+
+
 class Stop(_Message):
     """From a worker to its own watcher: stop listening (the worker is closing)."""
 
@@ -195,7 +203,7 @@ class RecoveryPhase(_Message):
 
 
 InboxMessage = Annotated[Ready | Applied | Joined, Field(discriminator="kind")]
-MailboxMessage = Annotated[Abort | Exit | Finish | Stop, Field(discriminator="kind")]
+MailboxMessage = Annotated[Abort | Exit | Finish | Save | Stop, Field(discriminator="kind")]
 INBOX = TypeAdapter(InboxMessage)
 MAILBOX = TypeAdapter(MailboxMessage)
 

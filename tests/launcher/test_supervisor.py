@@ -30,10 +30,37 @@ def test_failure_restarts_while_restarts_remain():
     assert "rank 1 exited with code 1" in d.reason and "restart 1 of 3" in d.reason
 
 
-def test_no_restarts_left_exits_with_the_root_cause_code():
+def test_a_spent_restart_budget_exits_93_do_not_requeue():
     d = decide(view(restarts_used=3, failures=(failure(2, 11.0, code=9), failure(1, 10.0, code=7))))
+    assert (d.action, d.exit_code) == (Action.FINISH, 93)
+    assert "rank 1 exited with code 7" in d.reason and "no restarts left" in d.reason
+
+
+def test_with_no_restart_budget_the_root_cause_code_is_the_job_s():
+    d = decide(view(max_restarts=0, failures=(failure(2, 11.0, code=9), failure(1, 10.0, code=7))))
     assert (d.action, d.exit_code) == (Action.FINISH, 7)
-    assert "no restarts left" in d.reason
+
+
+def test_the_same_failure_three_attempts_in_a_row_gives_up_before_the_budget():
+    def bug(message="ValueError: a bug", where="train.py:12"):
+        f = failure(1, 10.0)
+        return Failure(**{**f.__dict__, "message": message, "where": where})
+
+    same = bug().signature
+    assert same is not None
+    d = decide(
+        view(max_restarts=9, restarts_used=2, earlier_causes=(same, same), failures=(bug(),))
+    )
+    assert (d.action, d.exit_code) == (Action.FINISH, 93)
+    assert "the same failure ended the last 3 attempts" in d.reason
+    # another failure in between, another message, or a kill: not a loop
+    for earlier, now in [
+        ((same, None), bug()),
+        ((same, same), bug("ValueError: another")),
+        ((None, None), failure(1, 10.0, kind=FailureKind.SIGNAL, code=-9)),
+    ]:
+        d = decide(view(max_restarts=9, restarts_used=2, earlier_causes=earlier, failures=(now,)))
+        assert d.action is Action.RESTART
 
 
 def test_signals_map_to_128_plus_signal():

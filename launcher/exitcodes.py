@@ -1,0 +1,23 @@
+"""The codes ``chameleon run`` exits with, and what each tells a scheduler's requeue logic
+(a Slurm requeue chain, a Kubernetes Job's ``podFailurePolicy``; docs/clusters.md).
+
+    0       the job finished
+    1       bad input: a config or script that cannot be run (one line on stderr)
+    2       bad usage: flags that do not parse
+    3       the control plane was lost (the leader's node, etcd)
+    75      REQUEUE: stopped for a preemption notice (--signals-to-handle), after the
+            workers saved what they could within --preemption-grace: requeue me
+    93      GAVE_UP: do not requeue: the restart budget (--max-restarts > 0) is spent, or
+            the same failure ended several attempts in a row (a restart will not help);
+            NVIDIA's ft_launcher uses 93 for the same, so recipes written for it work
+    128+N   stopped by signal N (130: Ctrl-C, 143: SIGTERM) that was not a preemption notice
+    other   a worker's failure with no restart budget (--max-restarts 0): the root cause's
+            own exit code (128+N when a signal killed it)
+"""
+
+from __future__ import annotations
+
+OK = 0
+JOB_FAILED = 3  # also a failure with no exit code of its own (a hang, a lost node)
+REQUEUE = 75  # sysexits' EX_TEMPFAIL: "a temporary failure; retry later"
+GAVE_UP = 93
