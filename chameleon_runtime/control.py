@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 import torch.distributed as dist
 from pydantic import BaseModel
 
-from chameleon_runtime import storeaddr
+from chameleon_runtime import preemption, storeaddr
 from chameleon_runtime.comm import Collective, Generation, settle
 from chameleon_runtime.liveness import FOREVER, Heartbeat, Interrupts, Status, Watcher, moved
 from chameleon_runtime.protocol.messages import Aware, Keys, encode
@@ -122,6 +122,7 @@ class Control:
         self.status = Status(rank)
         self.stop_signals = StopSignals(rank)
         self.interrupts = Interrupts()
+        preemption.hear(lambda signum: setattr(self.interrupts, "preempt_signal", signum))
         self._lock = threading.Lock()
         self._pending: _Pending | None = None
         self.heartbeat = Heartbeat(addr, port, self.keys, self.status, self.epoch, self.seal)

@@ -35,6 +35,21 @@ _heard: int | None = None  # a plain script's: the signal that came
 _armed = False
 
 
+def signals() -> list[int]:
+    """The signals the launcher treats as preemption notices (--signals-to-handle)."""
+    return [int(t) for t in filter(None, os.environ.get(SIGNALS_ENV, "").split(","))]
+
+
+def hear(note: Callable[[int], None]) -> None:
+    """A chameleon_runtime worker notes a notice that reaches it as a signal itself (Slurm
+    signals every process of a job step, the workers too) as it notes the launcher's
+    message: the signal's default action would end the process."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for signum in signals():
+        signal.signal(signum, lambda s, _frame: note(s))
+
+
 def follow(agreed: Callable[[], bool]) -> None:
     """The drop-in's membership: its commits say when the members stop."""
     global _agreed
@@ -54,8 +69,8 @@ def _arm() -> None:
     if _armed or threading.current_thread() is not threading.main_thread():
         return
     _armed = True
-    for text in filter(None, os.environ.get(SIGNALS_ENV, "").split(",")):
-        signal.signal(int(text), _heard_signal)
+    for signum in signals():
+        signal.signal(signum, _heard_signal)
 
 
 def _heard_signal(signum: int, _frame: object) -> None:

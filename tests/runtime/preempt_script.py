@@ -41,8 +41,8 @@ def main() -> None:
     data = TensorDataset(torch.randn(512, 8, dtype=torch.float64), torch.randint(0, 4, (512,)))
     net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)).double()
     rank = int(os.environ.get("RANK", "0"))
-    cr.preempted()  # (a plain script: takes the preemption signals over, before the loop)
     if args.mode == "plain":
+        cr.preempted()  # takes the preemption signals over, before the loop
         dist.init_process_group("gloo")
         sampler = DistributedSampler(data, shuffle=True, seed=0, drop_last=True)
         loader = DataLoader(data, batch_size=GLOBAL_BATCH // dist.get_world_size(), sampler=sampler)

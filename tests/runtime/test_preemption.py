@@ -3,6 +3,7 @@
 exits 75 (requeue me) within the grace period; the requeued run resumes from the save and
 ends with the failure-free weights (float64). tests/runtime/preempt_script.py is the loop."""
 
+import os
 import signal
 import subprocess
 import sys
@@ -87,6 +88,20 @@ def test_the_drop_in_saves_at_one_step_leaves_75_and_the_requeue_ends_as_if_neve
             got = out["state"][key]
             diff = sum((a - b) ** 2 for a, b in zip(want, got)) ** 0.5
             assert diff <= 1e-9 * (sum(a * a for a in want) ** 0.5), key
+
+
+def test_a_notice_slurm_sends_to_every_process_of_the_step_is_heard_by_the_workers_too(tmp_path):
+    # Slurm's --signal (and scancel --signal) reaches every process of the job step: the
+    # workers get USR1 themselves, whose default action would end them.
+    launcher = _launch(tmp_path, "chameleon", "all")
+    _notice_after(tmp_path, launcher, "all", 5)
+    started = next(e for e in events(tmp_path / "all.events") if e["event"] == "workers_started")
+    for pid in started["pids"]:
+        os.kill(pid, signal.SIGUSR1)
+    assert launcher.wait(timeout=GRACE_S + 30) == 75, (tmp_path / "all.log").read_text()[-3000:]
+    out = _rank_json(tmp_path, "all")
+    assert out[0]["stopped"] == out[1]["stopped"] is not None
+    assert [e for e in events(tmp_path / "all.events") if e["event"] == "failure"] == []
 
 
 def test_a_plain_script_gets_the_signal_and_saves_what_it_agrees_on(tmp_path):
