@@ -143,6 +143,8 @@ class Membership:
         self.groups_s = 0.0  # what building (or carrying over) the last group took
         self.step = 0
         self.recoveries = 0
+        # A plan said to stop for a preemption notice (PlanMessage.stop): save, then leave.
+        self.stopping = False
         # A ring's commit (chameleon_runtime.step): what the last one summed, and the step
         # whose commit this worker voted for without learning the decision.
         self.committed: tuple[float, float, float] | None = None
@@ -343,6 +345,7 @@ class Membership:
 
     def _apply(self, message: PlanMessage) -> None:
         self._settle_pending(message)
+        self.stopping = self.stopping or message.stop
         plan = message.plan.to_plan()
         members = sorted(set(plan.workers) | {t.src for t in message.transfers})
         if self.rank not in members:  # neither used nor needed: a spare from now on

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -77,6 +78,9 @@ class FitResult:
     generation: int
     losses: dict[int, float]  # step -> loss, for the steps this process ran
     recoveries: int
+    # Stopped for a preemption notice (chameleon run --signals-to-handle): a checkpoint
+    # of ``steps`` is saved when the Trainer has a checkpoint_dir; leave, to be requeued.
+    preempted: bool = False
 
 
 class Trainer:
@@ -376,6 +380,9 @@ class Trainer:
         pace = Pace()
         forget: list[str] = []  # the previous step's keys, for its commit's last arrival
         while m.step < steps:
+            if m.stopping:  # a preemption notice: every member resumed at this step
+                self._save_for_preemption()
+                break
             if m.part is None:  # a spare: not in this plan
                 m.idle(steps)
                 forget = []
@@ -446,7 +453,11 @@ class Trainer:
                 )
         self._finish(steps)
         return FitResult(
-            steps=m.step, generation=m.generation, losses=losses, recoveries=m.recoveries
+            steps=m.step,
+            generation=m.generation,
+            losses=losses,
+            recoveries=m.recoveries,
+            preempted=m.stopping,
         )
 
     def _finish(self, steps: int) -> None:
@@ -477,15 +488,39 @@ class Trainer:
         """A fingerprint of each layer this worker holds (to compare holders and runs)."""
         return {i: self.shard.checksum(i) for i in self.shard.held()}
 
+    def _save_for_preemption(self) -> None:
+        """The members' checkpoint of the steps done, before they leave; without a
+        checkpoint_dir there is nowhere to save (said once, by the chief)."""
+        m = self.member
+        assert m is not None
+        if m.part is None or m.step == 0:
+            return
+        if self.checkpoint_dir is None:
+            if self.rank == min(m.plan.workers):
+                print(
+                    f"[rank {self.rank}] chameleon: stopped for a preemption notice at step "
+                    f"{m.step}; nothing saved (the Trainer has no checkpoint_dir)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            return
+        self._checkpoint(m.step - 1)
+
     def _checkpoint_if_due(self, step: int) -> bool:
-        """Each layer by its first holder; ``latest`` moves once all are written (an
-        all-or-none agreement). A failure in between leaves the previous checkpoint."""
+        """Every ``checkpoint_every`` steps (``_checkpoint``)."""
         m = self.member
         assert m is not None
         if not (
             self.checkpoint_dir and self.checkpoint_every and m.step % self.checkpoint_every == 0
         ):
             return False
+        return self._checkpoint(step)
+
+    def _checkpoint(self, step: int) -> bool:
+        """Each layer by its first holder; ``latest`` moves once all are written (an
+        all-or-none agreement). A failure in between leaves the previous checkpoint."""
+        m = self.member
+        assert m is not None and m.part is not None and self.checkpoint_dir is not None
         status = self.control.status
         status.update(phase="checkpoint")
         with status.waiting("checkpoint"):

@@ -127,6 +127,7 @@ class Coordinator:
         self.failures: list[Failure] = []
         self.recovered = 0  # the first ``recovered`` failures were recovered from in place
         self._fatal: str | None = None
+        self._preempting = False  # a preemption notice came (preempt)
         self._settled_generation = 0  # the generation the last recovery confirmed
         self.planner = Planner(
             model=model,
@@ -191,11 +192,24 @@ class Coordinator:
         if asked:
             self.emit("respawn_requested", attempt=self.attempt, ranks=asked)
 
+    def preempt(self) -> None:
+        """A preemption notice: a Trainer's members stop at a step a recovery brings them
+        to (rc.Preempt), once the job is described as one. The drop-in's members agree on
+        the step in their commit (chameleon_runtime.preemption): no recovery for them."""
+        self._preempting = True
+
+    def _preempt_if_due(self) -> None:
+        if not self._preempting or self.state is None or self.state.stopping:
+            return
+        if self._described() and self.model.description.model != "DataParallel":
+            self._apply(rc.Preempt())
+
     def tick(self) -> InPlaceOutcome:
         if self._fatal is not None:
             return InPlaceOutcome(restart=True, reason=self._fatal)
         if self.state is None and not self._start():
             return InPlaceOutcome()
+        self._preempt_if_due()
         for raw in self._inbox():
             body = self.seal.open(raw, self.keys.inbox)
             if body is None:  # not a worker of this job

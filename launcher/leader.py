@@ -90,8 +90,10 @@ class Leader:
         self._watch_nodes()
         if control.decision(world.attempt) is not None:
             return
-        failures, restart_reason = self._recover_in_place(control.failures(world.attempt))
         notices = control.preemptions(world.attempt, [k for k in self.keys if k not in self.lost])
+        if notices and self.coordinator is not None:
+            self.coordinator.preempt()
+        failures, restart_reason = self._recover_in_place(control.failures(world.attempt))
         view = RoundView(
             attempt=world.attempt,
             restarts_used=self.agent.restarts_used,

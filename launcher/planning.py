@@ -90,6 +90,8 @@ class Planner:
         forced = None if self.policy == "auto" else Policy(self.policy)
         if start.joining or start.rebalance:
             forced = Policy.REPARALLELIZE  # taking replacements in, or a calibrated re-partition
+        if start.stop and not start.failed:
+            forced = Policy.REROUTE  # stopping for a preemption: the layout as it is
         t0 = time.perf_counter()
         survivors = (set(current.workers) | set(start.idle)) - set(start.failed)
         mtbf = self.model.mtbf(len(survivors) * job.tp)
@@ -166,8 +168,11 @@ class Planner:
             migration=migration,
             estimated_step_s=chosen.estimate.step_s if chosen.estimate else None,
             roll_forward=start.roll_forward,
+            stop=start.stop,
         )
-        if start.joining:
+        if start.stop:
+            why = "a preemption notice: save and stop"
+        elif start.joining:
             why = f"ranks {list(start.joining)} rejoin"
         elif start.rebalance:
             why = "a faster layout, calibrated"

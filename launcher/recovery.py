@@ -47,6 +47,7 @@ from launcher.recovery_events import (
     Phase,
     PhaseChanged,
     Planned,
+    Preempt,
     Publish,
     ReadyReported,
     Rebalance,
@@ -60,7 +61,8 @@ from launcher.recovery_events import (
 
 __all__ = [  # the machine with its vocabulary: ``from launcher import recovery as rc``
     "Abort", "Action", "Admit", "AppliedReported", "Event", "Failed", "Forget", "Grow",
-    "Kill", "Layout", "Note", "Phase", "PhaseChanged", "Planned", "Publish", "ReadyReported",
+    "Kill", "Layout", "Note", "Phase", "PhaseChanged", "Planned", "Preempt", "Publish",
+    "ReadyReported",
     "Recovered", "Report", "Restart", "StartPlanning", "State", "Tick", "Timeouts", "decide",
 ]  # fmt: skip
 
@@ -99,6 +101,7 @@ class State:
     recovery: int = 0  # recoveries started in this attempt
     joining: frozenset[int] = frozenset()  # replacements being taken in (a growth)
     rebalancing: bool = False  # a calibrated re-partition of a healthy job (Rebalance)
+    stopping: bool = False  # a preemption notice came: every plan from now on stops (Preempt)
     resume_step: int = 0  # where the current (or last) recovery resumes
     reached: int = 0  # the most steps any report showed applied, this recovery
     futile: int = 0  # plans in a row with no step applied and no worker lost before them
@@ -160,6 +163,13 @@ def decide(state: State, event: Event, now: float) -> Result:
             return state, []  # a recovery re-plans anyway
         state = replace(state, rebalancing=True)
         return _begin(state, now, reason="a faster layout, calibrated", lost=frozenset())
+    if isinstance(event, Preempt):
+        if state.stopping:
+            return state, []
+        state = replace(state, stopping=True)
+        if state.phase is not Phase.RUNNING:
+            return state, []  # the recovery's plan, still to come, stops
+        return _begin(state, now, reason="a preemption notice", lost=frozenset())
     if isinstance(event, Admit):
         if state.phase is not Phase.RUNNING:
             return state, []  # offered again once the recovery is over
@@ -309,6 +319,7 @@ def _plan(state: State, now: float, actions: list[Action]) -> Result:
         joining=tuple(sorted(state.joining)),
         rebalance=state.rebalancing,
         roll_forward=roll_forward,
+        stop=state.stopping,
     )
     return state, [*actions, PhaseChanged(Phase.PLAN, state.recovery, generation), start]
 

@@ -104,13 +104,22 @@ class Rebalance:
 
 
 @dataclass(frozen=True)
+class Preempt:
+    """A preemption notice: the next plan, the same layout, tells the members to save at
+    the step they resume at and stop (a pipeline's members cannot agree on that step in
+    a step of theirs: a recovery brings them to one)."""
+
+
+@dataclass(frozen=True)
 class Admit:
     """Replacements that are up as spares of the current generation."""
 
     ranks: frozenset[int]
 
 
-Event = Failed | ReadyReported | AppliedReported | Planned | Tick | Grow | Rebalance | Admit
+Event = (
+    Failed | ReadyReported | AppliedReported | Planned | Tick | Grow | Rebalance | Preempt | Admit
+)
 
 # -- actions ---------------------------------------------------------------------------------
 
@@ -137,6 +146,7 @@ class StartPlanning:
     reached: int
     joining: tuple[int, ...] = ()
     rebalance: bool = False  # no failure: a calibrated re-partition (Rebalance)
+    stop: bool = False  # a preemption notice: the plan keeps the layout and stops (Preempt)
     # Step resume_step - 1 was committed without some survivors seeing it end: they apply
     # it with these sums first (chameleon_runtime.protocol.wire.RollForwardWire).
     roll_forward: tuple[int, tuple[float, ...]] | None = None

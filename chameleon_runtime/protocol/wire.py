@@ -159,6 +159,9 @@ class PlanMessage(_Wire):
     # the replica groups whose rows the transfers re-shard (planner.plans.rows); empty:
     # each transfer heals its destination whole (chameleon_runtime.heal)
     reshard_from: list[list[int]] = []
+    # a preemption notice: the members save at ``resume_step`` and stop (the Trainer;
+    # the drop-in's members agree in their commit: chameleon_runtime.preemption)
+    stop: bool = False
 
     @classmethod
     def build(
@@ -171,6 +174,7 @@ class PlanMessage(_Wire):
         migration: Migration | None = None,
         estimated_step_s: float | None = None,
         roll_forward: tuple[int, tuple[float, ...]] | None = None,
+        stop: bool = False,
     ) -> PlanMessage:
         transfers = []
         if migration is not None:
@@ -191,4 +195,5 @@ class PlanMessage(_Wire):
             if roll_forward is not None
             else None,
             reshard_from=[list(g) for g in migration.reshard_from] if migration else [],
+            stop=stop,
         )

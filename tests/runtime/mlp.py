@@ -100,6 +100,8 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--transport", default="gloo")
     parser.add_argument("--exact", action="store_true")
+    parser.add_argument("--checkpoint-dir", default=None)
+    parser.add_argument("--checkpoint-every", type=int, default=0)
     args = parser.parse_args()
     torch.set_num_threads(1)
     data = make_data()
@@ -136,11 +138,14 @@ def main() -> None:
         device=args.device,
         transport=args.transport,
         exact=args.exact,
+        checkpoint_dir=args.checkpoint_dir,
+        checkpoint_every=args.checkpoint_every,
     )
     result = trainer.fit(args.steps, on_step=lambda info: SENT.append(info.sent_bytes))
     if args.dump:
         with open(f"{args.dump}.rank{RANK}.json", "w") as f:
             dump = {"checksums": trainer.checksums(), "losses": result.losses, "sent": SENT}
+            dump["preempted"] = result.preempted
             json.dump(dump | {"loss_scale": trainer.loss_scale}, f)
 
 

@@ -146,3 +146,53 @@ def test_ctrl_c_during_the_grace_period_stops_the_run_at_once(tmp_path):
     assert launcher.wait(timeout=30) == 130, (tmp_path / "c.log").read_text()[-3000:]
     assert time.monotonic() - sent < 5.0
     assert leftovers(tmp_path) == []
+
+
+MLP = str(ROOT / "tests" / "runtime" / "mlp.py")
+
+
+def _mlp(tmp: Path, name: str, *flags: str, sleep_s: float = 0.0) -> subprocess.Popen:
+    return start(
+        "run", "--standalone", "--nproc-per-node", "2", "--events", str(tmp / f"{name}.events"),
+        *flags, MLP, "--steps", "60", "--stages", "2", "--exact", "--checkpoint-dir",
+        str(tmp / f"{name}.ckpt" if name == "ref" else tmp / "ckpt"), "--dump", str(tmp / name),
+        cwd=tmp, log=tmp / f"{name}.log", env={"MLP_STEP_SLEEP_S": str(sleep_s)},
+    )  # fmt: skip
+
+
+def _dumps(tmp: Path, name: str) -> list[dict]:
+    import json
+
+    return [json.loads(p.read_text()) for p in sorted(tmp.glob(f"{name}.rank*.json"))]
+
+
+def test_a_pipeline_stops_at_one_step_saves_and_the_requeue_ends_with_the_same_bits(tmp_path):
+    # The Trainer's stages cannot agree on a step inside one (no collective spans them):
+    # the leader's recovery brings them to one, with a plan that says stop, and they save.
+    ref = _mlp(tmp_path, "ref")
+    assert ref.wait(timeout=120) == 0, (tmp_path / "ref.log").read_text()[-3000:]
+    first = _mlp(tmp_path, "first", "--signals-to-handle", "SIGUSR1", sleep_s=0.05)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        steps = [
+            e.get("step", 0) for e in events(tmp_path / "first.events") if e["event"] == "step"
+        ]
+        if steps and max(steps) >= 5:
+            break
+        assert first.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
+        time.sleep(0.05)
+    first.send_signal(signal.SIGUSR1)
+    assert first.wait(timeout=GRACE_S + 30) == 75, (tmp_path / "first.log").read_text()[-3000:]
+    dumps = _dumps(tmp_path, "first")
+    assert [d["preempted"] for d in dumps] == [True, True]
+    import json
+
+    saved = json.loads((tmp_path / "ckpt" / "latest").read_text())["step"]
+    assert 5 <= saved < 59 and all(max(map(int, d["losses"])) == saved for d in dumps)
+    plan = [e for e in events(tmp_path / "first.events") if e["event"] == "plan_chosen"][-1]
+    assert plan["policy"] == "reroute"
+    requeued = _mlp(tmp_path, "second")
+    assert requeued.wait(timeout=120) == 0, (tmp_path / "second.log").read_text()[-3000:]
+    want = {k: v for d in _dumps(tmp_path, "ref") for k, v in d["checksums"].items()}
+    got = {k: v for d in _dumps(tmp_path, "second") for k, v in d["checksums"].items()}
+    assert got == want  # Trainer(exact=True): the same bits as the run never stopped
