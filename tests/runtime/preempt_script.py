@@ -88,7 +88,11 @@ def main() -> None:
     state = {k: v.flatten().tolist() for k, v in net.state_dict().items()}
     with open(f"{args.out}.rank{rank}.json", "w") as f:
         json.dump({"state": state, "step": step, "stopped": stopped}, f)
-    if args.mode == "plain":
+    if args.mode == "plain":  # DDP holds its group: let go of it before destroying it
+        del model  # (freed after the group, DDP's reducer joined gloo's thread while that
+        import gc  # thread waited for the GIL: a hang at exit, 1 run in 8 here)
+
+        gc.collect()
         dist.destroy_process_group()
 
 
