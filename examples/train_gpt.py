@@ -262,6 +262,9 @@ def main() -> None:
             )
 
     result = trainer.fit(args.steps, on_step=log)
+    if result.preempted and int(os.environ.get("RANK", "0")) == 0:
+        # (chameleon run --signals-to-handle: the launcher exits 75, "requeue me")
+        print(f"preempted: saved at step {result.steps} in {args.checkpoint_dir}", flush=True)
     if args.dump:
         rank = int(os.environ.get("RANK", "0"))
         with open(f"{args.dump}.rank{rank}.json", "w") as f:
