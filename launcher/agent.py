@@ -41,8 +41,9 @@ from chameleon_runtime.protocol.messages import StoreAddress
 from chameleon_runtime.protocol.seal import TOKEN_ENV, Seal
 from launcher.args import RunArgs
 from launcher.events import EventLog
-from launcher.exitcodes import REQUEUE
+from launcher.exitcodes import JOB_FAILED, REQUEUE
 from launcher.faults import FaultLedger
+from launcher.health import HealthCheck
 from launcher.leader import Leader, lost_with
 from launcher.local import LocalGroup
 from launcher.preload import modules_for
@@ -128,6 +129,7 @@ class Agent:
             run_path=args.run_path,
         )
         self._signal: int | None = None
+        self.health = HealthCheck(args.health_check) if args.health_check else None
         # A preemption notice (--signals-to-handle): its signal and when its grace ends
         # (wall clock: other nodes' leader compares it), and whether the workers heard.
         self._preempt: int | None = None
@@ -229,6 +231,11 @@ class Agent:
         try:
             if a.warm_start:
                 self._start_forkserver()  # its imports overlap ours and the rendezvous
+            # Before any store is hosted here: a node that fails it must not be the one
+            # the others' control store lives on (c10d's first to bind the endpoint).
+            unhealthy = self._unhealthy()
+            if unhealthy is not None:
+                return unhealthy
             if a.max_nodes == 1:
                 control, first = self._start_single_node()
             else:
@@ -271,6 +278,8 @@ class Agent:
                 self.control.close(last=self.control.is_leader)
             if self.forkserver is not None:
                 self.forkserver.close()
+            if self.health is not None:
+                self.health.close()
             self.reaper.close()
 
     def _round(self, control: ControlPlane, attempt: int) -> int | Outcome:
@@ -278,6 +287,9 @@ class Agent:
         a = self.args
         host = a.local_addr or socket.gethostname()
         my_rank = 0 if control.is_leader and a.rdzv_backend != "static" else a.node_rank
+        unhealthy = self._unhealthy(attempt) if attempt > 0 else None  # (0: checked in run)
+        if unhealthy is not None:
+            return unhealthy
         control.join(attempt, node_rank=my_rank, nproc=a.nproc_per_node, host=host)
         world = self._world(control, attempt)
         if world is None:
@@ -305,6 +317,19 @@ class Agent:
             )
         return self._monitor(control, world, group)
 
+    def _unhealthy(self, attempt: int = 0) -> Outcome | None:
+        """--health-check before this node joins (launcher/health.py): an Outcome that
+        keeps it out when it fails, else None."""
+        if self.health is None:
+            return None
+        result = self.health.run("join")
+        self.events.emit("health_check", when="join", attempt=attempt, **result.to_json())
+        if result.ok:
+            return None
+        return self._finish(
+            JOB_FAILED, f"this node failed --health-check ({result.why}): not joining"
+        )
+
     def _start_group(self, world: World, me: NodeInfo) -> LocalGroup:
         a = self.args
         self._new_round_store()
@@ -330,6 +355,7 @@ class Agent:
             ),
             reaper=self.reaper,
             forkserver=self.forkserver,
+            health=self.health,
         )
         self._await_forkserver()
         group.start()

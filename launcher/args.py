@@ -83,6 +83,7 @@ class RunArgs:
     requeue: int = 0  # SLURM_RESTART_COUNT: times the scheduler requeued this job
     # Settings taken from the environment, as "--flag VALUE (VARIABLE)": said at start.
     from_env: tuple[str, ...] = ()
+    health_check: str | None = None  # --health-check CMD (launcher/health.py)
 
 
 def _nnodes(text: str) -> tuple[int, int]:
@@ -345,4 +346,5 @@ def parse_run_args(argv: list[str], environ: Mapping[str, str] | None = None) ->
         preemption_grace_s=ns.preemption_grace,
         requeue=requeue,
         from_env=tuple(taken),
+        health_check=ns.health_check or None,
     )

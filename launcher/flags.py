@@ -228,6 +228,13 @@ def parser(environ: Mapping[str, str] | None = None) -> Parser:
         "save before they are stopped; a little under the scheduler's own grace (Slurm's "
         "--signal=B:USR1@N, Kubernetes' terminationGracePeriodSeconds)",
     )
+    add(
+        *_both("--health-check"),
+        default=None,
+        metavar="CMD",
+        help="a shell command run on the node before it joins a rendezvous and before a "
+        "replacement starts there; non-zero exit (or no answer in 60 s): not admitted",
+    )
     add("--plain", action="store_true", help="plain output even on a terminal")
     p.add_argument(
         "training_script", metavar="SCRIPT", help="the training script (or module with -m)"

@@ -16,12 +16,14 @@ import signal
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import psutil
 
 from chameleon_runtime.protocol.messages import BEAT_RECORD_BYTES, RecoveryPhase, ScriptBeat
 from launcher.environment import WorkerIdentity, worker_env
 from launcher.faults import ANY, FaultLedger, FaultSpec, Injector
+from launcher.health import HealthCheck
 from launcher.injection import FaultInjection
 from launcher.rootcause import ErrorReport, from_stderr, read_error_file
 from launcher.settings import RoundSettings
@@ -63,9 +65,10 @@ class LocalGroup:
         reaper: Reaper | None = None,
         forkserver: ForkServer | None = None,
         fault_ledger: FaultLedger | None = None,
+        health: HealthCheck | None = None,
     ) -> None:
         """``fault_ledger``: what the agent's earlier rounds injected and reached
-        (launcher.faults.FaultLedger)."""
+        (launcher.faults.FaultLedger); ``health``: --health-check (launcher/health.py)."""
         ledger = fault_ledger if fault_ledger is not None else FaultLedger()
         self.s = settings
         self.command = command
@@ -84,6 +87,9 @@ class LocalGroup:
         self._beats = ScriptBeats(settings.watch)
         self._runtime = False  # a worker of this node posted a chameleon_runtime status
         self._runtime_ranks: set[int] = set()  # ... these ones
+        self.health = health  # --health-check, before a replacement starts
+        self._health_checks: dict[int, tuple[int, Any]] = {}  # rank -> (count, its future)
+        self._refused: list[Failure] = []  # replacements the check refused, to report
         ranks = list(range(settings.rank_offset, settings.rank_offset + settings.nproc))
         injector = Injector(
             [
@@ -176,6 +182,8 @@ class LocalGroup:
             wanted = self.view.respawn_request(rank)
             if not wanted or wanted <= self.respawned.get(rank, 0):
                 continue
+            if not self._healthy_for(rank, wanted):
+                continue
             self.respawned[rank] = wanted
             worker = self._spawn(rank, f"{rank}.rejoin{wanted}", {"CHAMELEON_JOIN": str(wanted)})
             self.workers[rank] = worker
@@ -191,6 +199,40 @@ class LocalGroup:
                 warm=worker.warm,
             )
 
+    def _healthy_for(self, rank: int, wanted: int) -> bool:
+        """--health-check before a replacement starts, off the launcher's loop: False
+        while it runs, and when it failed (the rank is then reported as not replaced,
+        and not asked for again at this count)."""
+        if self.health is None:
+            return True
+        pending = self._health_checks.get(rank)
+        if pending is None or pending[0] != wanted:
+            self._health_checks[rank] = (wanted, self.health.submit("replace", rank))
+            return False
+        if not pending[1].done():
+            return False
+        del self._health_checks[rank]
+        result = pending[1].result()
+        self.emit(
+            "health_check", when="replace", rank=rank, node=self.s.node_rank, **result.to_json()
+        )
+        if result.ok:
+            return True
+        self.respawned[rank] = wanted
+        now = time.time()
+        self._refused.append(
+            Failure(
+                rank=rank,
+                node=self.s.node_rank,
+                kind=FailureKind.UNHEALTHY,
+                attempt=self.s.attempt,
+                failed_at=now,
+                detected_at=now,
+                message=result.why,
+            )
+        )
+        return False
+
     @property
     def all_finished(self) -> bool:
         """Every worker exited 0 or failed (a failure handled in place leaves the rest to
@@ -204,7 +246,8 @@ class LocalGroup:
         self._inject(now, statuses)
         if self.failed:
             self._respawn_requested()
-        new: list[Failure] = []
+        new: list[Failure] = self._refused
+        self._refused = []
         for rank, worker in self.workers.items():
             if rank in self.finished or rank in self.failed:
                 continue

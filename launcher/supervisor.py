@@ -29,6 +29,7 @@ class FailureKind(StrEnum):
     SIGNAL = "signal"  # killed by a signal
     HANG = "hang"  # stopped making progress; killed by us
     NODE_LOST = "node_lost"  # its agent stopped heartbeating
+    UNHEALTHY = "unhealthy"  # not replaced: its node failed --health-check (launcher/health.py)
 
 
 class Cause(StrEnum):
@@ -57,7 +58,7 @@ class Failure:
     def cause(self) -> Cause:
         if self.kind is FailureKind.EXIT:
             return Cause.INFRASTRUCTURE if self.peer_error else Cause.USER_CODE
-        if self.kind is FailureKind.SIGNAL:
+        if self.kind in (FailureKind.SIGNAL, FailureKind.UNHEALTHY):
             return Cause.HARDWARE
         return Cause.INFRASTRUCTURE
 
@@ -224,4 +225,6 @@ def describe(f: Failure) -> str:
         return f"was killed by signal {-(f.exit_code or 0)}"
     if f.kind is FailureKind.HANG:
         return f"hung ({f.message})" if f.message else "hung"
+    if f.kind is FailureKind.UNHEALTHY:
+        return "was not replaced: its node failed --health-check"
     return "was lost with its node"
