@@ -106,6 +106,46 @@ def test_exit_code_is_the_root_causes(tmp_path):
     assert "no restarts left" in result.stderr
 
 
+def test_a_spent_restart_budget_exits_93_do_not_requeue(tmp_path):
+    # A worker killed in every attempt (no message: not a loop of the same error), two
+    # restarts allowed: the third failure gives up with ft_launcher's "do not requeue".
+    script = write(
+        tmp_path / "dies.py",
+        """
+        import os, signal, time
+        if os.environ["RANK"] == "1":
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(30)
+    """,
+    )
+    result = run(
+        "run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "2", "--plain",
+        str(script), cwd=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 93, result.stderr[-2000:]
+    assert "no restarts left (--max-restarts 2)" in result.stderr
+
+
+def test_the_same_error_three_attempts_in_a_row_gives_up_before_the_budget(tmp_path):
+    script = write(
+        tmp_path / "bug.py",
+        """
+        import os, time
+        if os.environ["RANK"] == "0":
+            raise ValueError("bad batch size 7")
+        time.sleep(30)
+    """,
+    )
+    log = tmp_path / "events.jsonl"
+    result = run(
+        "run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "10", "--plain",
+        "--events", str(log), str(script), cwd=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 93, result.stderr[-2000:]
+    assert "the same failure ended the last 3 attempts" in result.stderr
+    assert [e["attempt"] for e in events(log) if e["event"] == "workers_started"] == [0, 1, 2]
+
+
 def test_restart_counts_and_then_succeeds(tmp_path):
     script = write(
         tmp_path / "flaky.py",
