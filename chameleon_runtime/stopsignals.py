@@ -25,6 +25,8 @@ import sys
 import threading
 from collections.abc import Iterator
 
+from chameleon_runtime import preemption
+
 
 class StopSignals:
     def __init__(self, rank: int) -> None:
@@ -71,8 +73,10 @@ class StopSignals:
                 return
             if not data:
                 return
+            notices = preemption.signals()  # (a notice is noted, never an end)
             for signum in data:
-                if self._blocked and signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+                stop = signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+                if self._blocked and stop and signum not in notices:
                     self._end(signum)
 
     def _end(self, signum: int) -> None:

@@ -175,9 +175,10 @@ class Agent:
     def _on_signal(self, signum: int, _frame: object) -> None:
         first_notice = self._preempt is None and self._signal is None
         if signum in self.args.preempt_signals and first_notice:
+            # (no nudge.set() here: a handler runs between any two bytecodes of the main
+            # thread, which may hold that Event's lock in its wait: a deadlock)
             self._preempt = signum
             self._preempt_deadline = time.time() + self.args.preemption_grace_s
-            self.nudge.set()
         elif self._signal is None:  # a stop, or a second notice: stop now
             self._signal = signum
 
@@ -392,6 +393,7 @@ class Agent:
 
     def _monitor(self, control: ControlPlane, world: World, group: LocalGroup) -> int | Outcome:
         keys = [n.key for n in world.nodes]
+        self._preempt_told = False  # a notice is told to each round's workers and leader
         for k in keys:
             self.beat_seen.setdefault(k, time.time())
         leader = Leader(self, control, world, group) if control.is_leader else None

@@ -151,9 +151,15 @@ def _signals(text: str) -> frozenset[int]:
     found = set()
     for name in filter(None, (n.strip() for n in text.split(","))):
         upper = name.upper()
-        key = upper if upper.startswith("SIG") else f"SIG{upper}"
-        number = int(name) if name.isdigit() else getattr(signal, key, None)
-        if not isinstance(number, int) or number <= 0 or key in ("SIGKILL", "SIGSTOP"):
+        try:
+            number = (
+                signal.Signals(int(name))
+                if name.isdigit()
+                else signal.Signals[upper if upper.startswith("SIG") else f"SIG{upper}"]
+            )
+        except (KeyError, ValueError):
+            number = None
+        if number is None or number in (signal.SIGKILL, signal.SIGSTOP):
             raise ArgsError(f"--signals-to-handle: {name!r} is not a signal that can be handled")
         found.add(int(number))
     return frozenset(found)
@@ -179,13 +185,14 @@ def _from_slurm(slurm: SlurmLaunch) -> dict[str, str]:
     }
 
 
-_SLURM_SOURCES = {
-    "nnodes": "SLURM_NNODES",
-    "node_rank": "SLURM_NODEID",
-    "master_addr": "SLURM_JOB_NODELIST",
-    "master_port": "SLURM_JOB_ID",
-    "rdzv_id": "SLURM_JOB_ID",
-}
+def _slurm_sources(slurm: SlurmLaunch) -> dict[str, str]:
+    return {
+        "nnodes": slurm.nodes_from,
+        "node_rank": "SLURM_NODEID",
+        "master_addr": slurm.hosts_from,
+        "master_port": "SLURM_JOB_ID",
+        "rdzv_id": "SLURM_JOB_ID",
+    }
 
 
 def _environment(argv: list[str], environ: Mapping[str, str]) -> tuple[Parser, list[str], int]:
@@ -210,7 +217,8 @@ def _environment(argv: list[str], environ: Mapping[str, str]) -> tuple[Parser, l
         except SchedulerError as exc:
             raise ArgsError(str(exc)) from None
     p.set_defaults(**fill)
-    taken += [f"{_flag(p, d)} {v} ({_SLURM_SOURCES[d]})" for d, v in fill.items()]
+    sources = _slurm_sources(slurm)
+    taken += [f"{_flag(p, d)} {v} ({sources[d]})" for d, v in fill.items()]
     return p, taken, slurm.requeue
 
 

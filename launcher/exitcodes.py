@@ -9,11 +9,12 @@
     75      REQUEUE: stopped for a preemption notice (--signals-to-handle), after the
             workers saved what they could within --preemption-grace: requeue me
     93      GAVE_UP: do not requeue: the restart budget (--max-restarts > 0) is spent, or
-            the same failure ended several attempts in a row (a restart will not help);
-            NVIDIA's ft_launcher uses 93 for the same, so recipes written for it work
+            the script raised the same error from the same place in 3 attempts in a row
+            (a restart will not help); 93 is the code NVIDIA's ft_launcher gives when it
+            judges a job unrecoverable, so recipes that stop on it stop here too
     128+N   stopped by signal N (130: Ctrl-C, 143: SIGTERM) that was not a preemption notice
     other   a worker's failure with no restart budget (--max-restarts 0): the root cause's
-            own exit code (128+N when a signal killed it)
+            own exit code (128+N when a signal killed it; 1 when it was 75 or 93)
 """
 
 from __future__ import annotations

@@ -133,9 +133,9 @@ def parser(environ: Mapping[str, str] | None = None) -> Parser:
     add(
         *_both("--signals-to-handle"),
         default=STOP_SIGNALS,
-        help="signals that stop the run (default: " + STOP_SIGNALS + "); signals named here "
-        "beyond those, or all of them when given, are preemption notices: the workers save at "
-        "their next step and the run exits 75 (requeue me)",
+        help="left out, torchrun's " + STOP_SIGNALS + " stop the run; given (or PET_*), every "
+        "signal named but SIGINT is a preemption notice instead (unlike torchrun): the "
+        "workers save at their next step and the run exits 75, requeue me (docs/clusters.md)",
     )
     for flag in UNSUPPORTED:
         add(

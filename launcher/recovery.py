@@ -102,6 +102,7 @@ class State:
     joining: frozenset[int] = frozenset()  # replacements being taken in (a growth)
     rebalancing: bool = False  # a calibrated re-partition of a healthy job (Rebalance)
     stopping: bool = False  # a preemption notice came: every plan from now on stops (Preempt)
+    stop_plans: frozenset[int] = frozenset()  # generations planned with stop, this recovery
     resume_step: int = 0  # where the current (or last) recovery resumes
     reached: int = 0  # the most steps any report showed applied, this recovery
     futile: int = 0  # plans in a row with no step applied and no worker lost before them
@@ -301,6 +302,7 @@ def _plan(state: State, now: float, actions: list[Action]) -> Result:
         state,
         Phase.PLAN,
         now,
+        stop_plans=state.stop_plans | ({generation} if state.stopping else set()),
         planning=generation,
         next_id=generation + 1,
         deadline=now + state.timeouts.plan_s,
@@ -391,10 +393,14 @@ def _applied(state: State, event: AppliedReported, now: float) -> Result:
         phases_s=spent,
         last_answer=state.last_answer,
     )
+    # A plan made before the notice came (it was in flight) did not say stop: another
+    # recovery does, at once.
+    stop_missed = state.stopping and state.generation not in state.stop_plans
     state = _enter(
         state,
         Phase.RUNNING,
         now,
+        stop_plans=frozenset(),
         confirmed=state.generation,
         layouts=_frozen({state.generation: state.layouts[state.generation]}),
         # Sources that gave their layers away and hold none in the plan idle as spares
@@ -406,11 +412,15 @@ def _applied(state: State, event: AppliedReported, now: float) -> Result:
         rebalancing=False,
         deadline=None,
     )
-    return state, [
+    actions: list[Action] = [
         recovered,
         Forget(below=state.generation),
         PhaseChanged(Phase.RUNNING, state.recovery, state.generation),
     ]
+    if stop_missed:
+        begun, more = _begin(state, now, reason="a preemption notice", lost=frozenset())
+        return begun, [*actions, *more]
+    return state, actions
 
 
 def _grow(state: State, event: Grow, now: float) -> Result:

@@ -112,6 +112,8 @@ class SlurmLaunch:
     first_host: str
     requeue: int  # SLURM_RESTART_COUNT: times the job was requeued
     tasks: int | None = None  # the step's tasks (srun --ntasks)
+    hosts_from: str = "SLURM_STEP_NODELIST"  # the variables read, for the start's message
+    nodes_from: str = "SLURM_STEP_NUM_NODES"
 
     def check_one_per_node(self) -> None:
         """Taking the rendezvous from Slurm supposes one launcher per node."""
@@ -136,10 +138,16 @@ class SlurmLaunch:
 
 
 def _first(environ: Mapping[str, str], *names: str) -> str | None:
+    found = _named(environ, *names)
+    return None if found is None else found[1]
+
+
+def _named(environ: Mapping[str, str], *names: str) -> tuple[str, str] | None:
+    """The first of ``names`` set, and its value."""
     for name in names:
         value = environ.get(name, "").strip()
         if value:
-            return value
+            return name, value
     return None
 
 
@@ -151,17 +159,20 @@ def _integer(environ: Mapping[str, str], name: str, text: str) -> int:
 
 
 def slurm_launch(environ: Mapping[str, str]) -> SlurmLaunch | None:
-    """The launch ``srun`` describes, or None outside a Slurm job step. The step's own
-    variables (``SLURM_STEP_*``, set by ``srun``) come before the job's: a step may run
-    on part of the allocation."""
+    """The launch ``srun`` describes, or None outside a Slurm job step: the batch
+    script's own shell has the job's variables and ``SLURM_NODEID=0`` too, but no step's
+    (``SLURM_STEP_ID``, ``SLURM_STEP_NODELIST``, set by ``srun``), and a launcher there is
+    alone. The step's variables come before the job's: a step may run on part of the
+    allocation."""
     job_id = _first(environ, "SLURM_JOB_ID", "SLURM_JOBID")
     node_id = _first(environ, "SLURM_NODEID")
-    nodelist = _first(environ, "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
-    if job_id is None or node_id is None or nodelist is None:
+    step = _first(environ, "SLURM_STEP_ID", "SLURM_STEPID", "SLURM_STEP_NODELIST")
+    listed = _named(environ, "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
+    if job_id is None or node_id is None or step is None or listed is None:
         return None
-    hosts = expand_nodelist(nodelist)
-    count = _first(environ, "SLURM_STEP_NUM_NODES", "SLURM_JOB_NUM_NODES", "SLURM_NNODES")
-    nodes = _integer(environ, "SLURM_STEP_NUM_NODES", count) if count else len(hosts)
+    hosts = expand_nodelist(listed[1])
+    counted = _named(environ, "SLURM_STEP_NUM_NODES", "SLURM_JOB_NUM_NODES", "SLURM_NNODES")
+    nodes = _integer(environ, counted[0], counted[1]) if counted else len(hosts)
     rank = _integer(environ, "SLURM_NODEID", node_id)
     if not 0 <= rank < nodes:
         raise SchedulerError(f"SLURM_NODEID {rank} is outside the step's {nodes} node(s)")
@@ -174,4 +185,6 @@ def slurm_launch(environ: Mapping[str, str]) -> SlurmLaunch | None:
         first_host=hosts[0],
         requeue=_integer(environ, "SLURM_RESTART_COUNT", restarts) if restarts else 0,
         tasks=_integer(environ, "SLURM_NTASKS", tasks) if tasks else None,
+        hosts_from=listed[0],
+        nodes_from=counted[0] if counted else listed[0],
     )

@@ -43,6 +43,9 @@ def bind_listener(addr: str, port: int) -> socket.socket:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((bind_to, port))
+        # (in the try: with SO_REUSEADDR two agents can both bind a port nobody listens
+        # on yet, and the second learns it lost only here: c10d agents started at once)
+        sock.listen(1024)
     except OSError as exc:
         sock.close()
         if port:
@@ -51,7 +54,6 @@ def bind_listener(addr: str, port: int) -> socket.socket:
                 "this port? choose another --master-port / --rdzv-endpoint"
             ) from None
         raise StoreError(f"cannot listen on {bind_to}: {exc.strerror}") from None
-    sock.listen(1024)
     return sock
 
 

@@ -64,10 +64,10 @@ class Failure:
 
     @property
     def signature(self) -> str | None:
-        """What makes two attempts' failures the same one: an exit with the same code and
-        message from the same place; None for a kill, a hang or a lost node (those
-        recur by chance, not by a bug)."""
-        if self.kind is not FailureKind.EXIT or not self.message:
+        """What makes two attempts' failures the same bug: the script raising the same
+        error from the same place. None for anything else: a kill, a hang, a lost node or
+        a device error may recur on these nodes and not on the next allocation's."""
+        if not self.script_error:
             return None
         return f"exit {self.exit_code}: {self.message} at {self.where}"
 
@@ -80,7 +80,10 @@ class Failure:
 
     @property
     def job_exit_code(self) -> int:
-        """The code the job exits with when this is its root cause."""
+        """The code the job exits with when this is its root cause (a worker's own 75 or
+        93 would read as the launcher's "requeue" or "give up": 1 instead)."""
+        if self.exit_code in (REQUEUE, GAVE_UP):
+            return 1
         if self.exit_code is not None and self.exit_code > 0:
             return self.exit_code
         if self.exit_code is not None and self.exit_code < 0:

@@ -123,7 +123,7 @@ def _free_slurm_job_id() -> str:
         return str(job)
 
 
-def _two_agents(tmp_path, script, envs: list[dict[str, str]], *flags: str) -> None:
+def _two_agents(tmp_path, script, envs: list[dict[str, str]], *flags: str):
     """Node 1 in the background, node 0 in the foreground; both exit 0, and every rank of
     the 4 saw the same world."""
     node1 = start(
@@ -149,7 +149,12 @@ def test_two_agents_under_srun_take_the_rendezvous_from_slurm(tmp_path):
         "SLURM_NTASKS": "2",
         "CHAMELEON_JOB_TOKEN": "t0ken",
     }
-    envs = [{**slurm, "SLURM_NODEID": str(n)} for n in (0, 1)]
+    step = {
+        "SLURM_STEP_ID": "0",
+        "SLURM_STEP_NODELIST": "127.0.0.[1-2]",
+        "SLURM_STEP_NUM_NODES": "2",
+    }
+    envs = [{**slurm, **step, "SLURM_NODEID": str(n)} for n in (0, 1)]
     script = write(tmp_path / "ddp.py", DDP)
     node0 = _two_agents(tmp_path, script, envs, "--nproc-per-node", "2")
     assert f"--master-port {20000 + int(job) % 10000} (SLURM_JOB_ID)" in node0.stderr

@@ -12,6 +12,7 @@ from launcher.recovery import (
     Kill,
     Phase,
     Planned,
+    Preempt,
     Publish,
     ReadyReported,
     Rebalance,
@@ -318,6 +319,34 @@ def test_a_rebalance_re_partitions_a_healthy_job_and_a_failure_makes_it_a_recove
     assert not s.rebalancing
     s, actions = run(s, *(ready(r, after=0) for r in (0, 1, 2)))
     assert not of(actions, StartPlanning)[0].rebalance
+
+
+def test_a_preemption_notice_stops_at_a_step_a_recovery_brings_everyone_to():
+    s, actions = run(start(), Preempt())
+    assert of(actions, Abort)[0].reason == "a preemption notice" and s.stopping
+    s, actions = run(s, *(ready(r, after=0) for r in range(4)))
+    (plan,) = of(actions, StartPlanning)
+    assert plan.stop and plan.failed == ()
+    s, actions = run(s, planned(1, LAYOUT), *(AppliedReported(r, 1) for r in range(4)))
+    assert of(actions, Recovered) and s.phase is Phase.RUNNING
+    assert run(s, Preempt())[1] == []  # once
+
+
+def test_a_notice_during_a_recovery_stops_its_plan_or_the_next_one():
+    # In COLLECT: the plan to come stops.
+    s, _ = run(start(), Failed(frozenset({3})), Preempt())
+    s, actions = run(s, *(ready(r, after=0) for r in (0, 1, 2)))
+    assert of(actions, StartPlanning)[0].stop
+    # In PLAN: the plan in flight was made without it; once it is applied, a recovery
+    # whose plan stops follows at once.
+    s, actions = run(start(), Failed(frozenset({3})), *(ready(r, after=0) for r in (0, 1, 2)))
+    assert not of(actions, StartPlanning)[0].stop
+    s, _ = run(s, Preempt())
+    layout = {0: (0, 2), 1: (2, 4), 2: (0, 2)}
+    s, actions = run(s, planned(1, layout), *(AppliedReported(r, 1) for r in (0, 1, 2)))
+    assert of(actions, Recovered) and of(actions, Abort)[-1].reason == "a preemption notice"
+    s, actions = run(s, *(ready(r, after=1, applied=1, layout=layout) for r in (0, 1, 2)))
+    assert of(actions, StartPlanning)[0].stop
 
 
 def test_a_recovery_says_where_its_time_went_and_who_answered_last():

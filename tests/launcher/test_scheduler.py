@@ -33,8 +33,9 @@ def test_a_bad_node_list_is_one_line_naming_it(text):
         expand_nodelist(text)
 
 
-SLURM = {
+SLURM = {  # what srun gives a task (a step of the job)
     "SLURM_JOB_ID": "4242",
+    "SLURM_STEP_ID": "0",
     "SLURM_NODEID": "1",
     "SLURM_JOB_NODELIST": "gpu[07-09]",
     "SLURM_JOB_NUM_NODES": "3",
@@ -49,6 +50,7 @@ def test_under_srun_the_rendezvous_comes_from_slurm():
     assert a.master_port == 20000 + 4242 and a.requeue == 0
     assert a.script_args == ("--nnodes", "9")  # the script's own flags stay its own
     assert "--node-rank 1 (SLURM_NODEID)" in a.from_env
+    assert "--master-addr gpu07 (SLURM_JOB_NODELIST)" in a.from_env
 
 
 def test_the_step_s_variables_come_before_the_job_s_and_a_requeue_gets_its_own_run_id():
@@ -77,7 +79,11 @@ def test_several_tasks_per_node_under_srun_is_a_one_line_error():
 
 
 def test_outside_slurm_nothing_is_taken():
-    assert slurm_launch({"SLURM_JOB_ID": "1"}) is None  # (sbatch's shell, no node id)
+    # sbatch's own shell: the job's variables and SLURM_NODEID=0, but no step: a launcher
+    # there is alone (its node count would wait for nodes that never come)
+    batch = {k: v for k, v in SLURM.items() if k != "SLURM_STEP_ID"} | {"SLURM_NODEID": "0"}
+    assert slurm_launch(batch) is None
+    assert parse_run_args(["train.py"], batch).max_nodes == 1
     a = parse_run_args(["train.py"], {})
     assert (a.max_nodes, a.master_addr, a.master_port, a.from_env) == (1, "127.0.0.1", 29500, ())
 
@@ -122,5 +128,6 @@ def test_named_signals_are_preemption_notices_and_ctrl_c_always_stops():
     assert parse_run_args(["train.py"], {}).preempt_signals == frozenset()
     a = parse_run_args(["--signals-to-handle", "SIGTERM,SIGINT,usr1", "train.py"], {})
     assert a.preempt_signals == {signal.SIGTERM, signal.SIGUSR1}
-    with pytest.raises(ArgsError, match="'SIGKILL' is not a signal that can be handled"):
-        parse_run_args(["--signals-to-handle", "SIGKILL", "train.py"], {})
+    for bad in ("SIGKILL", "9", "SIG_IGN", "SIGNOPE", "0"):
+        with pytest.raises(ArgsError, match=f"{bad!r} is not a signal that can be handled"):
+            parse_run_args(["--signals-to-handle", bad, "train.py"], {})

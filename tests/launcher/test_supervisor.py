@@ -54,13 +54,21 @@ def test_the_same_failure_three_attempts_in_a_row_gives_up_before_the_budget():
     assert (d.action, d.exit_code) == (Action.FINISH, 93)
     assert "the same failure ended the last 3 attempts" in d.reason
     # another failure in between, another message, or a kill: not a loop
+    device = Failure(**{**bug().__dict__, "where": None, "message": "CUDA error: ECC"})
+    assert device.signature is None  # a device's error: the next allocation may not have it
     for earlier, now in [
         ((same, None), bug()),
         ((same, same), bug("ValueError: another")),
         ((None, None), failure(1, 10.0, kind=FailureKind.SIGNAL, code=-9)),
+        ((None, None), device),
     ]:
         d = decide(view(max_restarts=9, restarts_used=2, earlier_causes=earlier, failures=(now,)))
         assert d.action is Action.RESTART
+
+
+def test_a_worker_s_own_75_or_93_is_not_passed_on_as_the_launcher_s():
+    for code in (75, 93):
+        assert decide(view(max_restarts=0, failures=(failure(0, 1.0, code=code),))).exit_code == 1
 
 
 def test_signals_map_to_128_plus_signal():

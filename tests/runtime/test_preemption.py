@@ -1,5 +1,5 @@
 """A preemption notice (chameleon run --signals-to-handle SIGUSR1, as Slurm's
---signal=B:USR1@N sends it): the workers save at the same step and leave, the launcher
+--signal=USR1@N sends it to every process of the job step): the workers save at the same step and leave, the launcher
 exits 75 (requeue me) within the grace period; the requeued run resumes from the save and
 ends with the failure-free weights (float64). tests/runtime/preempt_script.py is the loop."""
 

@@ -13,8 +13,10 @@ import torch.distributed as dist
 from tests.launcher.helpers import env
 
 WAITER = """
-import sys, time
+import signal, sys, time
 from chameleon_runtime.control import Control
+if sys.argv[3] == "handler":  # the script's own handler (a save on SIGTERM, say)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(7))
 control = Control("127.0.0.1", int(sys.argv[1]), rank=3)
 print("waiting", flush=True)
 if sys.argv[2] == "plan":
@@ -25,17 +27,21 @@ else:
 
 
 @pytest.mark.parametrize(
-    ("where", "signum", "code"),
+    ("where", "signum", "code", "handler"),
     [
-        ("plan", signal.SIGINT, 128 + signal.SIGINT),
-        ("plan", signal.SIGTERM, -signal.SIGTERM),  # (SIGTERM's default action ends it)
-        ("script", signal.SIGINT, -signal.SIGINT),  # KeyboardInterrupt: Python ends by it
+        ("plan", signal.SIGINT, 128 + signal.SIGINT, "none"),
+        # a handler of the script's own cannot run during the wait either
+        ("plan", signal.SIGTERM, 128 + signal.SIGTERM, "handler"),
+        ("script", signal.SIGINT, -signal.SIGINT, "none"),  # KeyboardInterrupt, as Python
+        ("script", signal.SIGTERM, 7, "handler"),  # elsewhere the script's handler runs
     ],
 )
-def test_a_stop_signal_ends_a_worker_blocked_in_a_store_wait(tmp_path, where, signum, code):
+def test_a_stop_signal_ends_a_worker_blocked_in_a_store_wait(
+    tmp_path, where, signum, code, handler
+):
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     worker = subprocess.Popen(
-        [sys.executable, "-c", WAITER, str(store.port), where],
+        [sys.executable, "-c", WAITER, str(store.port), where, handler],
         env={**env(), "TORCHELASTIC_RUN_ID": "t"},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
