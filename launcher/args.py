@@ -230,6 +230,21 @@ def _flag(p: Parser, dest: str) -> str:
 def parse_run_args(argv: list[str], environ: Mapping[str, str] | None = None) -> RunArgs:
     """``environ``: where PET_* and SLURM_* are read (os.environ when None)."""
     p, taken, requeue = _environment(argv, os.environ if environ is None else environ)
+    try:
+        return _parse(p, argv, taken, requeue)
+    except ArgsError as exc:  # a bad value the environment gave: say which variable
+        given = _given(argv)
+        named = [
+            f"{var}={p.get_default(dest)!r}"
+            for dest, var in p.from_env.items()
+            if dest not in given and _flag(p, dest) in str(exc)
+        ]
+        if named:
+            raise ArgsError(f"{exc} (from the environment: {', '.join(named)})") from None
+        raise
+
+
+def _parse(p: Parser, argv: list[str], taken: list[str], requeue: int) -> RunArgs:
     ns = p.parse_args(argv)
     for flag in UNSUPPORTED:
         if getattr(ns, f"unsupported_{flag[2:].replace('-', '_')}") is not None:

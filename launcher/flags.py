@@ -226,7 +226,7 @@ def parser(environ: Mapping[str, str] | None = None) -> Parser:
         metavar="SECONDS",
         help="after a preemption notice (--signals-to-handle), how long the workers have to "
         "save before they are stopped; a little under the scheduler's own grace (Slurm's "
-        "--signal=B:USR1@N, Kubernetes' terminationGracePeriodSeconds)",
+        "--signal=USR1@N, Kubernetes' terminationGracePeriodSeconds)",
     )
     add(
         *_both("--health-check"),

@@ -116,7 +116,8 @@ def test_every_torchrun_flag_reads_its_pet_variable_and_a_flag_wins():
     [
         ({"PET_STANDALONE": "yes"}, "PET_STANDALONE must be 0 or 1"),
         ({"PET_NUMA_BINDING": "node"}, "--numa-binding is not supported"),
-        ({"PET_MAX_RESTARTS": "two"}, "invalid int value"),
+        ({"PET_MAX_RESTARTS": "two"}, "invalid int value.*PET_MAX_RESTARTS='two'"),
+        ({"PET_NNODES": "abc"}, r"MIN:MAX, got 'abc' \(from the environment: PET_NNODES='abc'\)"),
     ],
 )
 def test_a_bad_pet_variable_is_a_one_line_error(env, message):
