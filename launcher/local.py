@@ -85,8 +85,8 @@ class LocalGroup:
         self._bad_since: dict[int, float] = {}
         self._liveness = Liveness(settings.watch)
         self._beats = ScriptBeats(settings.watch)
-        self._runtime = False  # a worker of this node posted a chameleon_runtime status
-        self._runtime_ranks: set[int] = set()  # ... these ones
+        # The workers of this node that posted a chameleon_runtime status.
+        self._runtime_ranks: set[int] = set()
         self.health = health  # --health-check, before a replacement starts
         self._health_checks: dict[int, tuple[int, Any]] = {}  # rank -> (count, its future)
         self._refused: list[Failure] = []  # replacements the check refused, to report
@@ -308,7 +308,6 @@ class LocalGroup:
         ):
             return {}
         statuses = self.view.statuses(sorted(self.workers))
-        self._runtime = self._runtime or bool(statuses)
         self._runtime_ranks |= set(statuses)
         return statuses
 
@@ -353,7 +352,7 @@ class LocalGroup:
                 return f"process {state} for {now - since:.1f} s"
         else:
             self._bad_since.pop(rank, None)
-        if not self._runtime:
+        if not self._runtime_ranks:
             # a plain script: its heartbeats if it calls chameleon_runtime.heartbeat(),
             # else its process state is all there is to watch
             hung = self._beats.judge(rank, worker.pid, _read_beat(worker.beat_file), now)
