@@ -40,12 +40,14 @@ from pathlib import Path
 from chameleon_runtime.protocol.messages import StoreAddress
 from chameleon_runtime.protocol.seal import TOKEN_ENV, Seal
 from launcher.args import RunArgs
+from launcher.etcd import Fenced
 from launcher.events import EventLog
 from launcher.exitcodes import JOB_FAILED, REQUEUE
 from launcher.faults import FaultLedger
 from launcher.health import HealthCheck
 from launcher.leader import Leader, lost_with
 from launcher.local import LocalGroup
+from launcher.outage import ControlLink
 from launcher.preload import modules_for
 from launcher.rendezvous import (
     RUN_ID_KEY,
@@ -136,6 +138,8 @@ class Agent:
         self._preempt_deadline = 0.0
         self._preempt_told = False
         self._stop_heartbeat = threading.Event()
+        # Through etcd's outages, and fenced once its lease is known lost (launcher/outage.py).
+        self.link = ControlLink(args.control_outage_timeout_s, self.events.emit, console.say)
         # Set by the planner's thread when a decision is ready: the loop publishes it at
         # once instead of on its next poll (launcher/planning.py).
         self.nudge = threading.Event()
@@ -181,6 +185,10 @@ class Agent:
             self._preempt_deadline = time.time() + self.args.preemption_grace_s
         elif self._signal is None:  # a stop, or a second notice: stop now
             self._signal = signum
+
+    def _on_fenced(self, why: str) -> None:
+        self.link.fence(why)
+        self.nudge.set()  # (the heartbeat thread, not a signal handler: no deadlock)
 
     @property
     def stop_signal(self) -> int | None:
@@ -254,6 +262,7 @@ class Agent:
                     control,
                     self._stop_heartbeat,
                     WatchTimeouts(a.heartbeat_timeout_s).beat_period_s,
+                    self._on_fenced,
                 ),
                 name="heartbeat",
                 daemon=True,
@@ -276,7 +285,8 @@ class Agent:
             if beating is not None:
                 beating.join(timeout=5.0)
             if self.control is not None:
-                self.control.close(last=self.control.is_leader)
+                # (a fenced leader's job goes on under another leader: its keys stay)
+                self.control.close(last=self.control.is_leader and self.link.fenced is None)
             if self.forkserver is not None:
                 self.forkserver.close()
             if self.health is not None:
@@ -404,6 +414,8 @@ class Agent:
             # While a recovery is under way every millisecond counts: poll fast.
             self.nudge.wait(RECOVERY_POLL_S if recovering else self.args.monitor_interval_s)
             self.nudge.clear()
+            if self.link.fenced is not None:
+                return self._fence(group, self.link.fenced)
             try:
                 # Local processes every interval; the store (remote reports, decisions)
                 # at once when something happened here, else every SYNC_PERIOD_S: on a
@@ -413,9 +425,11 @@ class Agent:
                 if self._preempt is not None and not self._preempt_told:
                     self._tell_preemption(control, world, group)
                     news = True
-                for failure in group.poll():
+                polled = group.poll()
+                for failure in polled:
                     self.events.emit("failure", **failure.to_json())
-                    control.report_failure(failure)
+                if polled or self.link.unreported:
+                    self.link.report(control, polled)
                     news = True
                 if group.all_finished and not reported_done:
                     control.report_done(world.attempt)
@@ -424,6 +438,7 @@ class Agent:
                     not (news or recovering)
                     and time.monotonic() < next_sync
                     and self._signal is None
+                    and not self.link.out
                 ):
                     continue
                 next_sync = time.monotonic() + SYNC_PERIOD_S
@@ -437,14 +452,32 @@ class Agent:
                     for rank, reason, silent_s in control.kill_requests(world.attempt):
                         group.kill_hung(rank, reason, silent_s)
                 decision = control.decision(world.attempt)
+                self.link.answered()
+            except Fenced as exc:
+                return self._fence(group, str(exc))
             except (StoreError, RuntimeError) as exc:
                 if control.is_leader and not control.elected:
                     raise
+                detail = str(exc).splitlines()[0]
+                if control.elected and isinstance(exc, StoreError):  # etcd is out of reach
+                    if not self.link.unreachable(detail):
+                        if leader is not None:
+                            leader.observe()  # the workers' steps, read on our own store
+                        if self._signal is not None:
+                            return self._interrupted(group)
+                        continue
+                    group.stop(grace_s=RESTART_GRACE_S)
+                    self.events.emit("control_lost", detail=detail)
+                    return self._finish(
+                        3,
+                        f"lost the control plane: no etcd member answered for "
+                        f"{self.args.control_outage_timeout_s:g} s ({detail})",
+                    )
                 group.stop(grace_s=RESTART_GRACE_S)
-                if control.elected:  # etcd itself is out of reach
-                    self.events.emit("control_lost", detail=str(exc).splitlines()[0])
+                if control.elected:
+                    self.events.emit("control_lost", detail=detail)
                     return self._finish(3, f"lost the control plane: {exc}")
-                self.events.emit("leader_lost", detail=str(exc).splitlines()[0])
+                self.events.emit("leader_lost", detail=detail)
                 return self._finish(3, "lost the control store (the leader's node is gone)")
             if self._signal is not None and not control.is_leader:
                 return self._interrupted(group)
@@ -475,6 +508,13 @@ class Agent:
                 )
             return outcome
 
+    def _fence(self, group: LocalGroup, why: str) -> Outcome:
+        """The job counted this node lost (its etcd lease ran out): kill its workers now,
+        before they act on a generation the others have left, and write nothing more."""
+        group.stop(signum=signal.SIGKILL, grace_s=0.0)
+        self.events.emit("fenced", detail=why)
+        return self._finish(3, f"fenced: {why}; this node's workers were stopped")
+
     def _interrupted(self, group: LocalGroup) -> Outcome:
         """Forward the signal; one line per rank on the console instead of every worker's
         KeyboardInterrupt traceback (those stay in the workers' logs)."""
@@ -504,6 +544,7 @@ class Agent:
         self.events.emit(
             "start",
             run_id=self.run_id,
+            key=control.key,
             leader=control.is_leader,
             control=control.endpoint,
             nnodes=f"{a.min_nodes}:{a.max_nodes}",

@@ -80,6 +80,8 @@ class RunArgs:
     # in --signals-to-handle, SIGINT aside. The others of torchrun's four stop the run.
     preempt_signals: frozenset[int] = frozenset()
     preemption_grace_s: float = 25.0
+    # --rdzv-backend etcd: how long training goes on while no etcd member answers.
+    control_outage_timeout_s: float = 300.0
     requeue: int = 0  # SLURM_RESTART_COUNT: times the scheduler requeued this job
     # Settings taken from the environment, as "--flag VALUE (VARIABLE)": said at start.
     from_env: tuple[str, ...] = ()
@@ -323,6 +325,8 @@ def _parse(p: Parser, argv: list[str], taken: list[str], requeue: int) -> RunArg
         preempt = frozenset()
     if ns.preemption_grace <= 0:
         raise ArgsError("--preemption-grace must be positive seconds")
+    if ns.control_outage_timeout <= 0:
+        raise ArgsError("--control-outage-timeout must be positive seconds")
     shutdown = ns.shutdown_timeout
     if shutdown is None:
         shutdown = float(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30"))
@@ -367,6 +371,7 @@ def _parse(p: Parser, argv: list[str], taken: list[str], requeue: int) -> RunArg
         script_args=tuple(ns.training_script_args),
         preempt_signals=preempt,
         preemption_grace_s=ns.preemption_grace,
+        control_outage_timeout_s=ns.control_outage_timeout,
         requeue=requeue,
         from_env=tuple(taken),
         health_check=ns.health_check or None,

@@ -533,35 +533,26 @@ class Coordinator:
         if steps:
             self._top_step = max(self._top_step, max(steps))
 
+    def observe(self) -> None:
+        """etcd is out of reach (launcher/outage.py): decide nothing, act on nothing, but
+        read the workers' steps on our own store and tell them."""
+        if self.state is None or self.state.phase is not rc.Phase.RUNNING:
+            return
+        now = time.monotonic()
+        if now < self._next_snapshot:
+            return
+        self._next_snapshot = now + SNAPSHOT_PERIOD_S
+        statuses = self._snapshot(now)
+        self._note_progress(statuses)
+        self._tell_step(statuses, now)
+
     def _while_running(self, statuses: dict[int, WorkerStatus], now: float) -> None:
         state = self.state
         assert state is not None
         self._note_progress(statuses)
         top = self._top_step
         self._described()
-        last, at = self._last_step_event
-        if top > last and (now - at >= 1.0 or last < self._gen_start):
-            chief = statuses.get(min(state.live)) if state.live else None
-            peaks = [
-                (s.peak_bytes, r)
-                for r, s in statuses.items()
-                if s.peak_bytes is not None and s.generation == state.generation
-            ]
-            peak = max(peaks, default=(None, None))
-            self.emit(
-                "step",
-                step=top,
-                generation=state.generation,
-                store_keys=self.store.num_keys(),
-                rank=min(state.live) if chief else None,
-                fds=chief.fds if chief else None,
-                threads=chief.threads if chief else None,
-                # the largest worker's tensors at their peak, this generation
-                peak_bytes=peak[0],
-                peak_rank=peak[1],
-            )
-            self._last_step_event = (top, now)
-            self._first_step_pending = False
+        self._tell_step(statuses, now)
         if self.started_at is not None and self.model.restart_s is None and top >= 0:
             self.model.restart_s = now - self.started_at  # a restart costs this start-up
         collect_s = self.progress.step_timeout_s()  # a survivor may be mid-step at an abort
@@ -587,6 +578,35 @@ class Coordinator:
                     self._blamed.add(rank)
                     self.emit("stalled", attempt=self.attempt, rank=rank, reason=why)
                     self.kill([rank], why, stalls[rank].stalled_s)
+
+    def _tell_step(self, statuses: dict[int, WorkerStatus], now: float) -> None:
+        """A step event at most once a second (and the first of a generation at once)."""
+        state = self.state
+        assert state is not None
+        top = self._top_step
+        last, at = self._last_step_event
+        if top > last and (now - at >= 1.0 or last < self._gen_start):
+            chief = statuses.get(min(state.live)) if state.live else None
+            peaks = [
+                (s.peak_bytes, r)
+                for r, s in statuses.items()
+                if s.peak_bytes is not None and s.generation == state.generation
+            ]
+            peak = max(peaks, default=(None, None))
+            self.emit(
+                "step",
+                step=top,
+                generation=state.generation,
+                store_keys=self.store.num_keys(),
+                rank=min(state.live) if chief else None,
+                fds=chief.fds if chief else None,
+                threads=chief.threads if chief else None,
+                # the largest worker's tensors at their peak, this generation
+                peak_bytes=peak[0],
+                peak_rank=peak[1],
+            )
+            self._last_step_event = (top, now)
+            self._first_step_pending = False
 
     def _rebalance_launch(self, current: Any, statuses: dict[int, WorkerStatus]) -> None:
         """A layout the planner launched on (``pipeline_stages="auto"``) was chosen before

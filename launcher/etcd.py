@@ -24,12 +24,20 @@ from launcher.store import StoreError
 
 T = TypeVar("T")
 
+
+class Fenced(StoreError):
+    """etcd refused a write because this agent's lease is gone: the job has counted this
+    node lost and gone on without it, so anything it would write is stale."""
+
+
 # One request to one member: a live member answers in milliseconds; waiting longer only
 # delays the move to the next one.
 REQUEST_TIMEOUT_S = 2.0
 # How long a call keeps trying every member before the cluster counts as unreachable: an
 # etcd leader election takes about a second (election timeout 1 s by default).
 UNREACHABLE_AFTER_S = 15.0
+# What etcd answers about a lease it no longer has (expired, or revoked).
+LEASE_NOT_FOUND = "requested lease not found"
 
 
 def parse_endpoints(text: str) -> list[tuple[str, int]]:
@@ -54,7 +62,11 @@ class EtcdStore:
     """One connection (an HTTP session per member) to an etcd cluster."""
 
     def __init__(
-        self, endpoints: list[tuple[str, int]], *, unreachable_after_s: float = UNREACHABLE_AFTER_S
+        self,
+        endpoints: list[tuple[str, int]],
+        *,
+        unreachable_after_s: float = UNREACHABLE_AFTER_S,
+        guard: str | None = None,
     ):
         try:
             from etcd3gw.client import Etcd3Client
@@ -67,10 +79,19 @@ class EtcdStore:
         ]
         self._current = 0
         self.unreachable_after_s = unreachable_after_s
+        # The fence: a key bound to this agent's lease. Every write is a transaction that
+        # holds only while it exists, so an agent the job has counted lost (its lease ran
+        # out while it was cut off or frozen) cannot write stale state when it comes back.
+        self.guard = guard
+        # Once no member answered, each call tries every member once (not for
+        # unreachable_after_s): the caller rides out the outage on its own clock.
+        self._unreachable = False
 
     def clone(self) -> EtcdStore:
         """A connection of its own, for another thread (sessions are not shared)."""
-        return EtcdStore(self.endpoints, unreachable_after_s=self.unreachable_after_s)
+        return EtcdStore(
+            self.endpoints, unreachable_after_s=self.unreachable_after_s, guard=self.guard
+        )
 
     @property
     def where(self) -> str:
@@ -79,13 +100,16 @@ class EtcdStore:
     def _call(self, op: Callable[[object], T]) -> T:
         from etcd3gw import exceptions
 
-        deadline = time.monotonic() + self.unreachable_after_s
+        patience = 0.0 if self._unreachable else self.unreachable_after_s
+        deadline = time.monotonic() + patience
         last = ""
         while True:
             for _ in range(len(self._clients)):
                 client = self._clients[self._current]
                 try:
-                    return op(client)
+                    result = op(client)
+                    self._unreachable = False
+                    return result
                 except (
                     exceptions.ConnectionFailedError,
                     exceptions.ConnectionTimeoutError,
@@ -93,7 +117,12 @@ class EtcdStore:
                 ) as exc:
                     last = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
                     self._current = (self._current + 1) % len(self._clients)
-            if time.monotonic() > deadline:
+                except exceptions.Etcd3Exception as exc:  # an answer, but a refusal
+                    self._unreachable = False
+                    detail = (exc.detail_text or type(exc).__name__).strip()[:200]
+                    raise StoreError(f"etcd at {self.where} refused a request: {detail}") from None
+            if time.monotonic() >= deadline:
+                self._unreachable = True
                 raise StoreError(f"no etcd member answers at {self.where} ({last})")
             time.sleep(0.2)
 
@@ -108,8 +137,11 @@ class EtcdStore:
         return value, int(meta["mod_revision"])
 
     def set(self, key: str, value: str | bytes, lease: int | None = None) -> None:
-        payload = put_request(key, value, lease)["request_put"]
-        self._call(lambda c: c.post(c.get_url("/kv/put"), json=payload))
+        if self.guard is None:
+            payload = put_request(key, value, lease)["request_put"]
+            self._call(lambda c: c.post(c.get_url("/kv/put"), json=payload))
+        elif not self._txn([], [put_request(key, value, lease)]):
+            raise self._fenced()
 
     def get(self, key: str) -> bytes:
         found = self._get(key)
@@ -121,10 +153,18 @@ class EtcdStore:
         return all(self._get(k) is not None for k in keys)
 
     def delete_key(self, key: str) -> bool:
-        return bool(self._call(lambda c: c.delete(key)))
+        done = self._txn_raw([], [{"request_delete_range": {"key": _b64(key)}}])
+        if not done.get("succeeded", False):
+            raise self._fenced()
+        answer = done.get("responses", [{}])[0].get("response_delete_range", {})
+        return int(answer.get("deleted", 0)) > 0
 
     def delete_prefix(self, prefix: str) -> None:
-        self._call(lambda c: c.delete_prefix(prefix))
+        from etcd3gw.utils import _increment_last_byte
+
+        erase = {"key": _b64(prefix), "range_end": _b64(_increment_last_byte(prefix))}
+        if not self._txn([], [{"request_delete_range": erase}]):
+            raise self._fenced()
 
     def keys(self, prefix: str) -> list[str]:
         from etcd3gw.utils import _increment_last_byte
@@ -135,7 +175,11 @@ class EtcdStore:
 
     def create(self, key: str, value: str | bytes, lease: int | None = None) -> bool:
         """Set ``key`` only if it is not set; whether this call set it."""
-        return self._txn([_absent(key)], [put_request(key, value, lease)])
+        if self._txn([_absent(key)], [put_request(key, value, lease)]):
+            return True
+        if self.guard is not None and self._get(self.guard) is None:
+            raise self._fenced()
+        return False
 
     def add(self, key: str, amount: int) -> int:
         """Atomically add ``amount`` to the integer under ``key`` (0 if not set)."""
@@ -149,6 +193,8 @@ class EtcdStore:
             guard = _absent(key) if found is None else _unchanged(key, found[1])
             if self._txn([guard], [put_request(key, str(value))]):
                 return value
+            if self.guard is not None and self._get(self.guard) is None:
+                raise self._fenced()
 
     def wait(self, keys: list[str], timeout: timedelta) -> None:
         deadline = time.monotonic() + timeout.total_seconds()
@@ -158,8 +204,20 @@ class EtcdStore:
             time.sleep(0.05)
 
     def _txn(self, compare: list[dict], success: list[dict]) -> bool:
+        return bool(self._txn_raw(compare, success).get("succeeded", False))
+
+    def _txn_raw(self, compare: list[dict], success: list[dict]) -> dict:
+        """One transaction; with a guard, it also holds only while the guard key exists."""
+        if self.guard is not None:
+            compare = [*compare, _present(self.guard)]
         txn = {"compare": compare, "success": success, "failure": []}
-        return bool(self._call(lambda c: c.transaction(txn)).get("succeeded", False))
+        return self._call(lambda c: c.transaction(txn))
+
+    def _fenced(self) -> Fenced:
+        return Fenced(
+            "this agent's etcd lease ran out (it was cut off or stopped for longer than "
+            "--heartbeat-timeout): the job counted this node lost and went on without it"
+        )
 
     # -- queues (one reader each) -----------------------------------------------------
 
@@ -191,11 +249,20 @@ class EtcdStore:
 
     def keepalive(self, lease: int) -> bool:
         """Refresh ``lease``; False once it has expired (its keys are gone)."""
-        result = self._call(lambda c: c.post(c.get_url("/lease/keepalive"), json={"ID": lease}))
+        try:
+            result = self._call(lambda c: c.post(c.get_url("/lease/keepalive"), json={"ID": lease}))
+        except StoreError as exc:
+            if LEASE_NOT_FOUND in str(exc):  # (expired and forgotten)
+                return False
+            raise
         return int(result.get("result", {}).get("TTL", -1)) > 0
 
     def revoke(self, lease: int) -> None:
-        self._call(lambda c: c.post(c.get_url("/kv/lease/revoke"), json={"ID": lease}))
+        try:
+            self._call(lambda c: c.post(c.get_url("/kv/lease/revoke"), json={"ID": lease}))
+        except StoreError as exc:
+            if LEASE_NOT_FOUND not in str(exc):  # (gone already: nothing to revoke)
+                raise
 
 
 def put_request(key: str, value: str | bytes, lease: int | None = None) -> dict:
@@ -214,6 +281,10 @@ def _b64(value: str | bytes) -> str:
 
 def _absent(key: str) -> dict:
     return {"key": _b64(key), "result": "EQUAL", "target": "CREATE", "create_revision": 0}
+
+
+def _present(key: str) -> dict:
+    return {"key": _b64(key), "result": "GREATER", "target": "CREATE", "create_revision": 0}
 
 
 def _unchanged(key: str, mod_revision: int) -> dict:

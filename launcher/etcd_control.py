@@ -51,6 +51,8 @@ class EtcdControlPlane(ControlPlane):
         self.namespace = namespace
         self.lease = lease
         self._worker_host = worker_host
+        # Every write from here on holds only while this agent's lease does (the fence).
+        store.guard = self._k(f"alive/{key}")
 
     @property
     def worker_host(self) -> str:
@@ -136,7 +138,7 @@ class EtcdControlPlane(ControlPlane):
         """Refresh this agent's lease; an expired one is a lost node (the leader has
         counted this node's ranks as failed): say so instead of beating on."""
         if not self.store.keepalive(self.lease):
-            raise StoreError("this agent's etcd lease expired: the job counted this node lost")
+            raise self.store._fenced()
 
     def beats(self, key: str) -> int:
         return 0

@@ -4,8 +4,9 @@
     0       the job finished
     1       bad input: a config or script that cannot be run (one line on stderr)
     2       bad usage: flags that do not parse
-    3       the job cannot go on here: the control plane was lost (the leader's node,
-            etcd), or this node failed --health-check
+    3       the job cannot go on here: the control plane was lost (the leader's node;
+            etcd past --control-outage-timeout), this node was fenced (counted lost while
+            cut off or frozen: the others go on), or it failed --health-check
     75      REQUEUE: stopped for a preemption notice (--signals-to-handle), after the
             workers saved what they could within --preemption-grace: requeue me
     93      GAVE_UP: do not requeue: the restart budget (--max-restarts > 0) is spent, or

@@ -229,6 +229,15 @@ def parser(environ: Mapping[str, str] | None = None) -> Parser:
         "--signal=USR1@N, Kubernetes' terminationGracePeriodSeconds)",
     )
     add(
+        "--control-outage-timeout",
+        type=float,
+        default=300.0,
+        metavar="SECONDS",
+        help="--rdzv-backend etcd: how long the job trains on while no etcd member answers "
+        "before this node gives up (exit 3); a failure meanwhile is recovered once etcd is "
+        "back",
+    )
+    add(
         *_both("--health-check"),
         default=None,
         metavar="CMD",

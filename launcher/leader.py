@@ -142,6 +142,11 @@ class Leader:
         if self.coordinator is not None:
             self.coordinator.close()
 
+    def observe(self) -> None:
+        """etcd is out of reach: nothing is decided, but the workers' steps are told."""
+        if self.coordinator is not None:
+            self.coordinator.observe()
+
     def _watch_nodes(self) -> None:
         """An agent whose heartbeat count stops moving for --heartbeat-timeout is lost
         (read on the leader's clock: no clock skew); its ranks failed with it."""

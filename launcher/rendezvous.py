@@ -394,9 +394,18 @@ class ControlPlane:
         return self.add(f"hb/{key}", 0)
 
 
-def beat_until(control: ControlPlane, stop: threading.Event, period_s: float) -> None:
-    """An agent's heartbeat thread: count up ``hb/<key>`` every ``period_s`` until
-    ``stop``, on a connection of its own (the main thread's is not shared across threads)."""
+def beat_until(
+    control: ControlPlane,
+    stop: threading.Event,
+    period_s: float,
+    on_fenced: Callable[[str], None] | None = None,
+) -> None:
+    """An agent's heartbeat thread: count up ``hb/<key>`` (or refresh the etcd lease)
+    every ``period_s`` until ``stop``, on a connection of its own (the main thread's is not
+    shared across threads). Through an outage of etcd it keeps trying (etcd extends every
+    lease when it comes back); a lease found expired is told to ``on_fenced``."""
+    from launcher.etcd import Fenced
+
     try:
         beat = control.clone()
     except StoreError:
@@ -404,5 +413,12 @@ def beat_until(control: ControlPlane, stop: threading.Event, period_s: float) ->
     while not stop.wait(period_s):
         try:
             beat.beat()
+        except Fenced as exc:
+            if on_fenced is not None:
+                on_fenced(str(exc))
+            return
+        except StoreError:
+            if not control.elected:
+                return  # the TCPStore's host is gone: the main loop says so
         except Exception:
             return

@@ -16,17 +16,17 @@ pytestmark = pytest.mark.slow
 STEPS = 60
 
 
-def agents(tmp_path, etcd, n, *extra, nnodes="2:3", env=None):
-    return agents_from(tmp_path, etcd, 0, n, *extra, nnodes=nnodes, env=env)
+def agents(tmp_path, etcd, n, *extra, nnodes="2:3", env=None, steps=STEPS):
+    return agents_from(tmp_path, etcd, 0, n, *extra, nnodes=nnodes, env=env, steps=steps)
 
 
-def agents_from(tmp_path, etcd, first, n=1, *extra, nnodes="2:3", env=None):
+def agents_from(tmp_path, etcd, first, n=1, *extra, nnodes="2:3", env=None, steps=STEPS):
     common = [
         "run", "--nnodes", nnodes, "--nproc-per-node", "2", "--rdzv-backend", "etcd",
         "--rdzv-endpoint", etcd.endpoints, "--rdzv-id", "job", "--heartbeat-timeout", "3",
         "--max-restarts", "1", *extra,
     ]  # fmt: skip
-    args = [MLP, "--steps", str(STEPS), "--stages", "1", "--dump", str(tmp_path / "dump")]
+    args = [MLP, "--steps", str(steps), "--stages", "1", "--dump", str(tmp_path / "dump")]
     procs = []
     for i in range(first, first + n):
         procs.append(

@@ -104,3 +104,78 @@ def test_an_agent_with_another_token_or_none_is_refused_by_name(etcd):
     assert leader.get("r0/world") is None  # unsigned: as if it were not there
     assert leader.seal.refused == 1
     leader.close(last=True)
+
+
+def _plane(etcd, run_id="f"):
+    return EtcdControlPlane.open(
+        run_id=run_id, endpoints=etcd.endpoints, ttl_s=2, timeout_s=10,
+        worker_host="127.0.0.1", seal=Seal("secret", run_id),
+    )  # fmt: skip
+
+
+def test_an_agent_whose_lease_ran_out_can_write_nothing(etcd):
+    from launcher.etcd import Fenced
+
+    leader, follower = _plane(etcd), _plane(etcd)
+    follower.put("r0/report", 1)
+    assert leader.get("r0/report") == 1
+    follower.store.revoke(follower.lease)  # what running out does: its keys go
+    assert leader.node_alive(follower.key) is False
+    writes = {
+        "put": lambda: follower.put("r0/report", 2),
+        "add": lambda: follower.add("r0/count", 1),
+        "queue": lambda: follower.request_kill(0, leader.key, 1, "x", 1.0),
+        "create": lambda: follower.store.create(follower._k("leader2"), "me"),
+        "delete": lambda: follower.store.delete_key(follower._k("r0/report")),
+        "delete_prefix": lambda: follower.store.delete_prefix(follower.namespace + "/"),
+    }
+    for name, write in writes.items():
+        with pytest.raises(Fenced, match="lease ran out"):
+            write()
+        assert leader.get("r0/report") == 1, name
+    with pytest.raises(Fenced):
+        follower.beat()
+    with pytest.raises(Fenced):
+        follower.campaign()  # nor lead: the leader's key needs a live lease
+    assert leader.store.keys(f"{leader.namespace}/r0/") == [f"{leader.namespace}/r0/report"]
+    leader.close(last=True)
+
+
+def test_leases_outlive_an_outage_of_every_member(etcd, tmp_path):
+    # etcd's new leader renews every lease: agents cut off from all of etcd together are
+    # not lost for it (launcher/outage.py relies on this).
+    from launcher.store import StoreError
+
+    leader, follower = _plane(etcd, "o"), _plane(etcd, "o")
+    for i in range(len(etcd.members)):
+        etcd.kill(i)
+    started = time.monotonic()
+    with pytest.raises(StoreError, match="no etcd member answers"):
+        follower.beat()
+    with pytest.raises(StoreError):
+        follower.put("r0/x", 1)  # once unreachable, a call tries each member once
+    assert time.monotonic() - started < follower.store.unreachable_after_s + 2
+    time.sleep(5)  # more than twice the lease's TTL
+    initial = ",".join(f"{m.name}={m.peer_url}" for m in etcd.members)
+    for m in etcd.members:
+        etcd.start(m, initial, tmp_path / f"{m.name}.log")
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            follower.beat()
+            break
+        except StoreError:
+            assert time.monotonic() < deadline, "etcd did not come back"
+            time.sleep(0.2)
+    assert leader.node_alive(follower.key) and leader.leader() == leader.key
+    follower.put("r0/x", 1)
+    assert leader.get("r0/x") == 1
+    leader.close(last=True)
+
+
+def test_an_expired_lease_is_told_as_such_and_revoking_it_again_is_harmless(etcd):
+    store = EtcdStore(parse_endpoints(etcd.endpoints))
+    lease = store.grant(2)
+    store.revoke(lease)
+    assert store.keepalive(lease) is False
+    store.revoke(lease)
