@@ -303,6 +303,12 @@ class Agent:
             return unhealthy
         control.join(attempt, node_rank=my_rank, nproc=a.nproc_per_node, host=host)
         world = self._world(control, attempt)
+        if world is None and self._signal is None:
+            adopted = self._adopted(control, attempt)
+            if adopted is not None:  # a hot spare, taken in for a lost node
+                group = self._start_group(*adopted, adopt=True)
+                self.events.emit("workers_started", **group.started)
+                return self._monitor(control, adopted[0], group)
         if world is None:
             return self._finish(
                 130 if self._signal == signal.SIGINT else 128 + (self._signal or 0),
@@ -341,7 +347,18 @@ class Agent:
             JOB_FAILED, f"this node failed --health-check ({result.why}): not joining"
         )
 
-    def _start_group(self, world: World, me: NodeInfo) -> LocalGroup:
+    def _adopted(self, control: ControlPlane, attempt: int) -> tuple[World, NodeInfo] | None:
+        """Waiting for round ``attempt``, this agent may be asked to take a lost node's
+        ranks in the running round instead (launcher/leader.py, ``_adopt``)."""
+        if attempt == 0:
+            return None
+        node = control.get(f"r{attempt - 1}/adopt/{control.key}")
+        world = control.world(attempt - 1) if node is not None else None
+        if world is None or world.node(control.key) is None:
+            return None
+        return world, world.node(control.key)
+
+    def _start_group(self, world: World, me: NodeInfo, *, adopt: bool = False) -> LocalGroup:
         a = self.args
         self._new_round_store()
         settings = RoundSettings.of(
@@ -369,7 +386,10 @@ class Agent:
             health=self.health,
         )
         self._await_forkserver()
-        group.start()
+        if adopt:
+            group.adopt()
+        else:
+            group.start()
         self.started_at = time.monotonic()
         return group
 
@@ -502,9 +522,9 @@ class Agent:
                 )
                 outcome = self._finish(decision["exit_code"], decision["reason"])
             if leader is not None:
-                lost = leader.lost
+                self._last_world = leader.world  # (with any node adopted into it)
                 control.wait_acknowledged(
-                    world.attempt, [k for k in keys if k not in lost], timeout_s=5.0
+                    world.attempt, [k for k in leader.keys if k not in leader.lost], timeout_s=5.0
                 )
             return outcome
 
@@ -680,7 +700,13 @@ class Agent:
             self._last_world = world
             return world
         try:
-            return control.wait_world(attempt, timeout, stop=lambda: self._signal is not None)
+            return control.wait_world(
+                attempt,
+                timeout,
+                stop=lambda: (
+                    self._signal is not None or self._adopted(control, attempt) is not None
+                ),
+            )
         except RendezvousError as exc:
             raise JobError(str(exc)) from None
 
@@ -690,7 +716,11 @@ class Agent:
         deadline = time.monotonic() + timeout
 
         def stop() -> bool:
-            return self._signal is not None or control.leader() is None
+            return (
+                self._signal is not None
+                or control.leader() is None
+                or self._adopted(control, attempt) is not None
+            )
 
         while True:
             try:
@@ -703,6 +733,8 @@ class Agent:
                 raise JobError(str(exc)) from None
             if world is not None or self._signal is not None:
                 return world
+            if self._adopted(control, attempt) is not None:
+                return None
             if control.campaign():
                 self.events.emit("leader_elected", attempt=attempt, key=control.key)
                 return None
@@ -768,6 +800,7 @@ class Agent:
             return None
         self.events.emit("leader_elected", attempt=world.attempt, key=control.key)
         attempt = world.attempt
+        world = control.world(attempt) or world  # (with any node adopted into it)
         snapshot = control.get(f"r{attempt}/inplace")
         if snapshot is None:  # nothing to go on from: decide as the old leader would
             return Leader(self, control, world, group)

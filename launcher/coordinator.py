@@ -192,6 +192,14 @@ class Coordinator:
         if asked:
             self.emit("respawn_requested", attempt=self.attempt, ranks=asked)
 
+    def adopt(self, ranks: list[int]) -> None:
+        """A hot spare node took these ranks of a lost node (launcher/leader.py): they
+        can be replaced again, there."""
+        self.gone.difference_update(ranks)  # (the planner holds this set)
+        asked = self.rejoins.request(ranks, gone=self.gone, put=self._put_respawn)
+        if asked:
+            self.emit("respawn_requested", attempt=self.attempt, ranks=asked)
+
     def preempt(self) -> None:
         """A preemption notice: a Trainer's members stop at a step a recovery brings them
         to (rc.Preempt), once the job is described as one. The drop-in's members agree on

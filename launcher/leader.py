@@ -86,10 +86,13 @@ class Leader:
 
     def lead(self) -> None:
         """One look at the job: lost nodes, in-place recovery, the round's decision."""
-        a, control, world = self.agent.args, self.control, self.world
+        a, control = self.agent.args, self.control
         self._watch_nodes()
-        if control.decision(world.attempt) is not None:
+        if control.decision(self.world.attempt) is not None:
             return
+        waiting = [e for e in control.joined(self.world.attempt + 1) if e["key"] not in self.keys]
+        waiting = self._adopt(waiting)
+        world = self.world
         notices = control.preemptions(world.attempt, [k for k in self.keys if k not in self.lost])
         if notices and self.coordinator is not None:
             self.coordinator.preempt()
@@ -103,7 +106,7 @@ class Leader:
             nodes=len(world.nodes),
             nodes_lost=len(self.lost),
             nodes_done=control.done(world.attempt, [k for k in self.keys if k not in self.lost]),
-            nodes_waiting=len(control.joined(world.attempt + 1)),
+            nodes_waiting=len(waiting),
             failures=tuple(failures),
             stop_signal=self.agent.stop_signal,
             earlier_causes=tuple(self.agent.earlier_causes),
@@ -141,6 +144,47 @@ class Leader:
         )
         if self.coordinator is not None:
             self.coordinator.close()
+
+    def _adopt(self, waiting: list[dict]) -> list[dict]:
+        """Hot spares: agents waiting for the next round while a node of this one is lost
+        take its ranks in place, one node each (the same worker count), instead of a
+        restart. The lost ranks become replaceable again: the coordinator asks for their
+        replacements, the adopted agent starts them as it would a dead worker's, and
+        they join as spares that the planner takes in when that pays (launcher/
+        rejoin.py). Returns the agents still waiting."""
+        vacant = [n for n in self.world.nodes if n.key in self.lost]
+        if not vacant or not waiting or self.coordinator is None or not self.aware:
+            return waiting
+        attempt, left = self.world.attempt, list(waiting)
+        for node in vacant:
+            spare = next((e for e in left if e["nproc"] == node.nproc), None)
+            if spare is None:
+                continue
+            left.remove(spare)
+            new = replace(node, key=spare["key"], host=spare["host"])
+            self.world = replace(
+                self.world,
+                nodes=tuple(new if n.key == node.key else n for n in self.world.nodes),
+            )
+            self.keys = [n.key for n in self.world.nodes]
+            self.lost.discard(node.key)
+            self.beats[new.key] = (self.control.beats(new.key), time.monotonic())
+            self.agent.beat_seen[new.key] = time.time()
+            # The round's world as it is now: the adopted agent reads it, as would a
+            # successor leader (etcd).
+            self.control.put(f"r{attempt}/world", self.world.to_json())
+            self.control.put(f"r{attempt}/adopt/{new.key}", new.__dict__)
+            ranks = list(range(node.rank_offset, node.rank_offset + node.nproc))
+            self.agent.events.emit(
+                "node_adopted",
+                attempt=attempt,
+                node=node.node_rank,
+                host=new.host,
+                lost_host=node.host,
+                ranks=ranks,
+            )
+            self.coordinator.adopt(ranks)
+        return left
 
     def observe(self) -> None:
         """etcd is out of reach: nothing is decided, but the workers' steps are told."""

@@ -172,6 +172,30 @@ class LocalGroup:
             forkserver=self.forkserver,
         )
 
+    def adopt(self) -> None:
+        """This node takes a lost node's ranks in place (a hot spare, launcher/leader.py):
+        none runs yet; each starts when the leader asks for its replacement, as a dead
+        worker's would (``_respawn_requested``)."""
+        self.injection.started_at = now = time.time()
+        ranks = range(self.s.rank_offset, self.s.rank_offset + self.s.nproc)
+        for rank in ranks:
+            self.failed[rank] = Failure(
+                rank=rank,
+                node=self.s.node_rank,
+                kind=FailureKind.NODE_LOST,
+                attempt=self.s.attempt,
+                failed_at=now,
+                detected_at=now,
+                message="adopted from a lost node",
+            )
+        self.started = {
+            "attempt": self.s.attempt,
+            "node": self.s.node_rank,
+            "ranks": list(ranks),
+            "pids": [],
+            "adopted": True,
+        }
+
     def _respawn_requested(self) -> None:
         """Start replacements the leader asked for (launcher/rejoin.py): the same rank and
         environment, plus CHAMELEON_JOIN, in this attempt. A chameleon_runtime worker

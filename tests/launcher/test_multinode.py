@@ -319,3 +319,70 @@ def test_a_lost_node_recovered_in_place_lets_the_job_end(tmp_path):
     for layer, values in checks.items():
         assert max(values) == min(values)
         assert values[0] == pytest.approx(reference[layer][0], rel=1e-5)
+
+
+def test_a_hot_spare_node_takes_a_lost_nodes_ranks_in_place(tmp_path):
+    # Three agents for a job of two nodes (--nnodes 2:2): the third waits as a hot spare.
+    # Node 1's agent is SIGKILLed (its workers die with it); the spare takes its ranks in
+    # the running round (no restart): their replacements start there, join as spares and
+    # are taken in, and the job ends with the failure-free weights.
+    from tests.runtime.test_liveness import MLP, run_mlp
+    from tests.runtime.test_recovery import dumps
+
+    steps = 100
+    _, _, reference = run_mlp(tmp_path, "ref", workers=4, steps=steps, args=("--stages", "1"))
+    port = free_port()
+    common = [
+        "run", "--nnodes", "2:2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+        "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "spare",
+        "--heartbeat-timeout", "2",
+    ]  # fmt: skip
+    args = [MLP, "--steps", str(steps), "--stages", "1", "--dump", str(tmp_path / "dump")]
+    env = {"MLP_STEP_SLEEP_S": "0.1"}
+    procs = []
+    for i in range(3):
+        log = tmp_path / f"n{i}.jsonl"
+        procs.append(
+            start(
+                *common,
+                "--events",
+                str(log),
+                *args,
+                cwd=tmp_path,
+                log=tmp_path / f"n{i}.log",
+                env=env,
+            )  # fmt: skip
+        )
+        if i < 2:
+            wait_for_event(log, "start")
+    try:
+        wait_for_event(tmp_path / "n2.jsonl", "waiting", timeout=60)
+        deadline = time.monotonic() + 90
+        while not any(
+            e["event"] == "step" and e["step"] >= 15 for e in events(tmp_path / "n0.jsonl")
+        ):
+            assert time.monotonic() < deadline and procs[0].poll() is None
+            time.sleep(0.05)
+        procs[1].kill()
+        procs[1].wait()
+        codes = [procs[i].wait(timeout=150) for i in (0, 2)]
+        logs = [(tmp_path / f"n{i}.log").read_text()[-2500:] for i in (0, 2)]
+        assert codes == [0, 0], logs
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    lead = events(tmp_path / "n0.jsonl")
+    spare = events(tmp_path / "n2.jsonl")
+    adopted = [e for e in lead if e["event"] == "node_adopted"]
+    assert len(adopted) == 1 and adopted[0]["ranks"] == [2, 3], adopted
+    assert [e["attempt"] for e in lead + spare if e["event"] == "workers_started"] == [0, 0]
+    assert [e for e in lead if e["event"] == "decision" and e["action"] == "restart"] == []
+    respawned = [e for e in spare if e["event"] == "worker_respawned"]
+    assert sorted(e["rank"] for e in respawned) == [2, 3]
+    assert [e for e in lead if e["event"] == "recovered"]
+    assert leftovers(tmp_path) == []
+    checks, _losses = dumps(tmp_path)
+    for layer, values in reference.items():
+        assert checks[layer] and all(v == pytest.approx(values[0], rel=1e-5) for v in checks[layer])
