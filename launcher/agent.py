@@ -35,6 +35,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, replace
+from datetime import timedelta
 from pathlib import Path
 
 from chameleon_runtime.protocol.messages import StoreAddress
@@ -79,6 +80,9 @@ from planner.job.failures import DEFAULT_DEVICE_MTBF_H, FailureRate
 # Workers of a failed round are useless (their collectives are broken): give them a short
 # grace to flush, not the full shutdown timeout.
 RESTART_GRACE_S = 2.0
+# A fenced agent whose main loop has not ended the run by then is blocked in a store call
+# that will not return: it ends itself (Agent._end_fenced).
+FENCE_GRACE_S = 3.0
 
 
 class JobError(RuntimeError):
@@ -138,6 +142,8 @@ class Agent:
         self._preempt_deadline = 0.0
         self._preempt_told = False
         self._stop_heartbeat = threading.Event()
+        self._group: LocalGroup | None = None  # this round's workers, for the fence
+        self._ended = False  # the run's outcome is decided (_finish)
         # Through etcd's outages, and fenced once its lease is known lost (launcher/outage.py).
         self.link = ControlLink(args.control_outage_timeout_s, self.events.emit, console.say)
         # Set by the planner's thread when a decision is ready: the loop publishes it at
@@ -187,8 +193,29 @@ class Agent:
             self._signal = signum
 
     def _on_fenced(self, why: str) -> None:
+        """From the heartbeat thread: the job counts this node lost. Its workers are
+        killed here and now, not when the main loop next looks (which may be blocked in
+        a call to the store that will not answer); the loop then ends the run."""
         self.link.fence(why)
+        group = self._group
+        if group is not None:
+            group.kill_now()
         self.nudge.set()  # (the heartbeat thread, not a signal handler: no deadlock)
+        ender = threading.Timer(FENCE_GRACE_S, self._end_fenced, args=(why,))
+        ender.daemon = True
+        ender.start()
+
+    def _end_fenced(self, why: str) -> None:
+        """The main loop has not ended the run within FENCE_GRACE_S of the fence: it is
+        blocked in a call to a store across the partition, which may never return (the
+        TCPStore has no timeout on some). The workers are dead; end the agent here."""
+        if self._ended:
+            return
+        self.events.emit("fenced", detail=why)
+        self.events.emit("exit", exit_code=JOB_FAILED, reason=f"fenced: {why}")
+        self.events.close()
+        self.console.say(f"chameleon: fenced: {why}; this node's workers were stopped")
+        os._exit(JOB_FAILED)
 
     @property
     def stop_signal(self) -> int | None:
@@ -255,19 +282,26 @@ class Agent:
                     )
                 control, first = self._join_job(), None
             self.control = control
+            sent = time.monotonic()
             control.beat()
+            self.link.beat(sent)
             beating = threading.Thread(
                 target=beat_until,
                 args=(
                     control,
                     self._stop_heartbeat,
                     WatchTimeouts(a.heartbeat_timeout_s).beat_period_s,
+                    self.link.beat,
                     self._on_fenced,
                 ),
                 name="heartbeat",
                 daemon=True,
             )
             beating.start()
+            if not control.elected and not control.is_leader:
+                self.link.watch_lease(
+                    a.heartbeat_timeout_s, control.endpoint, self._on_fenced, self._stop_heartbeat
+                )
             attempt = 0
             while True:
                 if first is not None:
@@ -356,6 +390,9 @@ class Agent:
         world = control.world(attempt - 1) if node is not None else None
         if world is None or world.node(control.key) is None:
             return None
+        moved = control.get(f"r{attempt - 1}/worker_store")  # a successor's (etcd)
+        if moved is not None:
+            world = replace(world, worker_addr=moved["addr"], worker_port=moved["port"])
         return world, world.node(control.key)
 
     def _start_group(self, world: World, me: NodeInfo, *, adopt: bool = False) -> LocalGroup:
@@ -385,6 +422,7 @@ class Agent:
             forkserver=self.forkserver,
             health=self.health,
         )
+        self._group = group
         self._await_forkserver()
         if adopt:
             group.adopt()
@@ -493,12 +531,18 @@ class Agent:
                         f"lost the control plane: no etcd member answered for "
                         f"{self.args.control_outage_timeout_s:g} s ({detail})",
                     )
+                if self.link.fenced is not None:
+                    return self._fence(group, self.link.fenced)
                 group.stop(grace_s=RESTART_GRACE_S)
                 if control.elected:
                     self.events.emit("control_lost", detail=detail)
                     return self._finish(3, f"lost the control plane: {exc}")
                 self.events.emit("leader_lost", detail=detail)
-                return self._finish(3, "lost the control store (the leader's node is gone)")
+                return self._finish(
+                    3,
+                    f"lost the control store at {control.endpoint} (the leader's node is "
+                    f"gone, or cut off from this one)",
+                )
             if self._signal is not None and not control.is_leader:
                 return self._interrupted(group)
             if decision is None:
@@ -529,7 +573,7 @@ class Agent:
             return outcome
 
     def _fence(self, group: LocalGroup, why: str) -> Outcome:
-        """The job counted this node lost (its etcd lease ran out): kill its workers now,
+        """The job counted this node lost (its lease ran out): kill its workers now,
         before they act on a generation the others have left, and write nothing more."""
         group.stop(signum=signal.SIGKILL, grace_s=0.0)
         self.events.emit("fenced", detail=why)
@@ -547,6 +591,7 @@ class Agent:
         return self._finish(128 + signum, f"stopped by signal {signum}")
 
     def _finish(self, code: int, reason: str) -> Outcome:
+        self._ended = True
         self.events.emit("exit", exit_code=code, reason=reason)
         self.events.close()
         return Outcome(exit_code=code, reason=reason, failures=self.failures, run_dir=self.run_dir)
@@ -590,6 +635,10 @@ class Agent:
             )
         except (StoreError, RendezvousError) as exc:
             raise JobError(str(exc)) from None
+        if not control.is_leader:
+            # Every later call is a short one: one that gets no answer within the lease
+            # means the leader's node is gone or cut off from this one (not 600 s later).
+            control.store.set_timeout(timedelta(seconds=max(5.0, self.args.heartbeat_timeout_s)))
         self._emit_start(control)
         return control
 

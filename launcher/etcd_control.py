@@ -125,7 +125,7 @@ class EtcdControlPlane(ControlPlane):
                 return make(True, fresh)
         raise RendezvousError(f"could not join run {run_id!r} on etcd {store.where}")
 
-    def clone(self) -> EtcdControlPlane:
+    def clone(self, *, timeout_s: float = 10.0) -> EtcdControlPlane:
         return EtcdControlPlane(
             self.store.clone(), self.run_id, self.key, is_leader=self.is_leader,
             namespace=self.namespace, lease=self.lease, worker_host=self._worker_host,

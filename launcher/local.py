@@ -429,6 +429,12 @@ class LocalGroup:
             told["signal"].append(rank)
         return told
 
+    def kill_now(self) -> None:
+        """SIGKILL every worker's session at once, from any thread (no waiting, no
+        reaping: ``stop`` does those on the main thread)."""
+        for worker in list(self.workers.values()):
+            signal_worker(worker, signal.SIGKILL)
+
     def stop(self, *, signum: int = signal.SIGTERM, grace_s: float) -> None:
         stop_workers(
             list(self.workers.values()), signum=signum, grace_s=grace_s, reaper=self.reaper

@@ -17,6 +17,7 @@ agent kills its workers at once, before they act on their stale generation.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 
@@ -35,7 +36,42 @@ class ControlLink:
         self.fenced: str | None = None  # why, once the lease is known to be gone
         self.unreported: list[Failure] = []
         self._last_answer = time.monotonic()
+        self._last_beat = time.monotonic()  # when the last beat that went through was sent
         self._held = 0  # failures held back during this outage
+
+    def beat(self, sent: float) -> None:
+        """A heartbeat sent at ``sent`` (monotonic) went through."""
+        self._last_beat = max(self._last_beat, sent)
+
+    def watch_lease(
+        self,
+        lease_s: float,
+        endpoint: str,
+        on_fenced: Callable[[str], None],
+        stop: threading.Event,
+    ) -> threading.Thread:
+        """A TCPStore follower's lease, on its own clock. The leader counts this node lost
+        once its heartbeat count has not moved for ``lease_s`` on the leader's clock, never
+        before ``lease_s`` after the last beat that went through was sent; past that, with
+        no beat through since, this node tells itself fenced, so that its workers stop by
+        the time the others go on without them. A thread of its own: a call to a store
+        across a partition may block the others for good."""
+
+        def watch() -> None:
+            while self.fenced is None and not stop.is_set():
+                silent = time.monotonic() - self._last_beat
+                if silent >= lease_s:
+                    on_fenced(
+                        f"cut off from the control store at {endpoint}: no heartbeat went "
+                        f"through for {silent:.1f} s (--heartbeat-timeout {lease_s:g}), so "
+                        f"the job counts this node lost"
+                    )
+                    return
+                stop.wait(min(0.1, lease_s / 10))
+
+        thread = threading.Thread(target=watch, name="lease-watch", daemon=True)
+        thread.start()
+        return thread
 
     def fence(self, why: str) -> None:
         """The heartbeat thread found the lease expired (a plain assignment: no lock)."""

@@ -155,9 +155,9 @@ class ControlPlane:
     def campaign(self) -> bool:
         return self.is_leader
 
-    def clone(self) -> ControlPlane:
-        """A connection of its own, for another thread."""
-        store = connect_store(self.addr, self.port, timeout_s=10)
+    def clone(self, *, timeout_s: float = 10.0) -> ControlPlane:
+        """A connection of its own, for another thread (``timeout_s``: for each call)."""
+        store = connect_store(self.addr, self.port, timeout_s=timeout_s)
         return ControlPlane(
             store, self.run_id, self.key, is_leader=False, addr=self.addr, port=self.port,
             seal=self.seal,
@@ -398,27 +398,31 @@ def beat_until(
     control: ControlPlane,
     stop: threading.Event,
     period_s: float,
-    on_fenced: Callable[[str], None] | None = None,
+    on_beat: Callable[[float], None],
+    on_fenced: Callable[[str], None],
 ) -> None:
     """An agent's heartbeat thread: count up ``hb/<key>`` (or refresh the etcd lease)
     every ``period_s`` until ``stop``, on a connection of its own (the main thread's is not
-    shared across threads). Through an outage of etcd it keeps trying (etcd extends every
-    lease when it comes back); a lease found expired is told to ``on_fenced``."""
+    shared across threads). ``on_beat(sent)``: a beat sent at ``sent`` (monotonic) went
+    through. On etcd a lease found expired is told to ``on_fenced``; through an outage of
+    etcd this keeps trying (its next leader renews every lease). On the TCPStore a call
+    across a partition may never return (some have no timeout): the lease is watched on
+    this node's clock instead (launcher/outage.py, ControlLink.watch_lease)."""
     from launcher.etcd import Fenced
 
     try:
         beat = control.clone()
-    except StoreError:
+    except Exception:
         return
     while not stop.wait(period_s):
+        sent = time.monotonic()
         try:
             beat.beat()
         except Fenced as exc:
-            if on_fenced is not None:
-                on_fenced(str(exc))
+            on_fenced(str(exc))
             return
-        except StoreError:
-            if not control.elected:
-                return  # the TCPStore's host is gone: the main loop says so
         except Exception:
-            return
+            if control.elected:
+                continue  # etcd's outage or this node's cut: the lease decides
+            return  # the TCPStore's host is gone (the main loop says so), or its lease ran out
+        on_beat(sent)

@@ -22,3 +22,11 @@ if ! command -v etcd >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
     $SUDO apt-get install -y -q etcd-server >/dev/null 2>&1 ||
         { $SUDO apt-get update -q >/dev/null 2>&1 && $SUDO apt-get install -y -q etcd-server >/dev/null; }
 fi
+# tests/partitions put nodes in network namespaces with iproute2's `ip` (as root).
+if ! command -v ip >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
+    SUDO=""
+    if [ "$(id -u)" != 0 ]; then SUDO="sudo"; fi
+    $SUDO apt-get install -y -q iproute2 >/dev/null 2>&1 ||
+        { $SUDO apt-get update -q >/dev/null 2>&1 && $SUDO apt-get install -y -q iproute2 >/dev/null; } ||
+        echo "could not install iproute2: tests/partitions will skip" >&2
+fi

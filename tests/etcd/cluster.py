@@ -33,14 +33,15 @@ class Member:
     peer_port: int
     data_dir: Path
     proc: subprocess.Popen | None = None
+    host: str = "127.0.0.1"
 
     @property
     def client_url(self) -> str:
-        return f"http://127.0.0.1:{self.client_port}"
+        return f"http://{self.host}:{self.client_port}"
 
     @property
     def peer_url(self) -> str:
-        return f"http://127.0.0.1:{self.peer_port}"
+        return f"http://{self.host}:{self.peer_port}"
 
     def healthy(self) -> bool:
         try:
@@ -56,7 +57,7 @@ class EtcdCluster:
 
     @property
     def endpoints(self) -> str:
-        return ",".join(f"127.0.0.1:{m.client_port}" for m in self.members)
+        return ",".join(f"{m.host}:{m.client_port}" for m in self.members)
 
     def start(self, member: Member, initial: str, log: Path) -> None:
         member.proc = subprocess.Popen(
@@ -109,9 +110,11 @@ class EtcdCluster:
 BIND_RETRIES = 3
 
 
-def start_cluster(work: Path, size: int = 3, timeout_s: float = 30.0) -> EtcdCluster:
+def start_cluster(
+    work: Path, size: int = 3, timeout_s: float = 30.0, host: str = "127.0.0.1"
+) -> EtcdCluster:
     for attempt in range(BIND_RETRIES):
-        cluster, logs = _try_cluster(work / f"try{attempt}", size, timeout_s)
+        cluster, logs = _try_cluster(work / f"try{attempt}", size, timeout_s, host)
         if cluster is not None:
             return cluster
         if "address already in use" not in logs:
@@ -119,12 +122,14 @@ def start_cluster(work: Path, size: int = 3, timeout_s: float = 30.0) -> EtcdClu
     raise RuntimeError(f"etcd cluster did not become healthy:\n{logs}")
 
 
-def _try_cluster(work: Path, size: int, timeout_s: float) -> tuple[EtcdCluster | None, str]:
+def _try_cluster(
+    work: Path, size: int, timeout_s: float, host: str
+) -> tuple[EtcdCluster | None, str]:
     cluster = EtcdCluster()
     work.mkdir(parents=True, exist_ok=True)
     for i in range(size):
         data = work / f"member{i}"
-        cluster.members.append(Member(f"m{i}", free_port(), free_port(), data))
+        cluster.members.append(Member(f"m{i}", free_port(), free_port(), data, host=host))
     initial = ",".join(f"{m.name}={m.peer_url}" for m in cluster.members)
     for m in cluster.members:
         cluster.start(m, initial, work / f"{m.name}.log")

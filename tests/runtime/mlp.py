@@ -10,6 +10,9 @@ Behaviour the tests need, from the environment (nothing of it is a product featu
     MLP_IN_ALLREDUCE      KIND:RANK:STEP: that rank sends itself SIGKILL (kill) or SIGSTOP
                           (hang) just after launching its first all-reduce of that step,
                           while its peers are in it (not a replacement of it)
+    MLP_STEP_LOG          PREFIX: every step done, this process appends "pid step time" to
+                          PREFIX.rank<R> (what a script writes as it trains: the
+                          partition tests read when each side last wrote)
     MLP_IN_COMMIT         RANK:STEP: that rank sends itself SIGKILL once it has passed its
                           commit decision of that step to its first child (delivered), so
                           that its other children never learn it
@@ -141,7 +144,15 @@ def main() -> None:
         checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every,
     )
-    result = trainer.fit(args.steps, on_step=lambda info: SENT.append(info.sent_bytes))
+    step_log = os.environ.get("MLP_STEP_LOG")
+
+    def on_step(info) -> None:
+        SENT.append(info.sent_bytes)
+        if step_log:
+            with open(f"{step_log}.rank{RANK}", "a") as f:
+                f.write(f"{os.getpid()} {info.step} {time.time()}\n")
+
+    result = trainer.fit(args.steps, on_step=on_step)
     if args.dump:
         with open(f"{args.dump}.rank{RANK}.json", "w") as f:
             dump = {"checksums": trainer.checksums(), "losses": result.losses, "sent": SENT}

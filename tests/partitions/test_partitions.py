@@ -1,0 +1,175 @@
+"""Network partitions: three nodes in namespaces of this machine (tests/netns.py), two
+workers each, one node's link cut mid-run. The side that keeps the control store and the
+majority recovers in place and ends with the failure-free weights; the cut-off side stops
+training, writes nothing once it has lost its lease (its workers' own step log, and the
+control store), and exits 3 with a clear message. After the cut heals, a node started
+there again joins as a replacement of the lost one, in place."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.launcher.helpers import chameleon_cmd, env, events, leftovers
+from tests.runtime.test_liveness import MLP, run_mlp
+from tests.runtime.test_recovery import dumps
+
+pytestmark = pytest.mark.slow
+
+STEPS = 150
+LEASE_S = 3.0  # --heartbeat-timeout
+
+
+class Job:
+    """Agents of one job in the namespaces of ``net``; agent ``i`` logs to n<i>.*."""
+
+    def __init__(self, tmp: Path, net, flags: list[str]) -> None:
+        self.tmp, self.net, self.flags = tmp, net, flags
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def start(self, node: int, name: str) -> subprocess.Popen:
+        argv = chameleon_cmd(
+            "run", "--nproc-per-node", "2", "--heartbeat-timeout", f"{LEASE_S:g}",
+            "--local-addr", self.net.ip(node), *self.flags,
+            "--events", str(self.tmp / f"{name}.jsonl"),
+            MLP, "--steps", str(STEPS), "--stages", "1", "--dump", str(self.tmp / "dump"),
+        )  # fmt: skip
+        out = open(self.tmp / f"{name}.log", "w")  # noqa: SIM115 - the process owns it
+        extra = {
+            "MLP_STEP_SLEEP_S": "0.1",
+            "MLP_STEP_LOG": str(self.tmp / "steps"),
+            "GLOO_SOCKET_IFNAME": "eth0",  # the namespace's own link
+        }
+        self.procs[name] = subprocess.Popen(
+            self.net.command(node, argv), cwd=self.tmp, env={**env(), **extra},
+            stdout=out, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        return self.procs[name]
+
+    def events(self, name: str) -> list[dict]:
+        return events(self.tmp / f"{name}.jsonl")
+
+    def log(self, name: str) -> str:
+        return (self.tmp / f"{name}.log").read_text()[-2500:]
+
+    def top_step(self) -> int:
+        return max(
+            (e["step"] for n in self.procs for e in self.events(n) if e["event"] == "step"),
+            default=-1,
+        )
+
+    def wait_step(self, step: int, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while self.top_step() < step:
+            assert time.monotonic() < deadline, f"no step {step}"
+            assert all(p.poll() is None for p in self.procs.values()), {
+                n: self.log(n) for n, p in self.procs.items() if p.poll() is not None
+            }
+            time.sleep(0.05)
+
+    def kill_all(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def pids_of(job: Job, name: str) -> set[int]:
+    started = [e for e in job.events(name) if e["event"] == "workers_started"]
+    return set(started[0]["pids"])
+
+
+def last_writes(tmp: Path, pids: set[int]) -> float:
+    """When the workers ``pids`` last wrote to their step log (0: never)."""
+    last = 0.0
+    for path in tmp.glob("steps.rank*"):
+        for line in path.read_text().splitlines():
+            pid, _step, at = line.split()
+            if int(pid) in pids:
+                last = max(last, float(at))
+    return last
+
+
+def partition(tmp_path, job: Job, cut: int, reference: dict, fenced_line: str) -> None:
+    """Cut node ``cut`` at step 20; the rest goes on; heal it, start a node there again."""
+    names = ["n0", "n1", "n2"]
+    others = [n for i, n in enumerate(names) if i != cut]
+    job.wait_step(20)
+    cut_pids = pids_of(job, names[cut])
+    job.net.cut(cut)
+    cut_at = time.time()
+    top = job.top_step()
+    deadline = time.monotonic() + 120
+    while job.top_step() < top + 10:  # the majority trains on without it
+        assert time.monotonic() < deadline, "the majority did not go on"
+        assert all(job.procs[n].poll() is None for n in others), {n: job.log(n) for n in others}
+        time.sleep(0.1)
+    job.net.heal(cut)
+    code = job.procs[names[cut]].wait(timeout=60)
+    ended = [e["t"] for e in job.events(names[cut]) if e["event"] == "exit"]
+    gone_after = (ended[0] if ended else time.time()) - cut_at
+    assert code == 3, job.log(names[cut])
+    assert fenced_line in job.log(names[cut])
+    # The cut-off side wrote nothing once its lease (counted from the cut) was over.
+    assert last_writes(tmp_path, cut_pids) < cut_at + LEASE_S
+    again = job.start(cut, "again")
+    codes = [job.procs[n].wait(timeout=180) for n in others] + [again.wait(timeout=60)]
+    assert codes == [0, 0, 0], {n: job.log(n) for n in [*others, "again"]}
+    evs = [e for n in [*others, "again"] for e in job.events(n)]
+    assert [e for e in evs if e["event"] == "recovered"], "not recovered in place"
+    adopted = [e for e in evs if e["event"] == "node_adopted"]
+    assert len(adopted) == 1 and adopted[0]["node"] == cut
+    assert [e["attempt"] for e in evs if e["event"] == "workers_started"] == [0, 0, 0]
+    assert [e for e in job.events("again") if e["event"] == "worker_respawned"]
+    checks, _losses = dumps(tmp_path)
+    for layer, values in reference.items():
+        assert checks[layer] and all(v == pytest.approx(values[0], rel=1e-5) for v in checks[layer])
+    assert [p for p in leftovers(tmp_path) if p.name() != "etcd"] == []
+    print(f"node {cut} cut: its agent gone {gone_after:.1f} s later (lease {LEASE_S:g} s)")
+
+
+def test_a_node_cut_off_from_the_c10d_store_fences_itself_and_the_rest_go_on(tmp_path, net):
+    _, _, reference = run_mlp(tmp_path, "ref", workers=4, steps=STEPS, args=("--stages", "1"))
+    n = net(3)
+    port = 29400
+    job = Job(
+        tmp_path, n,
+        ["--nnodes", "2:3", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{n.ip(0)}:{port}",
+         "--rdzv-id", "part"],
+    )  # fmt: skip
+    try:
+        for i in range(3):
+            job.start(i, f"n{i}")
+            time.sleep(0.3)  # node 0 binds the endpoint first
+        partition(tmp_path, job, 2, reference, "fenced: cut off from the control store")
+    finally:
+        job.kill_all()
+
+
+def test_a_node_cut_off_from_etcd_and_the_others_fences_itself_once_it_is_back(tmp_path, net):
+    # On etcd the cut-off side cannot tell a cut from an outage of etcd, so it waits (its
+    # workers cannot train: their peers are across the cut) until etcd answers again and
+    # says its lease is gone.
+    from tests.etcd.cluster import etcd_binary, start_cluster
+
+    if etcd_binary() is None:
+        pytest.skip("no etcd on PATH (scripts/install.sh installs Debian's etcd-server)")
+    _, _, reference = run_mlp(tmp_path, "ref", workers=4, steps=STEPS, args=("--stages", "1"))
+    n = net(3)
+    etcd = start_cluster(tmp_path / "etcd", host=n.hub)
+    job = Job(
+        tmp_path, n,
+        ["--nnodes", "2:3", "--rdzv-backend", "etcd", "--rdzv-endpoint", etcd.endpoints,
+         "--rdzv-id", "part"],
+    )  # fmt: skip
+    try:
+        for i in range(3):
+            job.start(i, f"n{i}")
+            time.sleep(0.3)  # node 0 starts the incarnation and leads it
+        partition(tmp_path, job, 2, reference, "fenced: this agent's etcd lease ran out")
+    finally:
+        job.kill_all()
+        etcd.stop()
