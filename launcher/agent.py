@@ -196,6 +196,8 @@ class Agent:
         """From the heartbeat thread: the job counts this node lost. Its workers are
         killed here and now, not when the main loop next looks (which may be blocked in
         a call to the store that will not answer); the loop then ends the run."""
+        if self.link.fenced is not None:
+            return  # (the heartbeat and the lease watch may both find it)
         self.link.fence(why)
         group = self._group
         if group is not None:
