@@ -27,6 +27,7 @@ as the old leader would have, which for a lost node is a restart.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import signal
@@ -144,6 +145,7 @@ class Agent:
         self._stop_heartbeat = threading.Event()
         self._group: LocalGroup | None = None  # this round's workers, for the fence
         self._ended = False  # the run's outcome is decided (_finish)
+        self._joined: set[int] = set()  # the rounds this agent has joined
         # Through etcd's outages, and fenced once its lease is known lost (launcher/outage.py).
         self.link = ControlLink(args.control_outage_timeout_s, self.events.emit, console.say)
         # Set by the planner's thread when a decision is ready: the loop publishes it at
@@ -213,6 +215,9 @@ class Agent:
         TCPStore has no timeout on some). The workers are dead; end the agent here."""
         if self._ended:
             return
+        group = self._group
+        if group is not None:
+            group.kill_now()  # (a worker respawned since the fence, too)
         self.events.emit("fenced", detail=why)
         self.events.emit("exit", exit_code=JOB_FAILED, reason=f"fenced: {why}")
         self.events.close()
@@ -337,7 +342,17 @@ class Agent:
         unhealthy = self._unhealthy(attempt) if attempt > 0 else None  # (0: checked in run)
         if unhealthy is not None:
             return unhealthy
-        control.join(attempt, node_rank=my_rank, nproc=a.nproc_per_node, host=host)
+        if attempt not in self._joined:  # (an adopted spare joined the next one already)
+            try:
+                control.join(attempt, node_rank=my_rank, nproc=a.nproc_per_node, host=host)
+            except (StoreError, RuntimeError) as exc:
+                if self.link.fenced is not None:
+                    return self._finish(JOB_FAILED, f"fenced: {self.link.fenced}")
+                detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                return self._finish(
+                    JOB_FAILED, f"lost the control store while joining round {attempt}: {detail}"
+                )
+            self._joined.add(attempt)
         world = self._world(control, attempt)
         if world is None and self._signal is None:
             adopted = self._adopted(control, attempt)
@@ -569,9 +584,12 @@ class Agent:
                 outcome = self._finish(decision["exit_code"], decision["reason"])
             if leader is not None:
                 self._last_world = leader.world  # (with any node adopted into it)
-                control.wait_acknowledged(
-                    world.attempt, [k for k in leader.keys if k not in leader.lost], timeout_s=5.0
-                )
+                with contextlib.suppress(StoreError, RuntimeError):  # (a courtesy: best effort)
+                    control.wait_acknowledged(
+                        world.attempt,
+                        [k for k in leader.keys if k not in leader.lost],
+                        timeout_s=5.0,
+                    )
             return outcome
 
     def _fence(self, group: LocalGroup, why: str) -> Outcome:

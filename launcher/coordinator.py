@@ -192,10 +192,16 @@ class Coordinator:
         if asked:
             self.emit("respawn_requested", attempt=self.attempt, ranks=asked)
 
+    def can_adopt(self, ranks: list[int]) -> bool:
+        """Whether a hot spare node can take these ranks: lost with their node (seen
+        here), and each with a replacement left."""
+        return all(r in self.gone and self.rejoins.can_replace(r) for r in ranks)
+
     def adopt(self, ranks: list[int]) -> None:
         """A hot spare node took these ranks of a lost node (launcher/leader.py): they
         can be replaced again, there."""
         self.gone.difference_update(ranks)  # (the planner holds this set)
+        self._mirror_due = self.on_settled is not None  # a successor must not count them gone
         asked = self.rejoins.request(ranks, gone=self.gone, put=self._put_respawn)
         if asked:
             self.emit("respawn_requested", attempt=self.attempt, ranks=asked)

@@ -157,11 +157,12 @@ class EtcdControlPlane(ControlPlane):
         return self.is_leader
 
     def close(self, *, last: bool) -> None:
-        """Leave: the lease goes (our keys with it); the last leader removes the job."""
+        """Leave: the lease goes (our keys with it); the last leader removes the job,
+        first (a delete is guarded by the lease, launcher/etcd.py)."""
         try:
-            self.store.revoke(self.lease)
             if last:
                 self.store.delete_prefix(f"{self.namespace}/")
+            self.store.revoke(self.lease)
         except StoreError:
             pass
 

@@ -75,6 +75,10 @@ class Leader:
         self.lost: set[str] = (
             control.lost_nodes(world.attempt, self.keys) if control.elected else set()
         )
+        # A node being counted lost while the store refused a write: its failures, and
+        # how many of them are reported (``_lose``).
+        self._losing: dict[str, list[Failure]] = {}
+        self._lost_told: dict[str, int] = {}
         self.coordinator: Coordinator | None = None
         # Every worker runs chameleon_runtime: recover in place (a successor knows so).
         self.aware = takeover is not None
@@ -90,13 +94,16 @@ class Leader:
         self._watch_nodes()
         if control.decision(self.world.attempt) is not None:
             return
-        waiting = [e for e in control.joined(self.world.attempt + 1) if e["key"] not in self.keys]
-        waiting = self._adopt(waiting)
         world = self.world
         notices = control.preemptions(world.attempt, [k for k in self.keys if k not in self.lost])
         if notices and self.coordinator is not None:
             self.coordinator.preempt()
         failures, restart_reason = self._recover_in_place(control.failures(world.attempt))
+        # (after the coordinator has seen this look's failures: a lost node's ranks must be
+        # gone there before a spare takes them)
+        waiting = [e for e in control.joined(world.attempt + 1) if e["key"] not in self.keys]
+        waiting = self._adopt(waiting)
+        world = self.world
         view = RoundView(
             attempt=world.attempt,
             restarts_used=self.agent.restarts_used,
@@ -153,28 +160,36 @@ class Leader:
         they join as spares that the planner takes in when that pays (launcher/
         rejoin.py). Returns the agents still waiting."""
         vacant = [n for n in self.world.nodes if n.key in self.lost]
-        if not vacant or not waiting or self.coordinator is None or not self.aware:
+        coordinator = self.coordinator
+        if not vacant or not waiting or coordinator is None or not self.aware:
             return waiting
         attempt, left = self.world.attempt, list(waiting)
         for node in vacant:
+            ranks = list(range(node.rank_offset, node.rank_offset + node.nproc))
+            # Only ranks the coordinator has counted gone, each with a replacement left
+            # (--max-rejoins): a node adopted with nothing to start would never finish.
+            if not coordinator.can_adopt(ranks):
+                continue
             spare = next((e for e in left if e["nproc"] == node.nproc), None)
             if spare is None:
                 continue
-            left.remove(spare)
             new = replace(node, key=spare["key"], host=spare["host"])
-            self.world = replace(
+            world = replace(
                 self.world,
                 nodes=tuple(new if n.key == node.key else n for n in self.world.nodes),
             )
-            self.keys = [n.key for n in self.world.nodes]
+            # The store first, then our own view of it: a write that fails (etcd out of
+            # reach) leaves nothing half done here, and is tried again at the next look.
+            # The round's world as it is now: the adopted agent reads it, as would a
+            # successor leader (etcd).
+            self.control.put(f"r{attempt}/world", world.to_json())
+            self.control.put(f"r{attempt}/adopt/{new.key}", new.__dict__)
+            left.remove(spare)
+            self.world = world
+            self.keys = [n.key for n in world.nodes]
             self.lost.discard(node.key)
             self.beats[new.key] = (self.control.beats(new.key), time.monotonic())
             self.agent.beat_seen[new.key] = time.time()
-            # The round's world as it is now: the adopted agent reads it, as would a
-            # successor leader (etcd).
-            self.control.put(f"r{attempt}/world", self.world.to_json())
-            self.control.put(f"r{attempt}/adopt/{new.key}", new.__dict__)
-            ranks = list(range(node.rank_offset, node.rank_offset + node.nproc))
             self.agent.events.emit(
                 "node_adopted",
                 attempt=attempt,
@@ -183,7 +198,7 @@ class Leader:
                 lost_host=node.host,
                 ranks=ranks,
             )
-            self.coordinator.adopt(ranks)
+            coordinator.adopt(ranks)
         return left
 
     def observe(self) -> None:
@@ -223,15 +238,23 @@ class Leader:
         self.control.put(f"r{self.world.attempt}/next_gen", generation)
 
     def _lose(self, node: NodeInfo, silent: float) -> None:
-        self.lost.add(node.key)
+        """Count ``node`` lost: its ranks' failures reported, then the node marked. The
+        store first: a write that fails (etcd out of reach) is tried again at the next
+        look with the same failures, each reported once, and nothing is half done here."""
+        failures = self._losing.setdefault(
+            node.key,
+            lost_with(node, self.world.attempt, time.time() - silent, "stopped heartbeating"),
+        )
         if self.control.elected:
             self.control.mark_lost(self.world.attempt, node.key)
+        while self._lost_told.get(node.key, 0) < len(failures):
+            self.control.report_failure(failures[self._lost_told.get(node.key, 0)])
+            self._lost_told[node.key] = self._lost_told.get(node.key, 0) + 1
+        self.lost.add(node.key)
+        del self._losing[node.key], self._lost_told[node.key]
         self.agent.events.emit("node_lost", node=node.node_rank, host=node.host, silent_s=silent)
-        for failure in lost_with(
-            node, self.world.attempt, time.time() - silent, "stopped heartbeating"
-        ):
+        for failure in failures:
             self.agent.events.emit("failure", **failure.to_json())
-            self.control.report_failure(failure)
 
     def _coordinator(self) -> Coordinator | None:
         if self.coordinator is None:

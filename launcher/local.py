@@ -261,6 +261,8 @@ class LocalGroup:
     def all_finished(self) -> bool:
         """Every worker exited 0 or failed (a failure handled in place leaves the rest to
         finish the job; in a plain job a failure leads to a restart first)."""
+        if not self.workers:  # an adopted node whose replacements never started
+            return bool(self.started.get("adopted"))
         return len(self.finished) + len(self.failed) == len(self.workers) and bool(self.finished)
 
     def poll(self) -> list[Failure]:

@@ -52,6 +52,10 @@ class Rejoins:
             asked.append(rank)
         return asked
 
+    def can_replace(self, rank: int) -> bool:
+        """Whether ``rank`` has a replacement left (``max_per_rank``)."""
+        return self.requested.get(rank, 0) < self.max_per_rank
+
     def forget(self, ranks: Iterable[int]) -> None:
         """``ranks`` failed (again): whatever was under way for them is over."""
         for rank in ranks:

@@ -20,6 +20,7 @@ A round (one attempt of the workers):
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -282,7 +283,8 @@ class ControlPlane:
                     f"only {len(entries)} of {min_nodes} node(s) joined within {timeout_s:g} s (round {attempt})"
                 )
             time.sleep(0.05)
-        entries = entries[:max_nodes]
+        # One entry per agent, its last (an agent may join again after a restart).
+        entries = list({e["key"]: e for e in entries}.values())[:max_nodes]
         if static_ranks:
             ranks = [e["node_rank"] for e in entries]
             if sorted(ranks) != list(range(len(entries))):
@@ -422,7 +424,8 @@ def beat_until(
             on_fenced(str(exc))
             return
         except Exception:
-            if control.elected:
-                continue  # etcd's outage or this node's cut: the lease decides
-            return  # the TCPStore's host is gone (the main loop says so), or its lease ran out
+            if not control.elected:  # a fresh connection for the next beat (the lease
+                with contextlib.suppress(Exception):  # watch judges a long silence)
+                    beat = control.clone()
+            continue  # etcd's outage or this node's cut: the lease decides
         on_beat(sent)

@@ -75,7 +75,9 @@ def test_one_agent_leads_a_fresh_incarnation_and_the_next_joins_it(etcd):
     assert (first.is_leader, second.is_leader) == (True, False)
     assert first.namespace == second.namespace == "chameleon/r/1"
     assert second.node_alive(first.key) and first.leader() == first.key
-    first.close(last=True)  # the job ended: its incarnation's keys are gone
+    # (both share one node key, being in one process: the leader leaves first)
+    first.close(last=True)  # the job ended: its incarnation's keys are gone, at once
+    assert first.store.keys("chameleon/r/1/") == []
     second.close(last=False)
     third = open_one()
     assert third.is_leader and third.namespace == "chameleon/r/2"

@@ -329,7 +329,7 @@ def test_a_hot_spare_node_takes_a_lost_nodes_ranks_in_place(tmp_path):
     from tests.runtime.test_liveness import MLP, run_mlp
     from tests.runtime.test_recovery import dumps
 
-    steps = 100
+    steps = 150
     _, _, reference = run_mlp(tmp_path, "ref", workers=4, steps=steps, args=("--stages", "1"))
     port = free_port()
     common = [
@@ -365,6 +365,11 @@ def test_a_hot_spare_node_takes_a_lost_nodes_ranks_in_place(tmp_path):
             time.sleep(0.05)
         procs[1].kill()
         procs[1].wait()
+        # Once the spare's replacements are taken in, one of them is killed in turn: it is
+        # replaced again, on the adopted node (the coordinator no longer counts it gone).
+        wait_for_event(tmp_path / "n0.jsonl", "rejoined", timeout=90)
+        first = [e for e in events(tmp_path / "n2.jsonl") if e["event"] == "worker_respawned"]
+        os.kill(next(e["pid"] for e in first if e["rank"] == 2), signal.SIGKILL)
         codes = [procs[i].wait(timeout=150) for i in (0, 2)]
         logs = [(tmp_path / f"n{i}.log").read_text()[-2500:] for i in (0, 2)]
         assert codes == [0, 0], logs
@@ -380,7 +385,7 @@ def test_a_hot_spare_node_takes_a_lost_nodes_ranks_in_place(tmp_path):
     assert [e["attempt"] for e in lead + spare if e["event"] == "workers_started"] == [0, 0]
     assert [e for e in lead if e["event"] == "decision" and e["action"] == "restart"] == []
     respawned = [e for e in spare if e["event"] == "worker_respawned"]
-    assert sorted(e["rank"] for e in respawned) == [2, 3]
+    assert sorted((e["rank"], e["count"]) for e in respawned) == [(2, 1), (2, 2), (3, 1)]
     assert [e for e in lead if e["event"] == "recovered"]
     assert leftovers(tmp_path) == []
     checks, _losses = dumps(tmp_path)
