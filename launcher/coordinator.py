@@ -36,7 +36,7 @@ not a chameleon_runtime job), the round is restarted, as on the TCPStore backend
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -188,9 +188,7 @@ class Coordinator:
             self._note_progress(self._snapshot(time.monotonic()))  # the step a restart loses
         cause = root_cause(new)
         self._apply(rc.Failed(frozenset(ranks), summary(cause) if cause else ""))
-        asked = self.rejoins.request(ranks, gone=self.gone, put=self._put_respawn)
-        if asked:
-            self.emit("respawn_requested", attempt=self.attempt, ranks=asked)
+        self._ask_replacements(ranks)
 
     def can_adopt(self, ranks: list[int]) -> bool:
         """Whether a hot spare node can take these ranks: lost with their node (seen
@@ -202,6 +200,10 @@ class Coordinator:
         can be replaced again, there."""
         self.gone.difference_update(ranks)  # (the planner holds this set)
         self._mirror_due = self.on_settled is not None  # a successor must not count them gone
+        self._ask_replacements(ranks)
+
+    def _ask_replacements(self, ranks: Iterable[int]) -> None:
+        """Replacements for ``ranks``, where their node lives and budget is left."""
         asked = self.rejoins.request(ranks, gone=self.gone, put=self._put_respawn)
         if asked:
             self.emit("respawn_requested", attempt=self.attempt, ranks=asked)

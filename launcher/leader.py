@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from launcher.args import RunArgs
     from launcher.events import EventLog
     from launcher.local import LocalGroup
+    from launcher.outage import ControlLink
     from planner.job.failures import FailureRate
     from planner.job.workload import Cluster
 
@@ -46,6 +47,7 @@ class AgentView(Protocol):
     planner_cluster: Cluster | None
     started_at: float | None
     nudge: threading.Event
+    link: ControlLink  # what the store refused, held and sent once it answers
 
     @property
     def stop_signal(self) -> int | None: ...
@@ -75,10 +77,6 @@ class Leader:
         self.lost: set[str] = (
             control.lost_nodes(world.attempt, self.keys) if control.elected else set()
         )
-        # A node being counted lost while the store refused a write: its failures, and
-        # how many of them are reported (``_lose``).
-        self._losing: dict[str, list[Failure]] = {}
-        self._lost_told: dict[str, int] = {}
         self.coordinator: Coordinator | None = None
         # Every worker runs chameleon_runtime: recover in place (a successor knows so).
         self.aware = takeover is not None
@@ -238,23 +236,18 @@ class Leader:
         self.control.put(f"r{self.world.attempt}/next_gen", generation)
 
     def _lose(self, node: NodeInfo, silent: float) -> None:
-        """Count ``node`` lost: its ranks' failures reported, then the node marked. The
-        store first: a write that fails (etcd out of reach) is tried again at the next
-        look with the same failures, each reported once, and nothing is half done here."""
-        failures = self._losing.setdefault(
-            node.key,
-            lost_with(node, self.world.attempt, time.time() - silent, "stopped heartbeating"),
-        )
+        """Count ``node`` lost. The store's mark first: refused (etcd out of reach), nothing
+        has changed here and the next look tries again. Its ranks' failures then go out
+        through the agent's link, which holds what the store refuses and sends it, in
+        order, once it answers (launcher/outage.py)."""
         if self.control.elected:
             self.control.mark_lost(self.world.attempt, node.key)
-        while self._lost_told.get(node.key, 0) < len(failures):
-            self.control.report_failure(failures[self._lost_told.get(node.key, 0)])
-            self._lost_told[node.key] = self._lost_told.get(node.key, 0) + 1
         self.lost.add(node.key)
-        del self._losing[node.key], self._lost_told[node.key]
         self.agent.events.emit("node_lost", node=node.node_rank, host=node.host, silent_s=silent)
+        failures = lost_with(node, self.world.attempt, time.time() - silent, "stopped heartbeating")
         for failure in failures:
             self.agent.events.emit("failure", **failure.to_json())
+        self.agent.link.report(self.control, failures)
 
     def _coordinator(self) -> Coordinator | None:
         if self.coordinator is None:

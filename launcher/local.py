@@ -179,14 +179,8 @@ class LocalGroup:
         self.injection.started_at = now = time.time()
         ranks = range(self.s.rank_offset, self.s.rank_offset + self.s.nproc)
         for rank in ranks:
-            self.failed[rank] = Failure(
-                rank=rank,
-                node=self.s.node_rank,
-                kind=FailureKind.NODE_LOST,
-                attempt=self.s.attempt,
-                failed_at=now,
-                detected_at=now,
-                message="adopted from a lost node",
+            self.failed[rank] = self._failure_now(
+                rank, FailureKind.NODE_LOST, "adopted from a lost node", now
             )
         self.started = {
             "attempt": self.s.attempt,
@@ -243,19 +237,22 @@ class LocalGroup:
         if result.ok:
             return True
         self.respawned[rank] = wanted
-        now = time.time()
         self._refused.append(
-            Failure(
-                rank=rank,
-                node=self.s.node_rank,
-                kind=FailureKind.UNHEALTHY,
-                attempt=self.s.attempt,
-                failed_at=now,
-                detected_at=now,
-                message=result.why,
-            )
+            self._failure_now(rank, FailureKind.UNHEALTHY, result.why, time.time())
         )
         return False
+
+    def _failure_now(self, rank: int, kind: FailureKind, message: str, now: float) -> Failure:
+        """A failure of this node's ``rank`` with no process behind it, seen at ``now``."""
+        return Failure(
+            rank=rank,
+            node=self.s.node_rank,
+            kind=kind,
+            attempt=self.s.attempt,
+            failed_at=now,
+            detected_at=now,
+            message=message,
+        )
 
     @property
     def all_finished(self) -> bool:

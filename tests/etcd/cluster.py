@@ -93,6 +93,12 @@ class EtcdCluster:
             preexec_fn=_die_with_parent,  # a killed test run leaves no etcd behind
         )
 
+    def start_all(self, logs: Path) -> None:
+        """Start every member (again, after a kill: each keeps its data folder)."""
+        initial = ",".join(f"{m.name}={m.peer_url}" for m in self.members)
+        for m in self.members:
+            self.start(m, initial, logs / f"{m.name}.log")
+
     def kill(self, index: int) -> None:
         proc = self.members[index].proc
         if proc is not None and proc.poll() is None:
@@ -130,9 +136,7 @@ def _try_cluster(
     for i in range(size):
         data = work / f"member{i}"
         cluster.members.append(Member(f"m{i}", free_port(), free_port(), data, host=host))
-    initial = ",".join(f"{m.name}={m.peer_url}" for m in cluster.members)
-    for m in cluster.members:
-        cluster.start(m, initial, work / f"{m.name}.log")
+    cluster.start_all(work)
     deadline = time.monotonic() + timeout_s
     while not all(m.healthy() for m in cluster.members):
         if time.monotonic() > deadline or any(m.proc.poll() is not None for m in cluster.members):

@@ -20,12 +20,6 @@ OUTAGE_S = 60.0
 STEPS = 300
 
 
-def restart(etcd, tmp_path) -> None:
-    initial = ",".join(f"{m.name}={m.peer_url}" for m in etcd.members)
-    for m in etcd.members:
-        etcd.start(m, initial, tmp_path / f"{m.name}.log")
-
-
 def test_a_job_trains_through_an_etcd_outage_and_recovers_a_failure_from_it(tmp_path, etcd):
     _, _, reference = run_mlp(tmp_path, "ref", workers=4, steps=STEPS, args=("--stages", "1"))
     procs = agents(tmp_path, etcd, 2, nnodes="2", steps=STEPS)
@@ -41,7 +35,7 @@ def test_a_job_trains_through_an_etcd_outage_and_recovers_a_failure_from_it(tmp_
     os.kill(victim["pids"][1], signal.SIGKILL)
     time.sleep(max(0.0, OUTAGE_S - (time.monotonic() - cut)))
     assert all(p.poll() is None for p in procs), "an agent gave up during the outage"
-    restart(etcd, tmp_path)
+    etcd.start_all(tmp_path)
     codes = finish(procs, tmp_path, timeout=180)
     logs = [(tmp_path / f"n{i}.log").read_text()[-2500:] for i in range(2)]
     assert codes == [0, 0], logs

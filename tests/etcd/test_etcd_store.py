@@ -158,9 +158,7 @@ def test_leases_outlive_an_outage_of_every_member(etcd, tmp_path):
         follower.put("r0/x", 1)  # once unreachable, a call tries each member once
     assert time.monotonic() - started < follower.store.unreachable_after_s + 2
     time.sleep(5)  # more than twice the lease's TTL
-    initial = ",".join(f"{m.name}={m.peer_url}" for m in etcd.members)
-    for m in etcd.members:
-        etcd.start(m, initial, tmp_path / f"{m.name}.log")
+    etcd.start_all(tmp_path)
     deadline = time.monotonic() + 30
     while True:
         try:

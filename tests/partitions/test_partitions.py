@@ -50,6 +50,13 @@ class Job:
         )  # fmt: skip
         return self.procs[name]
 
+    def start_all(self, nodes: int) -> None:
+        """Agents n0..n<nodes-1>, node 0 first (it hosts the c10d endpoint, or starts the
+        etcd incarnation and leads it)."""
+        for i in range(nodes):
+            self.start(i, f"n{i}")
+            time.sleep(0.3)
+
     def events(self, name: str) -> list[dict]:
         return events(self.tmp / f"{name}.jsonl")
 
@@ -150,9 +157,7 @@ def test_a_node_cut_off_from_the_c10d_store_fences_itself_and_the_rest_go_on(tmp
          "--rdzv-id", "part"],
     )  # fmt: skip
     try:
-        for i in range(3):
-            job.start(i, f"n{i}")
-            time.sleep(0.3)  # node 0 binds the endpoint first
+        job.start_all(3)
         partition(
             tmp_path, job, 2, reference, "fenced: cut off from the control store",
             fenced_by_clock=True,
@@ -178,9 +183,7 @@ def test_a_node_cut_off_from_etcd_and_the_others_fences_itself_once_it_is_back(t
          "--rdzv-id", "part"],
     )  # fmt: skip
     try:
-        for i in range(3):
-            job.start(i, f"n{i}")
-            time.sleep(0.3)  # node 0 starts the incarnation and leads it
+        job.start_all(3)
         partition(
             tmp_path, job, 2, reference, "fenced: this agent's etcd lease ran out",
             fenced_by_clock=False,
