@@ -53,6 +53,9 @@ class LiveState:
         ):
             detail = e.get("reason") or e.get("detail") or e.get("policy") or e.get("layout") or ""
             self.recent.append(f"+{e['t'] - self.started:6.1f}s  {name}  {detail}"[:110])
+        elif name in ("straggler", "straggler_recovered"):
+            detail = f"rank {e['rank']} at {e['factor']:.2f}x its peers' time, step {e.get('step')}"
+            self.recent.append(f"+{e['t'] - self.started:6.1f}s  {name}  {detail}"[:110])
 
     def render(self) -> Group:
         table = Table(

@@ -24,6 +24,25 @@ def _ranks(values: list[str]) -> list[int]:
         raise typer.BadParameter(str(exc), param_hint="--fail") from None
 
 
+def _slow(values: list[str]) -> dict[int, float]:
+    """``RANK=FACTOR`` flags: each rank's slowdown (3 = a third of its speed)."""
+    out: dict[int, float] = {}
+    for value in values:
+        rank, sep, factor = value.partition("=")
+        try:
+            r, f = int(rank), float(factor)
+        except ValueError:
+            r, f = -1, 0.0
+        if not sep or r < 0 or not f > 1.0 or f != f or f == float("inf"):
+            raise typer.BadParameter(
+                f"{value!r}: expected RANK=FACTOR, a rank and how many times slower it "
+                "runs (a number over 1), e.g. 3=2.5",
+                param_hint="--slow",
+            )
+        out[r] = f
+    return out
+
+
 def plan(
     config: Annotated[
         Path,
@@ -35,6 +54,21 @@ def plan(
     fail_node: Annotated[
         list[int] | None,
         typer.Option("--fail-node", min=0, help="A node that fails whole. Repeatable."),
+    ] = None,
+    slow: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--slow",
+            help="Plan for a slow rank instead of a failure: RANK=FACTOR (3=2.5: rank 3 "
+            "takes 2.5x as long). Repeatable.",
+        ),
+    ] = None,
+    slow_for: Annotated[
+        str | None,
+        typer.Option(
+            "--slow-for",
+            help="How long the slowdown is expected to last (with --slow): 90s, 10m. Default 10m.",
+        ),
     ] = None,
     policy: Annotated[
         PolicyName | None,
@@ -65,7 +99,8 @@ def plan(
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
     plain: Annotated[bool, typer.Option("--plain", help="Plain text even on a terminal.")] = False,
 ) -> None:
-    """Show every recovery candidate for a failure and the one the planner picks."""
+    """Show every recovery candidate for a failure (or every option for a slow rank) and
+    the one the planner picks."""
     from chameleon_cli.plan_view import decision_blocks
     from planner.choice.policy import Policy
     from planner.choice.report import report
@@ -81,11 +116,23 @@ def plan(
     mtbf_s = duration_flag(mtbf, "--mtbf")
     since_s = duration_flag(since_checkpoint, "--since-checkpoint")
     ranks = _ranks(fail or [])
+    slowed = _slow(slow or [])
+    horizon_s = duration_flag(slow_for, "--slow-for")
+    if slowed and (fail or fail_node):
+        raise typer.BadParameter(
+            "plan for a failure or for a slowdown, not both", param_hint="--slow"
+        )
+    if horizon_s is not None and not slowed:
+        raise typer.BadParameter("--slow-for needs --slow RANK=FACTOR", param_hint="--slow-for")
     job = load_job(config)
+    if slowed:
+        _plan_slow(job, slowed, horizon_s or DEFAULT_SLOW_FOR_S, json_out=json_out, plain=plain)
+        return
     if not fail and not fail_node:
         # candidates are recoveries: without a failure there is nothing to recover from
         raise typer.BadParameter(
-            "name the failure to plan for: --fail RANKS or --fail-node NODE",
+            "name the failure to plan for: --fail RANKS or --fail-node NODE "
+            "(or a slow rank: --slow RANK=FACTOR)",
             param_hint="--fail",
         )
     current = initial_plan(job)
@@ -112,3 +159,32 @@ def plan(
             raise UserError(f"--policy {forced.value} is infeasible: {candidate.reason}")
         reasons = "; ".join(f"{c.policy.value}: {c.reason}" for c in decision.candidates)
         raise UserError(f"no feasible recovery: {reasons}")
+
+
+DEFAULT_SLOW_FOR_S = 600.0
+
+
+def _plan_slow(job, slowed: dict[int, float], horizon_s: float, *, json_out: bool, plain: bool):  # noqa: ANN001, ANN202
+    """``--slow``: the straggler options on the job's launch plan (planner.choice.stragglers)."""
+    from dataclasses import replace
+
+    from chameleon_cli.plan_view import slow_choice_blocks, slow_choice_out
+    from planner.choice.stragglers import straggler_choice
+    from planner.plans.layout import initial_plan
+
+    workers = job.num_workers * job.tp
+    bad = [r for r in slowed if r >= workers]
+    if bad:
+        raise UserError(f"--slow: rank {bad[0]} is not in the job (ranks 0-{workers - 1})")
+    by_worker: dict[int, float] = {}
+    for rank, factor in slowed.items():  # a worker is as slow as its slowest device
+        w = job.worker_of(rank)
+        by_worker[w] = max(by_worker.get(w, 1.0), factor)
+    current = initial_plan(job)
+    choice = straggler_choice(
+        replace(job, slow=tuple(sorted(by_worker.items()))), current, horizon_s
+    )
+    out = slow_choice_out(choice)
+    Output(choose_mode(json=json_out, plain=plain)).show(
+        slow_choice_blocks(out, cluster=job.cluster.name, model=job.model.name), out
+    )

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from pydantic import BaseModel
+
 from chameleon_cli.output import Block, Fields, Table
 from chameleon_cli.units import fmt_bytes, fmt_ranges, fmt_s
 from planner.choice.report import DecisionReport, LayoutOut
+from planner.choice.stragglers import SlowChoice
 
 
 def decision_blocks(r: DecisionReport, *, cluster: str, model: str) -> list[Block]:
@@ -141,3 +144,80 @@ def layout_table(layout: LayoutOut, *, max_rows: int = 24) -> Table:
         ["pipeline", "workers", "layers", "micro-batches"],
         rows,
     )
+
+
+class SlowOptionOut(BaseModel):
+    option: str
+    feasible: bool
+    reason: str | None
+    plan: str
+    step_time_s: float | None
+    throughput_vs_even: float | None  # the even plan's step (no slowdown) over this one's
+    transition_s: float
+    samples: float
+
+
+class SlowChoiceOut(BaseModel):
+    slow: dict[int, float]  # worker -> factor
+    horizon_s: float
+    even_step_time_s: float
+    options: list[SlowOptionOut]
+    chosen: str
+
+
+def slow_choice_out(choice: SlowChoice) -> SlowChoiceOut:
+    options = [
+        SlowOptionOut(
+            option=o.name,
+            feasible=o.feasible,
+            reason=o.reason,
+            plan=o.label,
+            step_time_s=o.estimate.step_s if o.estimate else None,
+            throughput_vs_even=choice.even_step_s / o.estimate.step_s if o.estimate else None,
+            transition_s=o.transition_s,
+            samples=o.samples,
+        )
+        for o in choice.options
+    ]
+    return SlowChoiceOut(
+        slow=dict(choice.slow),
+        horizon_s=choice.horizon_s,
+        even_step_time_s=choice.even_step_s,
+        options=options,
+        chosen=choice.chosen.name,
+    )
+
+
+def slow_choice_blocks(out: SlowChoiceOut, *, cluster: str, model: str) -> list[Block]:
+    slow = ", ".join(f"worker {w} at 1/{f:g} speed" for w, f in sorted(out.slow.items()))
+    head = Fields(
+        "Slowdown",
+        [
+            ("cluster / model", f"{cluster} / {model}"),
+            ("slow", slow),
+            ("expected to last", fmt_s(out.horizon_s)),
+            ("step without it", fmt_s(out.even_step_time_s)),
+            ("chosen", out.chosen),
+        ],
+    )
+    rows = [
+        [
+            o.option,
+            "yes" if o.feasible else f"no: {o.reason}",
+            o.plan or "-",
+            fmt_s(o.step_time_s),
+            f"{o.throughput_vs_even:.1%}" if o.throughput_vs_even else "-",
+            fmt_s(o.transition_s),
+            f"{o.samples:,.0f}" if o.feasible else "-",
+        ]
+        for o in out.options
+    ]
+    chosen = frozenset(i for i, o in enumerate(out.options) if o.option == out.chosen)
+    table = Table(
+        "Options (samples: trained over the time the slowdown lasts, less the moves there "
+        "and back; a move must beat staying by 5%)",
+        ["option", "feasible", "plan", "step", "vs no slowdown", "transition", "samples"],
+        rows,
+        highlight=chosen,
+    )
+    return [head, table]

@@ -7,7 +7,7 @@ from chameleon_cli.output import Block, Fields, Table
 from chameleon_cli.units import fmt_s
 from launcher.events import Record
 from launcher.supervisor import Failure, describe, root_cause
-from launcher.timeline import recoveries, start_time
+from launcher.timeline import recoveries, slowdowns, start_time
 
 
 def _rel(t: float | None, t0: float | None) -> str:
@@ -98,6 +98,8 @@ def plans_table(events: list[Record]) -> Table | None:
         c = e.get("candidates", {})
 
         def score(policy: str, c: dict = c) -> str:
+            if not c:  # a healthy job's move (slow workers): no failure's candidates
+                return "-"
             x = c.get(policy, {})
             return f"{x['score']:.1f}" if x.get("score") is not None else "infeasible"
 
@@ -107,7 +109,9 @@ def plans_table(events: list[Record]) -> Table | None:
                 str(e.get("generation", "-")),
                 ",".join(map(str, e.get("failed", [])))
                 or " ".join(f"+{r}" for r in e.get("joined", []))
-                or ("calibrated" if e.get("rebalance") else ""),
+                or ("calibrated" if e.get("rebalance") else "")
+                or (" ".join(f"slow {r}" for r in e["slow"]) if e.get("slow") else "")
+                or ("back to speed" if e.get("slow") == {} else ""),
                 e["policy"],
                 e.get("label", "-") or "-",
                 fmt_s(estimated)
@@ -176,6 +180,31 @@ def replacements_table(events: list[Record]) -> Table | None:
     return Table("Replacements", ["rank", "started", "joined", "outcome"], rows)
 
 
+def stragglers_table(events: list[Record]) -> Table | None:
+    """Workers found slower than their peers: when, by how much, and when they were back
+    to their peers' speed."""
+    t0 = start_time(events)
+    rows = [
+        [
+            str(r.rank),
+            _rel(r.found_at, t0),
+            "-" if r.step is None else str(r.step),
+            f"{r.factor:.2f}x",
+            "-" if r.worst is None else f"{r.worst:.2f}x",
+            _rel(r.back_at, t0),
+            "-" if r.back_step is None else str(r.back_step),
+        ]
+        for r in slowdowns(events)
+    ]
+    if not rows:
+        return None
+    return Table(
+        "Stragglers (x: its passes' time per micro-batch over its peers' median)",
+        ["rank", "found", "at step", "slower", "worst", "back", "at step"],
+        rows,
+    )
+
+
 def outcome_blocks(
     *,
     exit_code: int,
@@ -206,6 +235,9 @@ def outcome_blocks(
     replaced = replacements_table(events)
     if replaced is not None:
         blocks.append(replaced)
+    slow = stragglers_table(events)
+    if slow is not None:
+        blocks.append(slow)
     hint = next((e for e in events if e["event"] == "layout_hint"), None)
     if hint is not None:
         blocks.append(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -59,6 +60,23 @@ def simulate(
         ),
     ] = "2h",
     seed: Annotated[int, typer.Option("--seed", help="Seed of drawn traces.")] = 0,
+    slowdowns: Annotated[
+        str | None,
+        typer.Option(
+            "--slowdowns",
+            help="Drawn traces: stragglers beside the failures, one every this long on "
+            "average (2h): one worker slowed --slow-factor times for --slow-for.",
+        ),
+    ] = None,
+    slow_factor: Annotated[
+        float, typer.Option("--slow-factor", help="How many times slower (with --slowdowns).")
+    ] = 2.0,
+    slow_for: Annotated[
+        str,
+        typer.Option(
+            "--slow-for", help="Mean length of a slowdown, exponentially drawn (with --slowdowns)."
+        ),
+    ] = "30m",
     policies: Annotated[
         str | None,
         typer.Option(
@@ -79,6 +97,16 @@ def simulate(
     plot_to: Annotated[
         Path | None,
         typer.Option("--plot", help="Write throughput over time to this PNG (needs matplotlib)."),
+    ] = None,
+    processes: Annotated[
+        int | None,
+        typer.Option(
+            "--processes",
+            min=1,
+            max=2,
+            help="1 or 2: with 2, adaptive (and the oracle) run in one process and the other "
+            "policies in a second, with the same figures. Default: 2 where this process may use 2 CPUs.",
+        ),
     ] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
     plain: Annotated[bool, typer.Option("--plain", help="Plain text even on a terminal.")] = False,
@@ -104,6 +132,22 @@ def simulate(
     repair_s = None if repair.strip().lower() == "none" else duration_flag(repair, "--repair")
     if trace is not None and mtbf is not None:
         raise typer.BadParameter("give --trace or --mtbf, not both", param_hint="--mtbf")
+    drawn_slowdowns = None
+    if slowdowns is not None:
+        if trace is not None:
+            raise typer.BadParameter(
+                "a trace brings its own slowdowns (slow_ranks: docs/simulate.md)",
+                param_hint="--slowdowns",
+            )
+        if slow_factor <= 1.0:
+            raise typer.BadParameter(
+                f"{slow_factor:g}: a slowdown is more than 1 times slower",
+                param_hint="--slow-factor",
+            )
+        every_s = duration_flag(slowdowns, "--slowdowns")
+        lasts_s = duration_flag(slow_for, "--slow-for")
+        assert every_s is not None and lasts_s is not None
+        drawn_slowdowns = traces.Slowdowns(every_s, slow_factor, lasts_s)
     if plot_to is not None and not plot_to.parent.is_dir():
         raise UserError(f"--plot: no such folder {plot_to.parent}")
     if plot_to is not None:
@@ -115,8 +159,9 @@ def simulate(
         job = from_events(calibration).apply(job)
     if trace is None:
         tr = traces.generated(
-            job, duration_s=duration_s, seed=seed, mtbf_s=mtbf_s, repair_s=repair_s
-        )
+            job, duration_s=duration_s, seed=seed, mtbf_s=mtbf_s, repair_s=repair_s,
+            slowdowns=drawn_slowdowns,
+        )  # fmt: skip
     elif trace in BUILTIN:
         interval = traces.OOBLECK_INTERVALS_S[trace.split("-", 1)[1]]
         tr = traces.oobleck(job, interval, duration_s=duration_s, seed=seed)
@@ -135,11 +180,14 @@ def simulate(
             f"--policies {','.join(POLICIES)} runs it",
             file=sys.stderr,
         )
+    if processes is None:
+        usable = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+        processes = min(2, len(usable) if usable is not None else os.cpu_count() or 1)
     if sys.stderr.isatty() and not plain:
         with SimulationProgress(names, tr.duration_s, tr.failures) as bar:
-            report = run_all(job, tr, names, config=str(config), progress=bar)
+            report = run_all(job, tr, names, config=str(config), progress=bar, processes=processes)
     else:
-        report = run_all(job, tr, names, config=str(config))
+        report = run_all(job, tr, names, config=str(config), processes=processes)
     Output(choose_mode(json=json_out, plain=plain)).show(simulation_blocks(report), report)
     if plot_to is not None:
         plot(report, plot_to)

@@ -14,6 +14,7 @@ from planner.simulation.outcome import SimulationReport
 def simulation_blocks(r: SimulationReport) -> list[Block]:
     best = max(r.outcomes, key=lambda o: o.throughput)
     adaptive = next((o for o in r.outcomes if o.policy == "adaptive"), None)
+    slowed = r.slowdowns > 0
     rows = []
     for o in r.outcomes:
         over = (
@@ -34,6 +35,7 @@ def simulation_blocks(r: SimulationReport) -> list[Block]:
                 "-" if o.post_recovery is None else f"{o.post_recovery:.3f}",
                 f"{o.in_place}",
                 f"{o.restarts}",
+                *([fmt_s(o.slowed_s), f"{o.deals}"] if slowed else []),
                 over,
                 (f"stopped {fmt_s(o.stopped_s)}: no feasible recovery; " if o.stopped else "")
                 + o.note,
@@ -45,7 +47,12 @@ def simulation_blocks(r: SimulationReport) -> list[Block]:
             [
                 ("config", r.config),
                 ("trace", f"{r.trace}: {r.trace_source}"),
-                ("length", f"{fmt_s(r.duration_s)}, {r.failures} failure(s), {r.workers} workers"),
+                (
+                    "length",
+                    f"{fmt_s(r.duration_s)}, {r.failures} failure(s), "
+                    + (f"{r.slowdowns} slowdown(s), " if slowed else "")
+                    + f"{r.workers} workers",
+                ),
                 ("failure-free", f"{r.failure_free:.4g} samples/s (step {fmt_s(r.step_s)})"),
                 (
                     "simulated in",
@@ -67,6 +74,7 @@ def simulation_blocks(r: SimulationReport) -> list[Block]:
                 "post-recovery",
                 "in place",
                 "restarts",
+                *(["slowed", "deals"] if slowed else []),
                 "adaptive over it",
                 "note",
             ],  # fmt: skip

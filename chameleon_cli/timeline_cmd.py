@@ -10,9 +10,9 @@ from pydantic import BaseModel
 
 from chameleon_cli.errors import UserError
 from chameleon_cli.output import Fields, Output, choose_mode
-from chameleon_cli.run_view import timeline_table
+from chameleon_cli.run_view import stragglers_table, timeline_table
 from launcher.events import read_events
-from launcher.timeline import recoveries
+from launcher.timeline import recoveries, slowdowns
 
 
 class RecoveryOut(BaseModel):
@@ -29,10 +29,21 @@ class RecoveryOut(BaseModel):
     outcome: str
 
 
+class SlowdownOut(BaseModel):
+    rank: int
+    found_at: float
+    step: int | None
+    factor: float
+    back_at: float | None
+    back_step: int | None
+    worst: float | None = None
+
+
 class TimelineOut(BaseModel):
     events: int
     exit_code: int | None
     recoveries: list[RecoveryOut]
+    stragglers: list[SlowdownOut] = []
 
 
 def timeline(
@@ -42,7 +53,7 @@ def timeline(
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
     plain: Annotated[bool, typer.Option("--plain", help="Plain text even on a terminal.")] = False,
 ) -> None:
-    """Show the recovery timeline of a run from its event log."""
+    """Show the recovery timeline of a run from its event log, and its stragglers."""
     if events_path.is_dir():
         raise UserError(f"event log is a directory, not a file: {events_path}")
     if not events_path.is_file():
@@ -74,6 +85,7 @@ def timeline(
             )
             for r in rows
         ],
+        stragglers=[SlowdownOut(**vars(r)) for r in slowdowns(records)],
     )
     summary = Fields(
         f"Run {events_path}",
@@ -86,4 +98,8 @@ def timeline(
             ),
         ],
     )
-    Output(choose_mode(json=json_out, plain=plain)).show([summary, timeline_table(records)], model)
+    blocks = [summary, timeline_table(records)]
+    slow = stragglers_table(records)
+    if slow is not None:
+        blocks.append(slow)
+    Output(choose_mode(json=json_out, plain=plain)).show(blocks, model)

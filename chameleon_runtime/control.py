@@ -103,7 +103,7 @@ class Control:
         self.keys = Keys(attempt)
         self.failpoints = failpoints()  # --inject-fault's, armed in this worker
         self._timeout = timedelta(seconds=timeout_s)
-        self.store = dist.TCPStore(addr, port, is_master=False, timeout=self._timeout)
+        self.store = storeaddr.connect(addr, port, self._timeout)
         # A replacement started after the store moved begins at the file's epoch.
         now = storeaddr.read()
         self.epoch = now.epoch if now is not None and (now.addr, now.port) == (addr, port) else 0

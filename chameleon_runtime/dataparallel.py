@@ -53,6 +53,7 @@ from chameleon_runtime.buckets import Gradients
 from chameleon_runtime.comm import Aborted, CommError
 from chameleon_runtime.consistency import DEFAULT_CHECK_EVERY, Consistency
 from chameleon_runtime.heal import ReplicaState, check_travels
+from chameleon_runtime.pace import PassClock
 from chameleon_runtime.replicagroup import ReplicaGroup
 from chameleon_runtime.sampler import ElasticSampler, MicroBatch
 from chameleon_runtime.shard import Streams, op_seed
@@ -170,6 +171,9 @@ class ElasticDataParallel(nn.Module):
         self._last_commit = time.perf_counter()
         self._cpu_mark = time.process_time()
         self._compute_cpu = 0.0  # the passes' CPU since the last commit (main thread)
+        self._passes = PassClock(device)  # ... and their wall time (on CUDA, the device's)
+        self._forwards = 0  # the micro-batches they ran
+        self._backward_wall: Any = None  # when the backward began (with _backward_cpu)
         self._stop_agreed = False  # the last commit said a member heard a preemption notice
         self._backward_cpu: float | None = None  # thread CPU when the backward began
         if not self.replacement:
@@ -322,10 +326,12 @@ class ElasticDataParallel(nn.Module):
         # weights as one that did not.
         if self.elastic is not None:
             self.elastic.mark(0)  # (the first step's forward, timed for the planner)
-        started = time.thread_time()
+        started, wall = time.thread_time(), self._passes.start()
         with self._streams.drawing(op_seed(self.sampler.seed, self.mb.step, self.mb.index, 0)):
             out = self.module(*args, **kwargs)
         self._compute_cpu += time.thread_time() - started
+        self._passes.stop(wall)
+        self._forwards += 1
         if self.elastic is not None:
             self.elastic.mark(1)
         self._watch_backward(out)
@@ -392,7 +398,7 @@ class ElasticDataParallel(nn.Module):
         if self.mb is None:
             return
         if self._backward_cpu is None:  # (the passes' CPU, for the launcher's fit)
-            self._backward_cpu = time.thread_time()
+            self._backward_cpu, self._backward_wall = time.thread_time(), self._passes.start()
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_timed)
         if self.synced and not self.repeat and not self.discard:
             self.repeat = True
@@ -414,6 +420,7 @@ class ElasticDataParallel(nn.Module):
         runtime's, not the model's): their CPU."""
         if self._backward_cpu is not None:
             self._compute_cpu += time.thread_time() - self._backward_cpu
+            self._passes.stop(self._backward_wall)
             self._backward_cpu = None
 
     def charge_cpu(self, seconds: float) -> None:
@@ -612,9 +619,11 @@ class ElasticDataParallel(nn.Module):
             # (the CPU of the whole process, every thread: what a step costs a host whose
             # cores the workers share)
             elastic.progress(
-                mb.step + 1, now - self._last_commit, cpu - self._cpu_mark, self._compute_cpu
-            )
+                mb.step + 1, now - self._last_commit, cpu - self._cpu_mark, self._compute_cpu,
+                self._passes.take(), self._forwards,
+            )  # fmt: skip
             self._last_commit, self._cpu_mark, self._compute_cpu = now, cpu, 0.0
+            self._forwards = 0
             if self._stop_agreed and elastic.preempted_at is None:
                 elastic.preempted_at = mb.step + 1  # every member: the same commit
             if self.optimizers:

@@ -47,6 +47,7 @@ from chameleon_runtime.pace import Pace
 from chameleon_runtime.profile import host_cores, memory_per_worker, optimizer_bytes_per_param
 from chameleon_runtime.protocol.messages import Applied, Finish, Joined, Ready
 from chameleon_runtime.protocol.wire import JobDescription, PlanMessage
+from chameleon_runtime.sampler import uneven_shares
 from chameleon_runtime.shardlayout import ShardLayout
 from chameleon_runtime.transport import GlooTransport
 from planner.job.costtable import LayerCost
@@ -76,28 +77,6 @@ class Reshaper(Protocol):
     def regroup(self, layout: ShardLayout) -> None: ...
 
     def forget(self) -> None: ...
-
-
-class _ScriptErrors:
-    """Whether the script raised: an uncaught exception goes through ``sys.excepthook``
-    (under plain Python and the warm fork server alike) before the interpreter's exit
-    handlers run, which must then not announce the end of training."""
-
-    raised = False
-    _installed = False
-
-    @classmethod
-    def watch(cls) -> None:
-        if cls._installed:
-            return
-        cls._installed = True
-        previous = sys.excepthook
-
-        def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
-            cls.raised = True
-            previous(kind, value, tb)
-
-        sys.excepthook = hook
 
 
 def under_chameleon() -> bool:
@@ -265,20 +244,30 @@ class Membership:
         post = gen.allgather if kind == "allgather" else gen.reducescatter
         gen.wait(post(group, output, tensor), group)
 
-    def progress(self, step: int, step_s: float, cpu_s: float, compute_cpu_s: float) -> None:
+    def progress(
+        self,
+        step: int,
+        step_s: float,
+        cpu_s: float,
+        compute_cpu_s: float,
+        busy_s: float = 0.0,
+        micro_batches: int = 0,
+    ) -> None:
         """A step committed: what the launcher's progress watch reads (its step timeout
         is a multiple of the slowest step seen), and what its model is fitted to: the
         step's CPU, the process's and its passes' (launcher/calibration.py: on a host
-        whose cores the workers share, what a step costs the host)."""
+        whose cores the workers share, what a step costs the host); the wall time of its
+        passes and their micro-batches (this worker's speed: chameleon_runtime.pace)."""
         self._progress += 1
         # (the first steps pay for start-up: as the Trainer, the slowest is of the rest)
         if self._progress > 2:
             self._slowest = max(self._slowest, step_s)
-        self._pace.add(self.generation, step_s, cpu_s, compute_cpu_s)
+        self._pace.add(self.generation, step_s, cpu_s, compute_cpu_s, 0.0, busy_s, micro_batches)
         self.control.status.update(
             phase="train", generation=self.generation, step=step, progress=self._progress,
             step_s=step_s, slowest_step_s=self._slowest or step_s, cpu_s=cpu_s,
-            compute_cpu_s=compute_cpu_s, **self._pace.means(),
+            compute_cpu_s=compute_cpu_s, busy_s=busy_s, micro_batches=micro_batches,
+            **self._pace.means(),
         )  # fmt: skip
 
     # -- recovery ------------------------------------------------------------------------
@@ -300,7 +289,7 @@ class Membership:
         self._leave()
 
         def rolled_now() -> None:
-            # The pending step is applied here now (before a heal's export): a later
+            # The pending step is applied here now (before a re-shard's moves): a later
             # report must say so, or a plan made without the member that was ahead
             # would have it redone on weights that hold it already.
             nonlocal step, pending
@@ -394,7 +383,6 @@ class Membership:
             # (chameleon_runtime.reshard); the pending step first, on every member.
             if roll and roll_now is not None:
                 roll_now()
-                roll_now = None
             old = ShardLayout(
                 tuple(w for g in message.reshard_from for w in g),
                 self.shards,
@@ -409,11 +397,16 @@ class Membership:
             transfers = [t for t in transfers if t.dst not in old.members]
         for t in transfers:
             if t.src == self.rank:  # streamed in chunks (chameleon_runtime.heal)
-                if roll and roll_now is not None:
-                    # The replacement resumes after the step rolled forward: it must get
-                    # the weights with that step applied, not the ones before it.
-                    roll_now()
-                    roll_now = None
+                if roll:
+                    # This member applies the step inside the script's optimizer.step(),
+                    # before the script's code after it (a schedule's step) has run: what
+                    # it would send is a step behind there. The launcher heals nothing
+                    # whole in a plan that rolls a step forward (launcher/recovery.py,
+                    # _plan); a plan that does would train the receiver on wrong state.
+                    raise RuntimeError(
+                        f"generation {message.generation} asks rank {self.rank} to heal "
+                        f"rank {t.dst} while it rolls step {step} forward: refused"
+                    )
                 header, tensors = export()
                 send_state(lambda x, d=t.dst: gen.send(x, d), gen.flush_sends, header, tensors)
             elif t.dst == self.rank:
@@ -430,6 +423,7 @@ class Membership:
         self.layout = target
         self.sampler.members = list(self.members)
         self.sampler.sizes = sizes
+        self.sampler.shares = uneven_shares(plan, self.shards)
         if self.rank in self.members:
             self._user_group(message.generation)
             if self.reshaper is not None:  # the mesh a sharded model shards on
@@ -517,10 +511,10 @@ class Membership:
         """When the interpreter exits: announce the end of training at ``step()`` (unless
         the script raised: an error is not the end of training, and the others must not
         exit 0 early), then close."""
-        _ScriptErrors.watch()
+        usergroup.ScriptErrors.watch()
 
         def at_exit() -> None:
-            if not _ScriptErrors.raised:
+            if not usergroup.ScriptErrors.raised:
                 with contextlib.suppress(Exception):
                     self.finish(step())
             with contextlib.suppress(Exception):

@@ -129,7 +129,7 @@ def moved(epoch: int, timeout: timedelta) -> tuple[dist.TCPStore, int] | None:
     if found is None:
         return None
     try:
-        store = dist.TCPStore(found.addr, found.port, is_master=False, timeout=timeout)
+        store = storeaddr.connect(found.addr, found.port, timeout)
     except Exception:
         return None
     return store, found.epoch
@@ -141,7 +141,7 @@ class Heartbeat:
     def __init__(
         self, addr: str, port: int, keys: Keys, status: Status, epoch: int, seal: Seal
     ) -> None:
-        self._store = dist.TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=60))
+        self._store = storeaddr.connect(addr, port, timedelta(seconds=60))
         self._epoch = epoch
         self._seal = seal
         self._key = keys.status(status.rank)
@@ -237,7 +237,7 @@ class Watcher:
         epoch: int,
         seal: Seal,
     ) -> None:
-        self._store = dist.TCPStore(addr, port, is_master=False, timeout=FOREVER)
+        self._store = storeaddr.connect(addr, port, FOREVER)
         self._epoch = epoch
         self._seal = seal
         self._key = keys.mailbox(rank)
@@ -251,9 +251,17 @@ class Watcher:
         while True:
             try:
                 raw = self._store.queue_pop(self._key, block=True)
-            except Exception:
+            except Exception as exc:
                 found = moved(self._epoch, FOREVER)  # as the heartbeat's
                 if found is None:
+                    # Said, not silent: from here no abort reaches this worker, and a
+                    # wait of its generation would end only when it is killed as hung.
+                    print(
+                        f"chameleon_runtime: pid {me} lost its mailbox ({exc}"[:300] + "); "
+                        "the launcher's aborts no longer reach it",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                     return
                 self._store, self._epoch = found
                 continue

@@ -10,6 +10,9 @@ computes the micro-batches ``j`` with ``j % n == p``. With one micro-batch per m
 (``G = n * m``) member ``p``'s batch is exactly DistributedSampler's for rank ``p``; with
 fewer members each takes more micro-batches of the same size (gradient accumulation,
 the rule ReCycle uses), so a step's gradient is the same sum over the same samples.
+A plan may deal a step unevenly (a slow member given fewer micro-batches:
+planner.choice.stragglers): then each member computes the micro-batches its route in the
+plan lists (``shares``), the same global batch dealt otherwise.
 
 Epochs end at the last full global batch (``drop_last``): every step has the same size.
 It is a batch sampler: ``DataLoader(dataset, batch_sampler=sampler)``, one micro-batch
@@ -25,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils.data import IterableDataset
 
-from planner.plans.plan import turn_counts
+from planner.plans.plan import Plan, turn_counts
 
 
 @dataclass(frozen=True)
@@ -74,6 +77,28 @@ def deal(
     return out
 
 
+def uneven_shares(plan: Plan, shards: int = 1) -> dict[int, tuple[int, ...]] | None:
+    """A data-parallel plan's micro-batches per member, where they are not ``deal``'s
+    even ones (a plan that deals a slow member fewer); None where they are, so that an
+    even plan computes exactly what it always has. Every member of such a plan has at
+    least one (a member with none would never run the script's loop body, whose
+    backward joins the step's sums; the planner leaves such a worker out instead)."""
+    if shards > 1:
+        return None  # (replica groups run whole turns: chameleon_runtime.sharding)
+    workers = sorted(plan.workers)
+    total, n = plan.num_micro_batches, len(workers)
+    even = {w: total // n + (p < total % n) for p, w in enumerate(workers)}  # deal()'s counts
+    if plan.load() == even:
+        return None
+    shares: dict[int, list[int]] = {w: [] for w in workers}
+    for route in plan.routes:
+        for w in route.hops:
+            shares[w].extend(route.micro_batches)
+    if not all(shares.values()):
+        return None  # (a member given none would never join the step's sums: dealt evenly)
+    return {w: tuple(sorted(mbs)) for w, mbs in shares.items()}
+
+
 class ElasticSampler:
     """A batch sampler over a map-style dataset (anything with ``len``)."""
 
@@ -114,6 +139,8 @@ class ElasticSampler:
         self.members = list(range(world))  # who computes steps now (DataParallel updates it)
         self.shards = 1  # a sharded model's replica groups (ElasticDataParallel sets it)
         self.sizes: tuple[int, ...] = ()  # their sizes, when a group was re-sharded
+        # An uneven deal (``uneven_shares``): each member's micro-batches; None: dealt evenly
+        self.shares: dict[int, tuple[int, ...]] | None = None
         self.epoch = 0
         self.step = 0  # the next step to run, global (counted over epochs)
         self._order: tuple[int, torch.Tensor] | None = None  # an epoch's permutation
@@ -156,6 +183,8 @@ class ElasticSampler:
     def mine(self, step: int) -> list[int]:
         """The micro-batches of ``step`` this worker computes."""
         del step  # every step is dealt alike among the same members
+        if self.shares is not None:
+            return list(self.shares.get(self.rank, ()))
         return deal(self.num_micro_batches, self.members, self.rank, self.shards, self.sizes)
 
     # -- DistributedSampler's interface ----------------------------------------------------

@@ -60,6 +60,7 @@ from chameleon_runtime.comm import Aborted, CommError, Generation
 from chameleon_runtime.control import Control
 from chameleon_runtime.data import Batches
 from chameleon_runtime.memory import Meter
+from chameleon_runtime.pace import PassClock
 from chameleon_runtime.protocol.messages import commit_name
 from chameleon_runtime.reducer import Reducer
 from chameleon_runtime.shard import Shard
@@ -163,6 +164,10 @@ class StepResult:
     # CPU time this thread spent in the pass loop beyond the layers: receiving, sending,
     # stashing, the memory meter (the planner charges it per pass: planner.estimator.fit).
     pass_cpu_s: float = 0.0
+    # Wall seconds of the layers' passes (no wait on a peer) and the micro-batches they
+    # ran: this worker's speed against its peers' (chameleon_runtime.pace).
+    busy_s: float = 0.0
+    micro_batches: int = 0
     # Bytes this worker sent: its messages, and a ring all-reduce's share of its buckets.
     sent_bytes: int = 0
     # A ring's commit: what it summed (the step's loss, its squared gradient norm, the
@@ -236,6 +241,7 @@ def _run(
     stash: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     partial_loss = 0.0
     cpu = 0.0
+    passes, forwards = PassClock(shard.device), 0  # their wall time (on CUDA, the device's)
     keys = control.keys
     loop0 = time.thread_time()
     metering = meter.begin_step()  # the first steps of a layout only (chameleon_runtime.memory)
@@ -249,7 +255,7 @@ def _run(
                     gen, torch.empty(in_shape, dtype=in_dtype, device=device), op.prev, "F", mb
                 )
                 x.requires_grad_(True)
-            c0 = time.thread_time()
+            c0, w0 = time.thread_time(), passes.start()
             with meter.saving(mb) if metering else contextlib.nullcontext():
                 y = shard.forward(x, first, end, step=step, micro_batch=mb)
                 if op.next is None:
@@ -257,6 +263,8 @@ def _run(
                     # would overflow before any gradient does.
                     loss = loss_fn(y, batches.targets(step, mb).to(device)).float() / m_total
             cpu += time.thread_time() - c0
+            passes.stop(w0)
+            forwards += 1
             if op.next is None:
                 partial_loss += loss.item()
                 stash[mb] = (x, loss if scaler is None else loss * scaler.scale)
@@ -274,9 +282,10 @@ def _run(
             last = i == last_backward
             if last and reducer is not None:
                 reducer.arm()  # buckets all-reduced as this backward completes them
-            c0 = time.thread_time()
+            c0, w0 = time.thread_time(), passes.start()
             y.backward(grad)
             cpu += time.thread_time() - c0
+            passes.stop(w0)
             if metering:
                 meter.release(mb)
                 meter.sample(*(() if x.grad is None else (x.grad,)))  # and the layers' .grad
@@ -341,6 +350,8 @@ def _run(
         seconds=time.perf_counter() - started,
         compute_cpu_s=cpu,
         pass_cpu_s=max(0.0, pass_cpu),
+        busy_s=passes.take(),
+        micro_batches=forwards,
         sent_bytes=gen.sent_bytes - sent0,
         committed=committed,
     )

@@ -8,11 +8,15 @@ node, or the TCPStore backends) a lost store ends the worker, as before."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
+from datetime import timedelta
 
+import torch.distributed as dist
 from pydantic import ValidationError
 
+from chameleon_runtime.protocol import link
 from chameleon_runtime.protocol.messages import STORE_FILE_ENV, STORE_WAIT_ENV, StoreAddress
 
 
@@ -39,3 +43,15 @@ def newer_than(epoch: int) -> StoreAddress | None:
             return found
         time.sleep(0.05)
     return None
+
+
+def connect(addr: str, port: int, timeout: timedelta) -> dist.TCPStore:
+    """A client of the worker store at ``addr:port``, its connection given the launcher's
+    deadline where it set one (chameleon_runtime.protocol.link): a store left behind
+    across a partition then fails like one whose host was killed, instead of never."""
+    store = dist.TCPStore(addr, port, is_master=False, timeout=timeout)
+    seconds = link.deadline_s()
+    if seconds is not None:
+        with contextlib.suppress(OSError):
+            link.bound(addr, port, seconds)
+    return store

@@ -425,11 +425,15 @@ class Trainer:
             # whose cores the workers share, this is what each step costs the host.
             cpu_now = time.process_time()
             cpu_s, cpu_mark = cpu_now - cpu_mark, cpu_now
-            pace.add(m.generation, result.seconds, cpu_s, result.compute_cpu_s, result.pass_cpu_s)
+            pace.add(
+                m.generation, result.seconds, cpu_s, result.compute_cpu_s, result.pass_cpu_s,
+                result.busy_s, result.micro_batches,
+            )  # fmt: skip
             status.update(
                 phase="train", generation=m.generation, step=m.step, progress=progress,
                 step_s=result.seconds, slowest_step_s=slowest, cpu_s=cpu_s,
                 compute_cpu_s=result.compute_cpu_s, pass_cpu_s=result.pass_cpu_s,
+                busy_s=result.busy_s, micro_batches=result.micro_batches,
                 peak_bytes=self.meter.peak_bytes,
                 **pace.means(),
             )  # fmt: skip

@@ -434,6 +434,9 @@ class Agent:
                     self.worker_store if self.control and self.control.is_leader else None
                 ),
                 seal=self.seal,
+                # Where the store can move (etcd), a connection its old host leaves
+                # unanswered fails instead of blocking this agent's loop for good.
+                link_s=a.heartbeat_timeout_s if a.rdzv_backend == "etcd" else None,
             ),
             reaper=self.reaper,
             forkserver=self.forkserver,
@@ -667,6 +670,13 @@ class Agent:
         from launcher.etcd_control import EtcdControlPlane
 
         a = self.args
+        # torch before the lease: this agent needs it for every round's worker store, and
+        # importing it holds the interpreter for seconds at a time on a loaded host (six
+        # agents and fork servers importing it at once on 2 cores): the heartbeat thread
+        # could not refresh a fresh lease through that, and etcd fenced the node before
+        # its first round (seen in CI at --heartbeat-timeout 3). Nothing is leased yet.
+        import torch.distributed  # noqa: F401
+
         try:
             control = EtcdControlPlane.open(
                 run_id=self.run_id,
@@ -750,8 +760,12 @@ class Agent:
                 self._last_world = world or self._last_world
                 return world
         if control.is_leader:
-            # A fresh store for this attempt's workers (see launcher/store.py for why).
-            self.worker_store = host_store(control.worker_host, 0, timeout_s=timeout)
+            # A fresh store for this attempt's workers (see launcher/store.py for why). A
+            # worker's connection its node leaves unanswered (killed while cut off) is
+            # dropped, so that it keeps no mailbox from its replacement.
+            self.worker_store = host_store(
+                control.worker_host, 0, timeout_s=timeout, link_s=self.args.heartbeat_timeout_s
+            )
             try:
                 world = control.form_world(
                     attempt,
@@ -874,7 +888,9 @@ class Agent:
         if snapshot is None:  # nothing to go on from: decide as the old leader would
             return Leader(self, control, world, group)
         timeout = float(self.args.rdzv_conf.get("join_timeout", 600))
-        self.worker_store = host_store(control.worker_host, 0, timeout_s=timeout)
+        self.worker_store = host_store(
+            control.worker_host, 0, timeout_s=timeout, link_s=self.args.heartbeat_timeout_s
+        )
         last = control.get(f"r{attempt}/worker_store") or {"epoch": 0}
         control.put(
             f"r{attempt}/worker_store",

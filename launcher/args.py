@@ -70,6 +70,7 @@ class RunArgs:
     config: str | None
     policy: str
     migration_schedule: str
+    stragglers: str  # --stragglers auto|on|off (launcher/stragglers.py)
     mtbf_s: float | None  # None: learned (planner.job.failures)
     plain: bool
     warm_start: bool
@@ -363,6 +364,7 @@ def _parse(p: Parser, argv: list[str], taken: list[str], requeue: int) -> RunArg
         config=ns.config,
         policy=ns.policy,
         migration_schedule=ns.migration_schedule,
+        stragglers=ns.stragglers,
         mtbf_s=mtbf_s,
         plain=ns.plain,
         warm_start=ns.warm_start,

@@ -52,6 +52,9 @@ class JobModel:
     num_nodes: int
     workers_per_node: int
     nodes_per_host: int = 1
+    # The most workers on one machine (launcher/rendezvous.machine_id): agents in network
+    # namespaces or containers of one machine share its cores (0: as nodes_per_host says).
+    workers_per_machine: int = 0
     restart_s: float | None = None  # a checkpoint restart: measured start-up (None: not yet)
     cluster: Any = None  # planner.job.workload.Cluster from --config
     description: Any = (
@@ -70,6 +73,10 @@ class JobModel:
     _expected: tuple[int, float, float] | None = None
     _search: Any = None
     _exposed: tuple[float, int] | None = None  # since when, on how many devices
+    # Workers found slower than their peers (launcher/stragglers.py), as Job.slow: a
+    # failure's or a growth's plan is made at the speeds measured. Written by the
+    # coordinator's thread as a whole tuple; the planner reads the job built from it.
+    slow: tuple[tuple[int, float], ...] = ()
 
     # -- D, the mean time to the next failure (planner.job.failures) ---------------------------
 
@@ -111,7 +118,11 @@ class JobModel:
             cluster=self.cluster,
             nodes_per_host=self.nodes_per_host,
         )
-        job = replace(job, cluster=replace(job.cluster, transition_factor=self.transition_factor))
+        job = replace(
+            job,
+            cluster=replace(job.cluster, transition_factor=self.transition_factor),
+            slow=self.slow,
+        )
         if self.factor is None:
             if measured is None:
                 return job
@@ -244,6 +255,11 @@ class JobModel:
             compute_cpu_s={w: round(x, 6) for w, x in compute.items()},
             pass_loop_cpu_s={w: round(x, 6) for w, x in passes.items()},
         )
+
+    def pass_s(self) -> float:
+        """The runtime's own CPU per pass beyond its layers, as fitted on a host whose
+        workers share cores (0 before a fit, and on devices)."""
+        return self.host[4] if self.host is not None else 0.0
 
     def search(self, job: Any) -> Any:
         from planner.search.layouts import Search

@@ -59,6 +59,7 @@ from launcher import recovery as rc
 from launcher.calibration import JobModel
 from launcher.planning import Planner
 from launcher.rejoin import Rejoins
+from launcher.stragglers import SpeedWatch, unit_costs
 from launcher.supervisor import Failure, FailureKind, root_cause, summary
 from launcher.watch import Progress
 from launcher.watch import Timeouts as WatchTimeouts
@@ -88,6 +89,7 @@ class Coordinator:
         model: JobModel,
         policy: str = "auto",
         migration_schedule: str = "matched",
+        stragglers: str = "auto",
         timeouts: rc.Timeouts | None = None,
         watch: WatchTimeouts | None = None,
         max_rejoins: int = 0,
@@ -110,6 +112,9 @@ class Coordinator:
         self.model = model
         self.policy = policy
         self.progress = Progress(watch or WatchTimeouts())
+        self.speeds = SpeedWatch(plan_around=stragglers != "off")  # launcher/stragglers.py
+        self._stragglers = stragglers
+        self._break_even: tuple[Any, float | None] = (None, None)  # (plan and slow set, s)
         # A survivor may be mid-step when an abort comes: it has the step timeout to answer.
         self._timeouts = replace(  # the state's own from the start
             timeouts or rc.Timeouts(), collect_s=self.progress.step_timeout_s()
@@ -269,8 +274,9 @@ class Coordinator:
         if self.state.phase is rc.Phase.RUNNING and (
             now >= self._next_snapshot or self._first_step_pending
         ):
-            self._next_snapshot = now + SNAPSHOT_PERIOD_S
-            self._while_running(self._snapshot(now), now)
+            statuses = self._snapshot(now)
+            self._next_snapshot = now + self.speeds.look_period_s(statuses, SNAPSHOT_PERIOD_S)
+            self._while_running(statuses, now)
             if self.rejoins.announced or self.rejoins.joined:
                 # A replacement is up or settling: its admission and the judgement of the
                 # layout with it wait for a look at the workers, so look often meanwhile
@@ -574,8 +580,14 @@ class Coordinator:
         collect_s = self.progress.step_timeout_s()  # a survivor may be mid-step at an abort
         if collect_s != state.timeouts.collect_s:
             self.state = replace(state, timeouts=replace(state.timeouts, collect_s=collect_s))
-        if self.model.description is not None and not self.rejoins.waiting:
-            # (a replacement starting up competes for the host: no fit meanwhile)
+        if (
+            self.model.description is not None
+            and not self.rejoins.waiting
+            and not self.speeds.slowed
+        ):
+            # (a replacement starting up competes for the host, a straggler slows the
+            # steps it is in: no fit meanwhile, or the model would take either for the
+            # host's own pace)
             current = self.plans[state.generation].plan.to_plan()
             fitted = self.model.fitted_generation
             self.model.settle(current, statuses, state.generation, top - self._gen_start)
@@ -585,6 +597,7 @@ class Coordinator:
                 self._rebalance_launch(current, statuses)
         self._admit(statuses, top)
         self.progress.observe(statuses, now)
+        self._watch_speeds(statuses, now)
         stalls = self.progress.stalled(statuses, now)
         if stalls:
             from launcher.watch import blame
@@ -594,6 +607,61 @@ class Coordinator:
                     self._blamed.add(rank)
                     self.emit("stalled", attempt=self.attempt, rank=rank, reason=why)
                     self.kill([rank], why, stalls[rank].stalled_s)
+
+    def _watch_speeds(self, statuses: dict[int, WorkerStatus], now: float) -> None:
+        """A worker slower than its peers is told (launcher/stragglers.py)."""
+        state = self.state
+        if self.model.description is None or state.generation not in self.plans:
+            return
+        plan = self.plans[state.generation].plan
+        stages = {
+            s.worker: (s.first_layer, s.end_layer) for s in plan.stages if s.worker in state.live
+        }
+        layer_s = [x.forward_s + x.backward_s for x in self.model.description.layers]
+        # (with the runtime's own time per pass where the model has measured it: what a
+        # cheap stage's passes mostly are)
+        units = unit_costs(stages, layer_s, 2 * self.model.pass_s())
+        self.speeds.forget(set(self.speeds.stragglers.found) - set(units))
+        for found in self.speeds.observe(statuses, state.generation, units, now, stages):
+            status = statuses[found.rank]
+            self.emit(
+                "straggler_recovered" if found.recovered else "straggler",
+                attempt=self.attempt, rank=found.rank, factor=round(found.factor, 2),
+                step=status.step, generation=state.generation,
+                busy_s_per_mb=status.busy_s_per_mb,
+                **({"worst_factor": round(found.worst, 2)} if found.worst is not None else {}),
+            )  # fmt: skip
+        if self._stragglers == "auto":
+            # CPU workers that outnumber their host's cores run at the scheduler's shares,
+            # which differ from one to the next with nothing slow (seen at 1.4x on this
+            # 2-core host): told, not planned around, unless --stragglers on.
+            cores = self.model.description.host_cores
+            per_host = self.model.workers_per_machine or (
+                self.model.workers_per_node * max(1, self.model.nodes_per_host)
+            )
+            self.speeds.plan_around = not (cores and per_host > cores)
+        if self.speeds.plan_around:  # (failures' and growths' plans at the speeds seen)
+            self.model.slow = tuple(sorted(self.speeds.stragglers.found.items()))
+        if self.rejoins.waiting or state.phase is not rc.Phase.RUNNING:
+            return
+        from planner.choice.stragglers import break_even_s, dealt_unevenly, straggler_choice
+
+        current = plan.to_plan()
+
+        def choose(slow: tuple[tuple[int, float], ...], horizon_s: float) -> bool:
+            # The horizon from which a move pays, worked out once per plan and slow set
+            # (factors to a tenth): each look compares the time the slowdown has lasted.
+            key = (state.generation, tuple((w, round(f, 1)) for w, f in slow))
+            if self._break_even[0] != key:
+                job = replace(self.model.job(current, statuses, state.generation), slow=slow)
+                choice = straggler_choice(job, current, 1.0, leave_out=False, repartition=False)
+                self._break_even = (key, break_even_s(choice))
+            needed = self._break_even[1]
+            return needed is not None and horizon_s >= needed
+
+        move = self.speeds.move(now, dealt_unevenly(current), choose)
+        if move is not None:
+            self._apply(move)
 
     def _tell_step(self, statuses: dict[int, WorkerStatus], now: float) -> None:
         """A step event at most once a second (and the first of a generation at once)."""

@@ -15,6 +15,11 @@ recovery.
     --inject-fault kill:rank=any,phase=groups   SIGKILL a rank of this node seen building
                                                 groups (any: a working rank, not one starting
                                                 up or idle, picked at random, seeded)
+    --inject-fault slow:rank=2,factor=3,step=10,for=20
+                                                from step 10, rank 2 runs at a third of its
+                                                speed for 20 s (stopped and continued on a
+                                                duty cycle from outside: launcher/throttle.py;
+                                                without for=, to the end of the round)
 
 Phases: ``collect`` (survivors answer the abort), ``plan`` (the planner works), ``confirm``
 (the plan is applied), and within it, as the rank itself reports them, ``groups`` (it has
@@ -50,6 +55,7 @@ class FaultKind(StrEnum):
     KILL = "kill"
     HANG = "hang"
     EXIT = "exit"
+    SLOW = "slow"
 
 
 ANY = -1  # rank=any: a working rank of this node in the fault's phase, picked at random
@@ -67,6 +73,8 @@ class FaultSpec:
     after_ms: float = 0.0  # ...this long after the phase began
     code: int = 1
     attempt: int = 0
+    factor: float = 1.0  # slow: the worker runs at 1/factor of its speed
+    for_s: float | None = None  # slow: for this long (None: to the round's end)
 
     def describe(self) -> str:
         if self.at_s is not None:
@@ -81,21 +89,25 @@ class FaultSpec:
                 when += f" + {self.after_ms:g} ms"
         who = "any rank" if self.rank == ANY else f"rank {self.rank}"
         attempt = "any attempt" if self.attempt == ANY else f"attempt {self.attempt}"
-        return f"{self.kind.value} {who} {when} ({attempt})"
+        how = ""
+        if self.kind is FaultKind.SLOW:
+            how = f" {self.factor:g}x" + (f" for {self.for_s:g} s" if self.for_s else "")
+        return f"{self.kind.value} {who}{how} {when} ({attempt})"
 
     def in_attempt(self, attempt: int) -> bool:
         return self.attempt in (attempt, ANY)
 
 
-_SPEC = re.compile(r"^(kill|hang|exit):(.+)$")
-_KEYS = ("rank", "at", "step", "recovery", "phase", "after_ms", "code", "attempt")
+_SPEC = re.compile(r"^(kill|hang|exit|slow):(.+)$")
+_KEYS = ("rank", "at", "step", "recovery", "phase", "after_ms", "code", "attempt", "factor", "for")
 
 
 def parse_fault(text: str) -> FaultSpec:
     match = _SPEC.match(text.strip())
     if not match:
         raise ValueError(
-            "expected KIND:rank=R,at=SECONDS|step=N|phase=PHASE with KIND kill, hang or exit; "
+            "expected KIND:rank=R,at=SECONDS|step=N|phase=PHASE with KIND kill, hang, exit or "
+            "slow (slow:rank=R,factor=F,at=SECONDS|step=N[,for=SECONDS]); "
             f"got {text!r}"
         )
     fields: dict[str, str] = {}
@@ -119,6 +131,16 @@ def parse_fault(text: str) -> FaultSpec:
         raise ValueError(f"phase must be one of {', '.join(PHASES)}, in {text!r}")
     if "after_ms" in fields and not ("phase" in fields or "recovery" in fields):
         raise ValueError(f"after_ms goes with phase= or recovery=, in {text!r}")
+    slow = match.group(1) == "slow"
+    if slow != ("factor" in fields):
+        raise ValueError(
+            f"factor= goes with slow, and slow needs it (factor=3: a third of the speed), in "
+            f"{text!r}"
+        )
+    if "for" in fields and not slow:
+        raise ValueError(f"for= goes with slow, in {text!r}")
+    if slow and ("phase" in fields or "recovery" in fields):
+        raise ValueError(f"slow starts at=SECONDS or step=N, not in a recovery, in {text!r}")
     # ANY is -1 inside; a user's -1 is a mistake, not a way to say "any"
     for key in ("rank", "attempt"):
         if fields.get(key, "0").lstrip().startswith("-"):
@@ -134,13 +156,16 @@ def parse_fault(text: str) -> FaultSpec:
             after_ms=float(fields.get("after_ms", "0")),
             code=int(fields.get("code", "1")),
             attempt=ANY if fields.get("attempt") == "any" else int(fields.get("attempt", "0")),
+            factor=float(fields.get("factor", "1")),
+            for_s=float(fields["for"]) if "for" in fields else None,
         )
     except ValueError:
         raise ValueError(
-            f"rank and attempt (or any), step, recovery and code must be integers, at and after_ms "
-            "numbers, "
-            f"in {text!r}"
+            f"rank and attempt (or any), step, recovery and code must be integers, at, "
+            f"after_ms, factor and for numbers, in {text!r}"
         ) from None
+    if slow and not (spec.factor > 1 and (spec.for_s is None or spec.for_s > 0)):
+        raise ValueError(f"factor must be above 1 and for above 0, in {text!r}")
     if (
         spec.rank < ANY
         or (spec.at_s is not None and spec.at_s < 0)

@@ -168,7 +168,8 @@ def parser(environ: Mapping[str, str] | None = None) -> Parser:
         action="append",
         default=[],
         help="kill|hang|exit:rank=R,at=SECONDS|step=N|phase=collect|plan|groups|migrate|confirm"
-        "[,recovery=N][,after_ms=MS][,code=C][,attempt=A|any] (repeatable)",
+        "[,recovery=N][,after_ms=MS][,code=C][,attempt=A|any], or "
+        "slow:rank=R,factor=F,at=SECONDS|step=N[,for=SECONDS] (repeatable)",
     )
     add(
         *_both("--max-rejoins"),
@@ -188,6 +189,16 @@ def parser(environ: Mapping[str, str] | None = None) -> Parser:
         choices=["auto", "reroute", "reparallelize", "restart"],
         default="auto",
         help="force a recovery policy (chameleon_runtime jobs)",
+    )
+    add(
+        "--stragglers",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="plan around a worker slower than its peers (an uneven deal, when it pays over "
+        "the time the slowdown has lasted) and back once it has its speed again: on; off: "
+        "stragglers are only reported; auto (default): on where each worker has a device "
+        "or a core of its own, off where CPU workers outnumber their host's cores (there "
+        "the scheduler's shares, not the workers, differ) (chameleon_runtime jobs)",
     )
     add(
         "--migration-schedule",

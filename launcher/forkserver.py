@@ -41,6 +41,13 @@ import socket
 import sys
 from dataclasses import dataclass
 
+# A worker's Python stacks, every thread's, written to its stderr (faulthandler, from C:
+# it works while the main thread is blocked in gloo or a store wait) when the launcher
+# is about to kill it as hung, so that its log says where it was stuck. A real-time
+# signal: SIGUSR1 and SIGUSR2 belong to scripts (Slurm's --signal, submitit's requeue).
+# A worker that did not register it (not forked here) dies of it, as it was to anyway.
+STACKS_SIGNAL = signal.SIGRTMIN + 4
+
 _PR_SET_PDEATHSIG = 1
 MAX_MESSAGE = 1 << 20
 # What the server imports once so that no restarted worker does: torch, and what a
@@ -175,8 +182,11 @@ def _become(spec: ChildSpec) -> None:
     sys.stderr = io.TextIOWrapper(
         io.FileIO(2, "w", closefd=False), write_through=True, errors="backslashreplace"
     )
+    import faulthandler
+
     import torch
 
+    faulthandler.register(STACKS_SIGNAL, file=sys.stderr, all_threads=True)
     threads = spec.env.get("OMP_NUM_THREADS", "")
     if threads.isdigit() and int(threads) > 0:
         torch.set_num_threads(int(threads))

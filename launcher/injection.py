@@ -1,5 +1,6 @@
 """Fault injection on this node's workers (``--inject-fault``): each due fault is carried
-out (SIGKILL, SIGSTOP, or an exit asked through the worker's mailbox), and workers
+out (SIGKILL, SIGSTOP, an exit asked through the worker's mailbox, or a slowdown on a
+duty cycle: launcher/throttle.py), and workers
 waiting at a failpoint are let go once the fault for it has fired. ``LocalGroup`` owns
 one ``FaultInjection`` and hands it its workers and their statuses at each poll."""
 
@@ -10,6 +11,7 @@ from collections.abc import Callable, Collection, Mapping
 from typing import TYPE_CHECKING, Any
 
 from launcher.faults import FaultKind, FaultSpec, Injector
+from launcher.throttle import Throttle
 from launcher.workers import Worker, signal_worker
 
 if TYPE_CHECKING:
@@ -30,6 +32,7 @@ class FaultInjection:
         self.failpoints = set(injector.failpoints())  # armed in the workers
         self.phase: RecoveryPhase | None = None  # the leader's, when it is this process
         self.started_at = 0.0  # when this round's workers started (``at=`` faults)
+        self.throttles: dict[int, Throttle] = {}  # slowed ranks (slow faults)
 
     def env(self) -> dict[str, str]:
         """A worker's environment for the failpoints it must wait at."""
@@ -68,6 +71,8 @@ class FaultInjection:
                 signal_worker(worker, signal.SIGKILL)
             elif fault.kind is FaultKind.HANG:
                 signal_worker(worker, signal.SIGSTOP)
+            elif fault.kind is FaultKind.SLOW:
+                self._slow(fault, worker)
             else:
                 self._request_exit(fault, worker, statuses.get(fault.rank), view)
             hit.append(fault.rank)
@@ -83,6 +88,28 @@ class FaultInjection:
             )
         self._release_failpoints(view)
         return hit
+
+    def _slow(self, fault: FaultSpec, worker: Worker) -> None:
+        rank, factor = fault.rank, fault.factor
+        old = self.throttles.pop(rank, None)
+        if old is not None:
+            old.close()
+
+        def ended(lasted_s: float) -> None:
+            self.emit("slowdown_ended", rank=rank, factor=factor, lasted_s=round(lasted_s, 3))
+
+        self.throttles[rank] = Throttle(worker, factor, fault.for_s, ended)
+
+    def throttled(self, rank: int) -> bool:
+        """Whether ``rank`` is being slowed now: its stops are the throttle's own."""
+        throttle = self.throttles.get(rank)
+        return throttle is not None and throttle.active
+
+    def close(self) -> None:
+        """End every slowdown (the round ends): no worker is left stopped."""
+        for throttle in self.throttles.values():
+            throttle.close()
+        self.throttles.clear()
 
     def _release_failpoints(self, view: WorkerStoreView | None) -> None:
         """Workers waiting where a fault of this node was to fire go on once it has."""

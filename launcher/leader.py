@@ -171,7 +171,9 @@ class Leader:
             spare = next((e for e in left if e["nproc"] == node.nproc), None)
             if spare is None:
                 continue
-            new = replace(node, key=spare["key"], host=spare["host"])
+            new = replace(
+                node, key=spare["key"], host=spare["host"], machine=spare.get("machine", "")
+            )
             world = replace(
                 self.world,
                 nodes=tuple(new if n.key == node.key else n for n in self.world.nodes),
@@ -265,6 +267,12 @@ class Leader:
                 nodes_per_host=max(
                     sum(1 for m in world.nodes if m.host == n.host) for n in world.nodes
                 ),
+                # (the planner's hosts stay the addresses, failure domains in join order;
+                # only whether CPU workers outnumber their cores is judged by machine)
+                workers_per_machine=max(
+                    sum(m.nproc for m in world.nodes if _machine(m) == _machine(n))
+                    for n in world.nodes
+                ),
                 cluster=agent.planner_cluster,
             )
             self.coordinator = Coordinator(
@@ -276,6 +284,7 @@ class Leader:
                 model=model,
                 policy=a.policy,
                 migration_schedule=a.migration_schedule,
+                stragglers=a.stragglers,
                 watch=watch,
                 max_rejoins=a.max_rejoins,
                 started_at=agent.started_at,
@@ -354,3 +363,7 @@ def lost_with(node: NodeInfo, attempt: int, since: float, why: str) -> list[Fail
         )
         for local in range(node.nproc)
     ]
+
+
+def _machine(node: NodeInfo) -> str:
+    return node.machine or node.host

@@ -34,9 +34,11 @@ from launcher.worker_store import WorkerStoreView
 from launcher.workers import (
     BEAT_FILE,
     ERROR_FILE,
+    STACKS_GRACE_S,
     Console,
     Reaper,
     Worker,
+    ask_for_stacks,
     signal_worker,
     start_worker,
     stop_workers,
@@ -84,6 +86,7 @@ class LocalGroup:
         self.failed: dict[int, Failure] = {}
         self._bad_since: dict[int, float] = {}
         self._liveness = Liveness(settings.watch)
+        self._blind = False  # the worker store was out of reach, or moved, since the last look
         self._beats = ScriptBeats(settings.watch)
         # The workers of this node that posted a chameleon_runtime status.
         self._runtime_ranks: set[int] = set()
@@ -105,7 +108,10 @@ class LocalGroup:
         )
         self.injection = FaultInjection(injector, settings, emit)
         self._fault_times: dict[int, float] = {}
-        self._hung: dict[int, str] = {}  # ranks the leader found stalled -> why
+        # ranks found stalled (here or by the leader) -> why, when (time.time()), and when
+        # to kill them (monotonic): each writes its stacks to its log first
+        # (launcher.workers.ask_for_stacks)
+        self._hung: dict[int, tuple[str, float, float]] = {}
         self._next_hang_check = 0.0
         self.started: dict = {}  # what the "workers_started" event reports
 
@@ -276,21 +282,26 @@ class LocalGroup:
                 continue
             code = worker.poll()
             if code is None:
-                hang = self._hung.pop(rank, None)
-                if hang is None and now >= self._next_hang_check:
-                    hang = self._hang_reason(rank, worker, statuses.get(rank), now)
-                if hang is not None:
+                if rank not in self._hung and now >= self._next_hang_check:
+                    reason = self._hang_reason(rank, worker, statuses.get(rank), now)
+                    if reason is not None:
+                        self._dump_then_kill(rank, worker, reason)
+                hung = self._hung.get(rank)
+                if hung is not None and time.monotonic() >= hung[2]:
+                    del self._hung[rank]
                     signal_worker(worker, signal.SIGKILL)
-                    report = ErrorReport(hang, None, None, "")
-                    new.append(self._failure(rank, worker, FailureKind.HANG, now, None, report))
+                    report = ErrorReport(hung[0], None, None, "")
+                    found = hung[1]  # (detected when judged, not when killed)
+                    new.append(self._failure(rank, worker, FailureKind.HANG, found, None, report))
                 continue
             if code == 0:
                 self.finished.add(rank)
                 continue
             kind = FailureKind.SIGNAL if code < 0 else FailureKind.EXIT
             report = _error_report(worker, exited=kind is FailureKind.EXIT)
-            if rank in self._hung:  # killed on the leader's word: it hung
-                kind, report = FailureKind.HANG, ErrorReport(self._hung.pop(rank), None, None, "")
+            if rank in self._hung:  # killed as hung (on its stacks' signal, or by another)
+                reason = self._hung.pop(rank)[0]
+                kind, report = FailureKind.HANG, ErrorReport(reason, None, None, "")
             new.append(self._failure(rank, worker, kind, now, code, report))
         if now >= self._next_hang_check:
             self._next_hang_check = now + HANG_CHECK_PERIOD_S
@@ -300,13 +311,19 @@ class LocalGroup:
 
     def kill_hung(self, rank: int, reason: str, silent_s: float) -> None:
         """The leader found ``rank`` stalled for ``silent_s`` (launcher/watch.py): kill it
-        now; the next poll reports it as hung, with the reason, dated when it stalled."""
+        once it wrote its stacks; a poll reports it as hung, with the reason, dated when it
+        stalled."""
         worker = self.workers.get(rank)
-        if worker is None or rank in self.failed or rank in self.finished:
+        if worker is None or rank in self.failed or rank in self.finished or rank in self._hung:
             return
-        self._hung[rank] = reason
         self._fault_times.setdefault(rank, time.time() - silent_s)
-        signal_worker(worker, signal.SIGKILL)
+        self._dump_then_kill(rank, worker, reason)
+
+    def _dump_then_kill(self, rank: int, worker: Worker, reason: str) -> None:
+        """Where a hung worker was stuck goes to its log (its stacks) before a poll
+        ``STACKS_GRACE_S`` later kills it."""
+        ask_for_stacks(worker)
+        self._hung[rank] = (reason, time.time(), time.monotonic() + STACKS_GRACE_S)
 
     def on_recovery_phase(self, phase: RecoveryPhase) -> None:
         """The leader's recovery phase, from the coordinator in this process: faults due
@@ -369,7 +386,9 @@ class LocalGroup:
             state = psutil.Process(worker.pid).status()
         except psutil.NoSuchProcess:
             return None
-        if state in _BAD_STATUSES:
+        if state in _BAD_STATUSES and not (
+            state == psutil.STATUS_STOPPED and self.injection.throttled(rank)
+        ):
             since = self._bad_since.setdefault(rank, now)
             if now - since >= timeout:
                 return f"process {state} for {now - since:.1f} s"
@@ -385,7 +404,11 @@ class LocalGroup:
             self._bad_since[rank] = since
             return why
         if self.view is not None and not self.view.reachable:
+            self._blind = True
             return None  # the store is moving (a new leader): no news is not silence
+        if self._blind:  # (the silence we could not see is not the workers')
+            self._blind = False
+            self._liveness.forgive(time.monotonic())
         # durations on the monotonic clock (workers.Worker.started_at); ``now`` is the wall
         # clock of the failure's timestamps
         return self._liveness.judge(rank, worker.pid, worker.started_at, status, time.monotonic())
@@ -409,6 +432,7 @@ class LocalGroup:
         self.s = self.s.moved_to(addr, port)
         if self.view is not None:
             self.view.move(addr, port)
+        self._blind = True  # (the next judgement counts silence from then)
 
     def preempt(self, signum: int) -> dict[str, list[int]]:
         """A preemption notice to this node's live workers: chameleon_runtime workers
@@ -435,6 +459,7 @@ class LocalGroup:
             signal_worker(worker, signal.SIGKILL)
 
     def stop(self, *, signum: int = signal.SIGTERM, grace_s: float) -> None:
+        self.injection.close()  # (a stopped worker would not hear the signal)
         stop_workers(
             list(self.workers.values()), signum=signum, grace_s=grace_s, reaper=self.reaper
         )

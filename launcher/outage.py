@@ -38,9 +38,16 @@ class ControlLink:
         self._last_answer = time.monotonic()
         self._last_beat = time.monotonic()  # when the last beat that went through was sent
         self._held = 0  # failures held back during this outage
+        self._lease_s: float | None = None  # set while a lease watch runs
 
     def beat(self, sent: float) -> None:
-        """A heartbeat sent at ``sent`` (monotonic) went through."""
+        """A heartbeat sent at ``sent`` (monotonic) went through. One sent a lease or more
+        after the last that went through renews nothing: the leader may have counted
+        this node lost in between (a node frozen whole, resumed, beats at once and gets
+        through), so the watch must still fence it."""
+        lease_s = self._lease_s
+        if lease_s is not None and sent - self._last_beat >= lease_s:
+            return
         self._last_beat = max(self._last_beat, sent)
 
     def watch_lease(
@@ -56,6 +63,7 @@ class ControlLink:
         no beat through since, this node tells itself fenced, so that its workers stop by
         the time the others go on without them. A thread of its own: a call to a store
         across a partition may block the others for good."""
+        self._lease_s = lease_s
 
         def watch() -> None:
             while self.fenced is None and not stop.is_set():

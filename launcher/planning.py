@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from chameleon_runtime.protocol.messages import WorkerStatus
@@ -87,9 +87,13 @@ class Planner:
         from planner.choice.policy import Policy
         from planner.choice.selection import decide
 
+        if start.replan is not None:
+            return self._replan(start, current, job)
         forced = None if self.policy == "auto" else Policy(self.policy)
         if start.joining or start.rebalance:
             forced = Policy.REPARALLELIZE  # taking replacements in, or a calibrated re-partition
+        if start.deferred and not start.failed and not start.rebalance:
+            forced = Policy.REROUTE  # nothing lost, nobody taken in: the layout as it is
         if start.stop and not start.failed:
             forced = Policy.REROUTE  # stopping for a preemption: the layout as it is
         t0 = time.perf_counter()
@@ -112,6 +116,52 @@ class Planner:
         )
         return {"decision": decision, "job": job, "search_ms": (time.perf_counter() - t0) * 1e3}
 
+    def _replan(self, start: rc.StartPlanning, current: Any, job: Any) -> dict:
+        """Around slow workers (planner.choice.stragglers), or back to an even deal."""
+        from planner.choice.stragglers import even_plan, straggler_choice
+        from planner.estimator.estimate import estimate
+
+        t0 = time.perf_counter()
+        replan = start.replan
+        assert replan is not None
+        options: dict = {}
+        transition_s = 0.0
+        try:
+            if replan.slow:
+                # The coordinator judged the move to pay (launcher/stragglers.py): the
+                # uneven deal is taken, not decided again (a second opinion that said stay
+                # would have aborted the generation for nothing).
+                slow_job = replace(job, slow=replan.slow)
+                choice = straggler_choice(
+                    slow_job, current, replan.horizon_s, leave_out=False, repartition=False
+                )
+                uneven = next(o for o in choice.options if o.name == "uneven deal")
+                if not uneven.feasible:
+                    raise ValueError(uneven.reason)
+                plan, label = uneven.plan, f"uneven deal: {uneven.label}"
+                step_s, transition_s = uneven.estimate.step_s, uneven.transition_s
+                options = {
+                    o.name: {
+                        "step_s": o.estimate.step_s if o.estimate else None,
+                        "transition_s": o.transition_s,
+                        "samples": o.samples,
+                        "reason": o.reason,
+                    }
+                    for o in choice.options
+                }
+                even_s = choice.even_step_s
+            else:
+                plan, label = even_plan(current), "even deal"
+                step_s = even_s = estimate(job, plan).step_s
+        except Exception as exc:  # (a healthy job is never restarted over an optimisation)
+            plan, label = current, f"the layout as it is ({str(exc)[:80]})"
+            step_s = even_s = estimate(replace(job, slow=()), current).step_s
+        return {
+            "replan": replan, "job": job, "plan": plan, "label": label, "step_s": step_s,
+            "even_step_s": even_s, "transition_s": transition_s, "options": options,
+            "search_ms": (time.perf_counter() - t0) * 1e3,
+        }  # fmt: skip
+
     # -- back on the coordinator's ----------------------------------------------------------
 
     def _answer(self, pending: _Pending, first: Any) -> tuple[rc.Planned, Any | None]:
@@ -123,6 +173,8 @@ class Planner:
             result = pending.future.result()
         except Exception as exc:  # nothing to plan with, or a planner bug: never wedge
             return rc.Planned(start.generation, restart=True, reason=f"no plan: {exc}"), None
+        if "replan" in result:
+            return self._answer_replan(start, result)
         decision, job = result["decision"], result["job"]
         basis = {
             "memory_limit_bytes": job.cluster.device_memory_bytes,
@@ -220,5 +272,44 @@ class Planner:
         layout = {s.worker: (s.first_layer, s.end_layer) for s in chosen.plan.stages}
         planned = rc.Planned(
             start.generation, layout=layout, members=members, transition_s=chosen.transition.total_s
+        )
+        return planned, message
+
+    def _answer_replan(self, start: rc.StartPlanning, result: dict) -> tuple[rc.Planned, Any]:
+        """A healthy job's move (``_replan``): the same workers and layers, another deal.
+        Nothing moves, so the plan is published as a reroute's (the layout as it is)."""
+        from chameleon_runtime.protocol.wire import PlanMessage
+
+        plan, replan = result["plan"], result["replan"]
+        message = PlanMessage.build(
+            generation=start.generation,
+            policy="reroute",
+            resume_step=start.resume_step,
+            plan=plan,
+            estimated_step_s=result["step_s"],
+            roll_forward=start.roll_forward,
+            stop=start.stop,
+        )
+        slow = ", ".join(f"rank {w} {f:.2f}x" for w, f in replan.slow)
+        why = f"slow: {slow}" if replan.slow else "slow ranks back to speed"
+        self.emit(
+            "decision", attempt=self.attempt, generation=start.generation, action="replan",
+            policy="reroute", reason=f"{why}; {result['label']}", exit_code=0,
+        )  # fmt: skip
+        self.emit(
+            "plan_chosen", policy="reroute", label=result["label"],
+            resume_step=start.resume_step, estimated_step_s=result["step_s"],
+            failure_free_step_s=result["even_step_s"], transition_s=result["transition_s"],
+            search_ms=result["search_ms"], failed=[], generation=start.generation,
+            slow={str(w): f for w, f in replan.slow}, horizon_s=replan.horizon_s,
+            options=result["options"], load=plan.load(),
+            plan=message.plan.model_dump(mode="json"),
+        )  # fmt: skip
+        layout = {s.worker: (s.first_layer, s.end_layer) for s in plan.stages}
+        planned = rc.Planned(
+            start.generation,
+            layout=layout,
+            members=frozenset(plan.workers),
+            transition_s=result["transition_s"],
         )
         return planned, message

@@ -52,6 +52,7 @@ from launcher.recovery_events import (
     ReadyReported,
     Rebalance,
     Recovered,
+    Replan,
     Report,
     Restart,
     StartPlanning,
@@ -62,7 +63,7 @@ from launcher.recovery_events import (
 __all__ = [  # the machine with its vocabulary: ``from launcher import recovery as rc``
     "Abort", "Action", "Admit", "AppliedReported", "Event", "Failed", "Forget", "Grow",
     "Kill", "Layout", "Note", "Phase", "PhaseChanged", "Planned", "Preempt", "Publish",
-    "ReadyReported",
+    "ReadyReported", "Rebalance", "Replan",
     "Recovered", "Report", "Restart", "StartPlanning", "State", "Tick", "Timeouts", "decide",
 ]  # fmt: skip
 
@@ -101,6 +102,7 @@ class State:
     recovery: int = 0  # recoveries started in this attempt
     joining: frozenset[int] = frozenset()  # replacements being taken in (a growth)
     rebalancing: bool = False  # a calibrated re-partition of a healthy job (Rebalance)
+    replanning: Replan | None = None  # a healthy job's move around slow workers (Replan)
     stopping: bool = False  # a preemption notice came: every plan from now on stops (Preempt)
     stop_plans: frozenset[int] = frozenset()  # generations planned with stop, this recovery
     resume_step: int = 0  # where the current (or last) recovery resumes
@@ -112,6 +114,9 @@ class State:
     entered_at: float = 0.0  # when the current phase began
     phases_s: Mapping[str, float] = field(default_factory=lambda: _frozen({}))
     last_answer: int | None = None
+    # Joiners left out of a plan that rolls a step forward, taken in by a recovery of
+    # their own once it is applied (``_plan``); a failure meanwhile drops only the lost.
+    deferred: frozenset[int] = frozenset()
 
     @classmethod
     def initial(
@@ -164,6 +169,12 @@ def decide(state: State, event: Event, now: float) -> Result:
             return state, []  # a recovery re-plans anyway
         state = replace(state, rebalancing=True)
         return _begin(state, now, reason="a faster layout, calibrated", lost=frozenset())
+    if isinstance(event, Replan):
+        if state.phase is not Phase.RUNNING or state.stopping:
+            return state, []  # a recovery re-plans anyway; a stopping job stops
+        state = replace(state, replanning=event)
+        why = "slow workers planned around" if event.slow else "slow workers back to speed"
+        return _begin(state, now, reason=why, lost=frozenset())
     if isinstance(event, Preempt):
         if state.stopping:
             return state, []
@@ -210,7 +221,9 @@ def _failed(state: State, event: Failed, now: float) -> Result:
         state,
         live=state.live - lost,
         joining=frozenset(),
+        deferred=state.deferred - lost,
         rebalancing=False,
+        replanning=None,  # the failure's plan first; the coordinator may replan again
         failures=state.failures + 1,
     )
     reports = {r: v for r, v in state.reports.items() if r not in lost}
@@ -297,6 +310,16 @@ def _plan(state: State, now: float, actions: list[Action]) -> Result:
             f"{futile} recoveries in a row made no progress ({_why(reports)})",
             actions,
         )
+    # A worker behind rolls the step forward inside the script's optimizer.step(), before
+    # the script's own code after it (a schedule's step, a scaler's update) has run: what
+    # it would send a worker that holds nothing (a replacement, a worker taken back) is a
+    # step behind there, and the receiver trains on with it. So nothing is healed whole
+    # in such a plan: the survivors roll forward alone, and a recovery of its own takes
+    # the rest in once every one of them is back in the loop.
+    idle = tuple(sorted(r for r in reports if r not in holders))
+    defer = roll_forward is not None and bool(state.joining or idle)
+    # (not deferred: the joiners held back before are among the idle this plan is offered)
+    deferred = (state.joining | state.deferred) & state.live if defer else frozenset()
     generation = state.next_id
     state = _enter(
         state,
@@ -310,18 +333,21 @@ def _plan(state: State, now: float, actions: list[Action]) -> Result:
         reached=reached,
         futile=futile,
         failures_planned=state.failures,
+        deferred=deferred,
     )
     start = StartPlanning(
         generation=generation,
         base=base,
         failed=tuple(sorted(w for w in layout if w not in holders)),
-        idle=tuple(sorted(r for r in reports if r not in holders)),
+        idle=() if defer else idle,
         resume_step=resume,
         reached=reached,
-        joining=tuple(sorted(state.joining)),
+        joining=() if defer else tuple(sorted(state.joining)),
         rebalance=state.rebalancing,
+        replan=state.replanning,
         roll_forward=roll_forward,
         stop=state.stopping,
+        deferred=defer,
     )
     return state, [*actions, PhaseChanged(Phase.PLAN, state.recovery, generation), start]
 
@@ -388,7 +414,7 @@ def _applied(state: State, event: AppliedReported, now: float) -> Result:
         generation=state.generation,
         resume_step=state.resume_step,
         steps_lost=state.reached - state.resume_step,
-        joined=tuple(sorted(state.joining)),
+        joined=() if state.deferred else tuple(sorted(state.joining)),
         duration_s=end - state.started_at,
         phases_s=spent,
         last_answer=state.last_answer,
@@ -396,6 +422,9 @@ def _applied(state: State, event: AppliedReported, now: float) -> Result:
     # A plan made before the notice came (it was in flight) did not say stop: another
     # recovery does, at once.
     stop_missed = state.stopping and state.generation not in state.stop_plans
+    # (none while stopping: the members are saving for the preemption)
+    layout = state.layouts[state.generation]
+    deferred = frozenset() if state.stopping else state.deferred & (state.live - set(layout))
     state = _enter(
         state,
         Phase.RUNNING,
@@ -410,7 +439,9 @@ def _applied(state: State, event: AppliedReported, now: float) -> Result:
         reports=_frozen({}),
         joining=frozenset(),
         rebalancing=False,
+        replanning=None,
         deadline=None,
+        deferred=frozenset(),
     )
     actions: list[Action] = [
         recovered,
@@ -419,6 +450,15 @@ def _applied(state: State, event: AppliedReported, now: float) -> Result:
     ]
     if stop_missed:
         begun, more = _begin(state, now, reason="a preemption notice", lost=frozenset())
+        return begun, [*actions, *more]
+    if deferred:  # (the idle left out wait as spares for the next plan)
+        state = replace(state, joining=deferred)
+        begun, more = _begin(
+            state,
+            now,
+            reason=f"ranks {sorted(state.joining)} rejoin after the step rolled forward",
+            lost=frozenset(),
+        )
         return begun, [*actions, *more]
     return state, actions
 

@@ -104,6 +104,18 @@ class Rebalance:
 
 
 @dataclass(frozen=True)
+class Replan:
+    """A healthy job moves to another plan over the same workers, at a step boundary, as
+    a recovery does but with nothing lost: around slow workers (``slow``: worker and how
+    many times slower, launcher/stragglers.py; ``horizon_s`` how long the slowdown is
+    expected to last: planner.choice.stragglers), or, ``slow`` empty, back to an even
+    deal once they have their speed back."""
+
+    slow: tuple[tuple[int, float], ...] = ()
+    horizon_s: float = 0.0
+
+
+@dataclass(frozen=True)
 class Preempt:
     """A preemption notice: the next plan, the same layout, tells the members to save at
     the step they resume at and stop (a pipeline's members cannot agree on that step in
@@ -118,7 +130,16 @@ class Admit:
 
 
 Event = (
-    Failed | ReadyReported | AppliedReported | Planned | Tick | Grow | Rebalance | Preempt | Admit
+    Failed
+    | ReadyReported
+    | AppliedReported
+    | Planned
+    | Tick
+    | Grow
+    | Rebalance
+    | Replan
+    | Preempt
+    | Admit
 )
 
 # -- actions ---------------------------------------------------------------------------------
@@ -146,10 +167,14 @@ class StartPlanning:
     reached: int
     joining: tuple[int, ...] = ()
     rebalance: bool = False  # no failure: a calibrated re-partition (Rebalance)
+    replan: Replan | None = None  # no failure: around slow workers, or back (Replan)
     stop: bool = False  # a preemption notice: the plan keeps the layout and stops (Preempt)
     # Step resume_step - 1 was committed without some survivors seeing it end: they apply
     # it with these sums first (chameleon_runtime.protocol.wire.RollForwardWire).
     roll_forward: tuple[int, tuple[float, ...]] | None = None
+    # Joiners and idle workers were left out because of roll_forward (launcher/recovery.py):
+    # the plan keeps whom it has, and the joiners come in by a recovery of their own.
+    deferred: bool = False
 
 
 @dataclass(frozen=True)

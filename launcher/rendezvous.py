@@ -55,6 +55,9 @@ class NodeInfo:
     nproc: int
     host: str
     rank_offset: int
+    # The machine it runs on (``machine_id``): agents in network namespaces or containers
+    # of one machine have hosts of their own but share its cores.
+    machine: str = ""
 
 
 @dataclass(frozen=True)
@@ -107,6 +110,16 @@ def control_endpoint(a: RunArgs) -> tuple[str, int, bool | None]:
         host, _, port = a.rdzv_endpoint.rpartition(":")
         return host or a.master_addr, int(port or a.master_port), a.node_rank == 0
     return a.master_addr, a.master_port, a.node_rank == 0
+
+
+def machine_id() -> str:
+    """This machine's boot id: the same in every network namespace and container of one
+    running kernel, unlike the host name or address; the host name where there is none."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return socket.gethostname()
 
 
 def node_key() -> str:
@@ -242,7 +255,13 @@ class ControlPlane:
         slot = self.add(f"r{attempt}/joined", 1) - 1
         self.put(
             f"r{attempt}/join/{slot}",
-            {"key": self.key, "node_rank": node_rank, "nproc": nproc, "host": host},
+            {
+                "key": self.key,
+                "node_rank": node_rank,
+                "nproc": nproc,
+                "host": host,
+                "machine": machine_id(),
+            },
         )
 
     def joined(self, attempt: int) -> list[dict]:
@@ -297,7 +316,16 @@ class ControlPlane:
         nodes = []
         offset = 0
         for node_rank, entry in enumerate(order):
-            nodes.append(NodeInfo(entry["key"], node_rank, entry["nproc"], entry["host"], offset))
+            nodes.append(
+                NodeInfo(
+                    entry["key"],
+                    node_rank,
+                    entry["nproc"],
+                    entry["host"],
+                    offset,
+                    machine=entry.get("machine", ""),
+                )
+            )
             offset += entry["nproc"]
         world = World(attempt, tuple(nodes), worker_addr, worker_port)
         self.put(f"r{attempt}/world", world.to_json())

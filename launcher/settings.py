@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from chameleon_runtime.protocol.messages import STORE_FILE_ENV, STORE_WAIT_ENV
+from chameleon_runtime.protocol.messages import STORE_FILE_ENV, STORE_LINK_ENV, STORE_WAIT_ENV
 from chameleon_runtime.protocol.seal import TOKEN_ENV
 from launcher.args import RunArgs
 from launcher.rendezvous import NodeInfo, World
@@ -103,8 +103,11 @@ class RoundSettings:
 def store_move_env(a: RunArgs, run_dir: Path) -> dict[str, str]:
     """Where a worker finds its store once a new leader serves it (chameleon_runtime.
     storeaddr), and how long it waits for one: the old leader's lease must run out
-    (--heartbeat-timeout), then an election, then the store."""
+    (--heartbeat-timeout), then an election, then the store. A connection to the old
+    store that its host leaves unanswered for --heartbeat-timeout counts as lost
+    (chameleon_runtime.protocol.link): the old leader's lease is out by then too."""
     return {
         STORE_FILE_ENV: str(run_dir / STORE_FILE),
         STORE_WAIT_ENV: f"{3 * a.heartbeat_timeout_s + 30:g}",
+        STORE_LINK_ENV: f"{a.heartbeat_timeout_s:g}",
     }

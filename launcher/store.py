@@ -13,11 +13,14 @@ or wait on stale barrier counts. A new store per attempt removes the stale keys.
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import json
 import socket
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
+
+from chameleon_runtime.protocol import link
 
 if TYPE_CHECKING:  # imported when a store is made: torch takes seconds to import
     from torch.distributed import TCPStore
@@ -82,20 +85,41 @@ def serve_store(sock: socket.socket, *, timeout_s: float = 60.0) -> TCPStore:
     return store
 
 
-def host_store(addr: str, port: int, *, timeout_s: float = 60.0) -> TCPStore:
-    """Serve a TCPStore on ``addr:port`` only (port 0 picks a free one)."""
-    return serve_store(bind_listener(addr, port), timeout_s=timeout_s)
+def host_store(
+    addr: str, port: int, *, timeout_s: float = 60.0, link_s: float | None = None
+) -> TCPStore:
+    """Serve a TCPStore on ``addr:port`` only (port 0 picks a free one). ``link_s``: drop a
+    client's connection once its host has answered nothing for that long
+    (chameleon_runtime.protocol.link)."""
+    sock = bind_listener(addr, port)
+    if link_s is not None:
+        try:
+            link.hold(sock, link_s)
+        except OSError as exc:
+            sock.close()
+            raise StoreError(
+                f"cannot set a {link_s:g} s deadline on the store's connections: {exc.strerror}"
+            ) from None
+    return serve_store(sock, timeout_s=timeout_s)
 
 
-def connect_store(addr: str, port: int, *, timeout_s: float = 60.0) -> TCPStore:
+def connect_store(
+    addr: str, port: int, *, timeout_s: float = 60.0, link_s: float | None = None
+) -> TCPStore:
+    """A client of the store at ``addr:port``. ``link_s``: its connection fails once the
+    host has answered nothing for that long (chameleon_runtime.protocol.link)."""
     from torch.distributed import TCPStore
 
     try:
-        return TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=timeout_s))
+        store = TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=timeout_s))
     except Exception as exc:
         raise StoreError(
             f"cannot reach the store at {addr}:{port}: {str(exc).splitlines()[0]}"
         ) from None
+    if link_s is not None:
+        with contextlib.suppress(OSError):
+            link.bound(addr, port, link_s)
+    return store
 
 
 def put_json(store: TCPStore, key: str, value: Any) -> None:

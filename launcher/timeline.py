@@ -131,3 +131,44 @@ def recoveries(events: Iterable[Record]) -> list[Recovery]:
 
 def start_time(events: Iterable[Record]) -> float | None:
     return next((e["t"] for e in events if e["event"] == "start"), None)
+
+
+@dataclass(frozen=True)
+class Slowdown:
+    """A worker found slower than its peers (launcher/stragglers.py), and when it was
+    back to their speed (None: not before the end)."""
+
+    rank: int
+    found_at: float
+    step: int | None
+    factor: float  # its passes' time per micro-batch over its peers' median, when found
+    back_at: float | None
+    back_step: int | None
+    worst: float | None = None  # the largest such factor while it was slow (once back)
+
+
+def slowdowns(events: list[Record]) -> list[Slowdown]:
+    rows = []
+    for i, e in enumerate(events):
+        if e["event"] != "straggler":
+            continue
+        back = next(
+            (
+                x
+                for x in events[i + 1 :]
+                if x["event"] == "straggler_recovered" and x.get("rank") == e["rank"]
+            ),
+            None,
+        )
+        rows.append(
+            Slowdown(
+                rank=e["rank"],
+                found_at=e["t"],
+                step=e.get("step"),
+                factor=e["factor"],
+                back_at=back["t"] if back else None,
+                back_step=back.get("step") if back else None,
+                worst=back.get("worst_factor") if back else None,
+            )
+        )
+    return rows

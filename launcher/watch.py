@@ -86,6 +86,17 @@ class Liveness:
             return f"no heartbeat within the startup timeout ({self.timeouts.startup_s:g} s)"
         return None
 
+    def forgive(self, now: float) -> None:
+        """Count every worker's silence from ``now``: until then this agent could not read
+        the beats (the store out of reach, or moved to a new leader), and a worker's
+        beats reach a moved store only once its own connection to the old one has failed
+        (chameleon_runtime.protocol.link), up to a heartbeat timeout later. So the
+        silence is counted from a heartbeat timeout after ``now``: a worker whose old
+        connection failed only at its deadline (seen: 3.4 s after this agent had moved,
+        with a timeout of 3 s) is not taken for hung."""
+        since = now + self.timeouts.heartbeat_s
+        self._seen = {rank: (pid, beat, since) for rank, (pid, beat, _) in self._seen.items()}
+
 
 class ScriptBeats:
     """One agent's view of its plain scripts' heartbeats (chameleon_runtime.heartbeat):

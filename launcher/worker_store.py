@@ -6,6 +6,7 @@ it the first time they need it."""
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -29,18 +30,22 @@ class WorkerStoreView:
         port: int,
         hosted: Callable[[], Any | None],
         seal: Seal | None = None,
+        link_s: float | None = None,
     ) -> None:
         """``hosted``: the store itself where this process hosts it (the leader);
-        ``seal``: the job token's (statuses unsigned by it are not the workers')."""
+        ``seal``: the job token's (statuses unsigned by it are not the workers');
+        ``link_s``: the deadline on the connection (chameleon_runtime.protocol.link)."""
         self.keys = Keys(attempt)
         self.seal = seal or Seal(None, "")
         self._addr, self._port = addr, port
+        self._link_s = link_s
         self._hosted = hosted  # the leader's own store, None on other agents
         self._client: Any = None
         self._known: set[int] = set()  # ranks that have posted a status
         # False while the store does not answer (its host's node lost, a new one not yet
         # served): silence then says nothing about the workers' heartbeats.
         self.reachable = True
+        self._lost_at = 0.0  # when it stopped answering (monotonic)
 
     def move(self, addr: str, port: int) -> None:
         """The store moved (a new leader serves it): connect there from now on."""
@@ -56,10 +61,17 @@ class WorkerStoreView:
             return hosted
         if not self.reachable:
             # Gone (its host's node lost): connecting again would block this agent's loop
-            # for the connect timeout; wait for ``move`` instead.
-            raise ConnectionError("the worker store is gone")
+            # for the connect timeout; wait for ``move`` instead. Where the store can
+            # move, try again now and then: a store that stays put (this node cut off
+            # from the leader alone) is not waited for forever.
+            if self._link_s is None or time.monotonic() - self._lost_at < 2 * self._link_s:
+                raise ConnectionError("the worker store is gone")
+            self._lost_at = time.monotonic()
         if self._client is None:
-            self._client = connect_store(self._addr, self._port, timeout_s=10)
+            timeout_s = 10.0 if self._link_s is None else self._link_s
+            self._client = connect_store(
+                self._addr, self._port, timeout_s=timeout_s, link_s=self._link_s
+            )
         return self._client
 
     def statuses(self, ranks: Sequence[int]) -> dict[int, WorkerStatus]:
@@ -72,6 +84,8 @@ class WorkerStoreView:
             known = [r for r in ranks if r in self._known]
             values = store.multi_get([self.keys.status(r) for r in known]) if known else []
         except Exception:
+            if self.reachable:
+                self._lost_at = time.monotonic()
             self.reachable, self._client = False, None
             return {}
         self.reachable = True

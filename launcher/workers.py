@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-from launcher.forkserver import die_with_parent
+from launcher.forkserver import STACKS_SIGNAL, die_with_parent
 from launcher.warm import ForkedProcess, ForkServer
 
 
@@ -238,6 +238,18 @@ def signal_worker(worker: Worker, signum: int) -> None:
     except PermissionError:  # the session leader is gone and its id reused: signal only it
         with contextlib.suppress(ProcessLookupError):
             worker.popen.send_signal(signum)
+
+
+# How long a worker about to be killed as hung has to write its stacks (one scheduling
+# slice on a loaded host; faulthandler's write itself takes microseconds).
+STACKS_GRACE_S = 0.3
+
+
+def ask_for_stacks(worker: Worker) -> None:
+    """Have ``worker`` write every thread's Python stack to its stderr (its log and the
+    console): the launcher kills it as hung ``STACKS_GRACE_S`` later."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.kill(worker.pid, STACKS_SIGNAL)
 
 
 def stop_workers(

@@ -89,6 +89,11 @@ def test_plain_output_shows_candidates_and_migration():
         (["plan", "--dry-run", "-c", TESTBED, "--fail", "x"], 2, "not a rank list"),
         (["plan", "--dry-run", "-c", TESTBED, "--mtbf", "soon"], 2, "not a duration"),
         (["plan", "--bogus"], 2, "No such option: --bogus"),
+        (["plan", "--dry-run", "-c", TESTBED, "--slow", "3"], 2, "expected RANK=FACTOR"),
+        (["plan", "--dry-run", "-c", TESTBED, "--slow", "3=0.5"], 2, "expected RANK=FACTOR"),
+        (["plan", "--dry-run", "-c", TESTBED, "--slow", "99=2"], 1, "rank 99 is not in the job"),
+        (["plan", "--dry-run", "-c", TESTBED, "--slow", "3=2", "--fail", "1"], 2, "not both"),
+        (["plan", "--dry-run", "-c", TESTBED, "--slow-for", "5m"], 2, "needs --slow"),
         (["frobnicate"], 2, "No such command"),
     ],
 )
@@ -146,3 +151,28 @@ def test_an_hsdp_job_of_1024_gpus_is_described_with_each_candidates_estimates():
         in (by["reparallelize"]["reason"])
     )
     assert by["restart"]["feasible"]
+
+
+def test_a_slow_rank_is_planned_around_when_it_lasts_and_waited_for_when_it_does_not():
+    """--slow: stay, an uneven deal or leaving it out, by the samples each trains over
+    the time the slowdown lasts (planner.choice.stragglers)."""
+    long = chameleon("plan", "--dry-run", "-c", TESTBED, "--slow", "3=3", "--json")
+    assert long.returncode == 0, long.stderr
+    out = json.loads(long.stdout)
+    assert out["slow"] == {"3": 3.0} and out["horizon_s"] == 600.0
+    stay, uneven, leave, resplit = out["options"]
+    assert [o["option"] for o in out["options"]] == [
+        "stay", "uneven deal", "leave out", "re-partition",
+    ]  # fmt: skip
+    assert resplit["step_time_s"] < stay["step_time_s"] and resplit["transition_s"] > 0
+    assert stay["step_time_s"] > out["even_step_time_s"]
+    assert uneven["step_time_s"] < stay["step_time_s"] and uneven["transition_s"] > 0
+    assert out["chosen"] in ("uneven deal", "leave out", "re-partition")
+    chosen = next(o for o in out["options"] if o["option"] == out["chosen"])
+    assert chosen["samples"] == max(o["samples"] for o in out["options"])
+    brief = chameleon(
+        "plan", "--dry-run", "-c", TESTBED, "--slow", "3=3", "--slow-for", "100ms", "--plain"
+    )
+    assert brief.returncode == 0, brief.stderr
+    assert "chosen            stay" in brief.stdout
+    assert "uneven deal" in brief.stdout and "leave out" in brief.stdout

@@ -37,6 +37,25 @@ def test_the_table_names_each_policy():
     assert "reroute" not in result.stdout.split("Policies")[1]
 
 
+def test_drawn_slowdowns_are_counted_and_dealt_around():
+    result = chameleon(
+        "simulate", "--config", ASCEND, "--mtbf", "6h", "--duration", "48h",
+        "--slowdowns", "3h", "--slow-factor", "3", "--slow-for", "1h",
+        "--policies", "adaptive,reroute", "--json",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    assert out["slowdowns"] > 5
+    by = {o["policy"]: o for o in out["outcomes"]}
+    assert by["adaptive"]["deals"] > 0 and by["reroute"]["deals"] == 0
+    assert by["reroute"]["slowed_s"] > 0
+    table = chameleon(
+        "simulate", "--config", ASCEND, "--duration", "24h", "--slowdowns", "3h", "--plain",
+        "--policies", "adaptive",
+    )  # fmt: skip
+    assert "slowdown(s)" in table.stdout and "deals" in table.stdout
+
+
 @pytest.mark.parametrize(
     ("args", "code", "words"),
     [
@@ -45,6 +64,9 @@ def test_the_table_names_each_policy():
         (["--duration", "-3h"], 2, "--duration"),
         (["--trace", "oobleck-1h", "--mtbf", "3h"], 2, "not both"),
         (["--plot", "/no/such/dir/x.png"], 1, "no such folder"),
+        (["--slowdowns", "2h", "--slow-factor", "1"], 2, "more than 1 times slower"),
+        (["--slowdowns", "2h", "--trace", "oobleck-1h"], 2, "brings its own slowdowns"),
+        (["--slowdowns", "soon"], 2, "--slowdowns"),
     ],
 )
 def test_bad_input_is_one_line_and_a_nonzero_exit(args, code, words):

@@ -53,3 +53,36 @@ def test_templates_are_reused_across_decisions():
     job = uniform_job(dp=2, pp=4, num_layers=8)
     search = Search(job).warm_up()
     assert set(search._templates) == {(n, r) for n in range(1, 9) for r in (False, True)}
+
+
+def test_one_structure_on_other_workers_is_timed_once_and_named_onto_them():
+    # Interchangeable workers (a node each, the 1,024 and 16,384 GPU configs): a plan of
+    # whole pipelines on other workers, same layers and micro-batches per pipeline, gets
+    # the estimate of the first, named onto its own workers; the same as timing it.
+    from pathlib import Path
+
+    from planner.config import load_job
+    from planner.estimator.estimate import estimate
+    from planner.plans.plan import rename_workers
+
+    job = load_job(Path(__file__).resolve().parent.parent / "configs" / "h100_1024_llama70b.toml")
+    assert job.interchangeable_workers
+    search = Search(job)
+    plan = initial_plan(job)
+    survivors = [w for w in plan.workers if w != 5]
+    first = search.propose(plan, survivors)[0].estimate
+    shifted = {w: w + 1 if w >= 5 else w for w in survivors}  # onto 6.. instead of 5..
+    moved = rename_workers(first.plan, {**{w: w for w in first.plan.workers}, **shifted})
+    assert moved.workers != first.plan.workers
+    again = search.estimate(moved)
+    assert len(search._shaped) >= 1 and search._shape_of(moved) == search._shape_of(first.plan)
+    fresh = estimate(job, moved)
+    assert again.plan is moved
+    assert (again.step_s, again.memory_bytes, again.in_flight) == (
+        fresh.step_s, fresh.memory_bytes, fresh.in_flight
+    )  # fmt: skip
+    # Not where workers differ (several a node): every plan is timed as it is.
+    ascend = load_job(
+        Path(__file__).resolve().parent.parent / "configs" / "ascend910b_32_gpt13b.toml"
+    )
+    assert Search(ascend)._shape_of(initial_plan(ascend)) is None

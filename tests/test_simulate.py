@@ -264,3 +264,64 @@ def test_progress_follows_every_policy_through_the_trace(ascend, sim):
         assert [n for _t, n in points[:-1]] == [
             sum(e.kind != "repair" for e in tr.events[: i + 1]) for i in range(len(tr.events))
         ]
+
+
+def test_a_seed_replays_the_same_run(ascend):
+    # Nothing measured on this machine enters a simulated run (a re-partition's search
+    # time once did: two runs of one seed differed in the fifth digit).
+    tr = traces.generated(ascend, duration_s=48 * HOUR, seed=2, mtbf_s=2 * HOUR, repair_s=HOUR)
+    runs = [
+        simulate(ascend, tr, ["adaptive", "reparallelize"], sim=Simulator(ascend)) for _ in "ab"
+    ]
+    for a, b in zip(runs[0].outcomes, runs[1].outcomes):
+        assert a == b
+
+
+def test_two_processes_give_the_figures_of_one(ascend):
+    # chameleon simulate runs adaptive and the oracle in this process and the rest in a
+    # forked one: the same figures, in the order asked, and the progress of both.
+    tr = traces.generated(ascend, duration_s=48 * HOUR, seed=5, mtbf_s=2 * HOUR, repair_s=HOUR)
+    names = ["restart", "adaptive", "reroute", "oracle"]
+    one = simulate(ascend, tr, names, sim=Simulator(ascend))
+    seen: dict[str, list[tuple[float, int]]] = {}
+    two = simulate(
+        ascend, tr, names, sim=Simulator(ascend), processes=2,
+        progress=lambda p, t, n: seen.setdefault(p, []).append((t, n)),
+    )  # fmt: skip
+    assert [o.policy for o in two.outcomes] == names
+    assert two.outcomes == one.outcomes
+    assert sorted(seen) == sorted(names)
+    assert all(points[-1] == (tr.duration_s, tr.failures) for points in seen.values())
+    assert two.decisions >= one.decisions  # (each process computes its own answers)
+
+
+def test_a_simulation_process_that_dies_is_said(ascend, monkeypatch):
+    import os
+
+    from planner.simulation import simulate as module
+
+    def dies(self, trace, policy, on_event=None):
+        if policy == "restart":
+            os._exit(9)
+        return real(self, trace, policy, on_event)
+
+    real = module.Simulator.run
+    monkeypatch.setattr(module.Simulator, "run", dies)
+    tr = one_failure(0, HOUR, 2 * HOUR)
+    with pytest.raises(RuntimeError, match="restart: exited with code 9"):
+        simulate(ascend, tr, ["adaptive", "restart"], sim=Simulator(ascend), processes=2)
+
+
+def test_a_progress_callback_that_raises_in_the_listener_is_raised_to_the_caller(ascend):
+    # the child's progress reaches the callback on a listener thread; its error is the
+    # caller's, not a thread's traceback and a missing result
+    tr = traces.generated(ascend, duration_s=24 * HOUR, seed=5, mtbf_s=2 * HOUR, repair_s=HOUR)
+
+    def bar(policy, t_s, failures):
+        if policy == "restart":
+            raise ValueError("the bar is gone")
+
+    with pytest.raises(ValueError, match="the bar is gone"):
+        simulate(
+            ascend, tr, ["adaptive", "restart"], sim=Simulator(ascend), processes=2, progress=bar
+        )

@@ -80,10 +80,10 @@ def test_phi_grid_equals_the_general_walk_on_random_pipelines():
         def __init__(self, f, b, cf, cb):
             self.f, self.b, self.cf, self.cb = f, b, cf, cb
 
-        def forward_s(self, first, end):
+        def forward_s(self, first, end, worker=None):
             return self.f[first]
 
-        def backward_s(self, first, end):
+        def backward_s(self, first, end, worker=None):
             return self.b[first]
 
         def boundary_bytes(self, layer):

@@ -66,6 +66,12 @@ class WaitingOn(_Message):
     name: str = ""
 
 
+# A status's means (``mean_*``, ``busy_s_per_mb``) are over a worker's last PACE_WINDOW
+# steps of its generation, its first PACE_WARMUP_STEPS left out (chameleon_runtime.pace).
+PACE_WINDOW = 8
+PACE_WARMUP_STEPS = 2
+
+
 class WorkerStatus(_Message):
     pid: int
     beat: int  # moves every heartbeat: the process is alive and answering
@@ -83,6 +89,13 @@ class WorkerStatus(_Message):
     mean_cpu_s: float | None = None
     mean_compute_cpu_s: float | None = None
     mean_pass_cpu_s: float | None = None
+    # Wall seconds the last step's passes took (its forwards and backwards, no wait in a
+    # collective), over how many micro-batches; and per micro-batch, the median over the
+    # pace window: the worker's speed (launcher/stragglers.py).
+    busy_s: float | None = None
+    micro_batches: int | None = None
+    busy_s_per_mb: float | None = None
+    pace_steps: int | None = None  # steps the means are over, this generation
     waiting_on: WaitingOn | None = None
     peak_bytes: int | None = None  # tensor bytes at this generation's peak (runtime.memory)
     fds: int | None = None  # open file descriptors and threads: bounded-state evidence
@@ -368,10 +381,12 @@ class ScriptBeat(BaseModel):
 
 # -- where the worker store is (chameleon_runtime.storeaddr, launcher/agent.py, a successor) ----
 
-# The file an agent writes when its round's worker store moves to a new leader, and how
-# long a worker's connection waits for one after losing its store.
+# The file an agent writes when its round's worker store moves to a new leader, how long
+# a worker's connection waits for one after losing its store, and how long a connection
+# to a store may go unanswered before it counts as lost (chameleon_runtime.protocol.link).
 STORE_FILE_ENV = "CHAMELEON_STORE_FILE"
 STORE_WAIT_ENV = "CHAMELEON_STORE_WAIT_S"
+STORE_LINK_ENV = "CHAMELEON_STORE_LINK_S"
 
 
 class StoreAddress(BaseModel):

@@ -45,6 +45,7 @@ charged as ``fatal`` is, at the same restart's cost (``risk_s``).
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -99,6 +100,12 @@ def _exposure(job: Job, plan: Plan) -> Exposure:
     for h in holders:
         sole.append(sole[-1] + (h == 1))
     sole_holders = tuple(s.worker for s in plan.stages if sole[s.end_layer] > sole[s.first_layer])
+    if job.cluster.devices_per_node == job.tp:
+        # A node each (the 1,024 and 16,384 GPU configs): a node is fatal iff its one
+        # worker is a sole holder (what the general case below finds, thousands of times
+        # cheaper than grouping the stages by node).
+        fatal = tuple(sorted(job.node_of(w) for w in sole_holders))
+        return Exposure(len(plan.stages), sole_holders, fatal, len(fatal))
 
     by_node: dict[int, list] = {}
     for s in plan.stages:
@@ -152,6 +159,14 @@ def windows(job: Job, plan: Plan) -> Windows:
 
 
 def _windows(job: Job, plan: Plan) -> Windows:
+    # Most plans hold every layer three times or more: counted first (a difference array
+    # over the stages), the holders are listed only where some layer has exactly two.
+    diff = [0] * (plan.num_layers + 1)
+    for s in plan.stages:
+        diff[s.first_layer] += 1
+        diff[s.end_layer] -= 1
+    if 2 not in itertools.accumulate(diff):
+        return Windows(len(plan.stages), ())
     holders: dict[int, list[int]] = {}
     for i, s in enumerate(plan.stages):
         for layer in range(s.first_layer, s.end_layer):

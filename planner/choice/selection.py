@@ -274,13 +274,16 @@ def search_repartitions(
     survivors: Sequence[int],
     *,
     clock: Callable[[], float] = time.perf_counter,
+    migrations: bool = True,
 ) -> Searched:
+    """``migrations=False``: the proposals alone (their migrations left empty)."""
     # A re-partition charges its search, which only it needs (rerouting's plan takes a
     # few milliseconds and is made whatever is chosen, so it charges none).
     t0 = clock()
     proposals = tuple(search.propose(current, survivors)) if survivors else ()
     search_s = clock() - t0
-    return Searched(proposals, search_s, migrations_for(search.job, proposals, current, survivors))
+    moves = migrations_for(search.job, proposals, current, survivors) if migrations else ()
+    return Searched(proposals, search_s, moves)
 
 
 def reparallelize_options(
@@ -302,8 +305,13 @@ def reparallelize_options(
         search, searched.proposals, current, survivors, failed=failed,
         search_s=searched.search_s, migrations=searched.migrations,
     )  # fmt: skip
-    fastest = min(searched.proposals, key=lambda p: p.estimate.step_s, default=None)
-    return tuple(options), fastest, searched.search_s
+    return tuple(options), fastest_proposal(searched.proposals), searched.search_s
+
+
+def fastest_proposal(proposals: Sequence[Proposal]) -> Proposal | None:
+    """The proposal a restart over the survivors runs, and Oobleck moves to: the fastest
+    (the first of equal ones)."""
+    return min(proposals, key=lambda p: p.estimate.step_s, default=None)
 
 
 def gather(

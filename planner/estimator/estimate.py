@@ -241,8 +241,8 @@ def worker_compute_s(
         ranges = {s.worker: (s.first_layer, s.end_layer) for s in plan.stages}
     through = micro_batches_of(plan)
     return {
-        w: through.get(w, 0) * (costs.forward_s(first, end) + costs.backward_s(first, end))
-        + costs.optimizer_s(first, end)
+        w: through.get(w, 0) * (costs.forward_s(first, end, w) + costs.backward_s(first, end, w))
+        + costs.optimizer_s(first, end, w)
         for w, (first, end) in ranges.items()
     }
 
@@ -272,6 +272,7 @@ def _compute_phase(
                 tuple(ranges[w] for w in hops),
                 tuple(position[mb] for mb in routes[0].micro_batches),
                 tuple(a == b for a, b in zip(nodes, nodes[1:], strict=False)),
+                tuple(job.slowdown(w) for w in hops) if job.slow else (),
             )
             if key not in cache:
                 cache[key] = _time_pipeline(routes[0], position, rank, ranges, costs)
@@ -299,8 +300,8 @@ def _time_pipeline(
     if [position[mb] for mb in route.micro_batches] != list(range(m)):
         return time_routes([route], position, rank, ranges, costs, hops)
     p = len(hops)
-    fwd = [costs.forward_s(*ranges[w]) for w in hops]
-    bwd = [costs.backward_s(*ranges[w]) for w in hops]
+    fwd = [costs.forward_s(*ranges[w], w) for w in hops]
+    bwd = [costs.backward_s(*ranges[w], w) for w in hops]
     fwd_comm = [0.0] + [
         costs.transfer_s(hops[k - 1], hops[k], costs.boundary_bytes(ranges[hops[k]][0]))
         for k in range(1, p)

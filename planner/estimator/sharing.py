@@ -218,7 +218,26 @@ def simulate_shared(
 ) -> float:
     """The step time of ``program`` with each host's workers sharing ``cores`` cores."""
     items = {w.worker: _items(w, costs, own_cpu_s.get(w.worker, 0.0)) for w in program.workers}
+    for w, factor in costs.job.slow:
+        if w in items and factor != 1.0:
+            items[w] = _slowed(items[w], factor)
     return _Sim(items, host_of, cores).run()
+
+
+def _slowed(items: list[Item], factor: float) -> list[Item]:
+    """A slow worker's program (Job.slow) on a shared host: each CPU item followed by a
+    pause of ``factor - 1`` times it before what it produces is out. What slows a worker
+    there (a process stopped and continued from outside, launcher/throttle.py; a
+    neighbour's load) leaves the cores to the others meanwhile: its CPU is the same, its
+    time longer."""
+    out: list[Item] = []
+    for item in items:
+        if item[0] == "cpu" and item[1] > _EPS:
+            out += [("cpu", item[1], None), ("sleep", item[1] * (factor - 1.0))]
+            out.append(("cpu", 0.0, item[2]))
+        else:
+            out.append(item)
+    return out
 
 
 def _items(w: WorkerProgram, costs: CostModel, own_cpu_s: float) -> list[Item]:

@@ -79,7 +79,7 @@ def simulate_tails(
                     assert bucket is not None
                     here = arrived.setdefault(bucket.index, {})
                     ready = costs.bucket_ready_s(
-                        compute_end.get(w, 0.0), ranges[w][0], bucket.first_layer
+                        compute_end.get(w, 0.0), ranges[w][0], bucket.first_layer, w
                     )
                     here[w] = max(ready, comm_free[w])
                     if len(here) < len(bucket.holders):
@@ -110,7 +110,7 @@ def simulate_tails(
                 else:
                     if kind is TailKind.ROUND:
                         allreduce_end[w] = t[w]
-                    t[w] += _local_s(kind, ranges[w], costs)
+                    t[w] += _local_s(kind, ranges[w], costs, w)
                     cursor[w] += 1
                 moved = True
     stuck = [w for w in everyone if cursor[w] < len(tails[w])]
@@ -130,12 +130,12 @@ _STORE_OPS = frozenset(
 )
 
 
-def _local_s(kind: TailKind, layers: tuple[int, int], costs: CostModel) -> float:
+def _local_s(kind: TailKind, layers: tuple[int, int], costs: CostModel, worker: int) -> float:
     """A tail operation a worker runs alone. Rounding the gradients is CPU beyond the
     layers: on shared hosts the fitted per-worker overhead holds it (planner.estimator.fit). A
     ring's READ_NORM reads its commit's sum: no store operation."""
     if kind is TailKind.OPTIMIZE:
-        return costs.optimizer_s(*layers)
+        return costs.optimizer_s(*layers, worker)
     if kind in _STORE_OPS and costs.job.cluster.allreduce == "exchange":
         return costs.store_s()
     return 0.0
@@ -150,8 +150,8 @@ def simulate_compute(
 
     ``ops_of`` may be any closed group of workers: every peer an op names must be in it.
     """
-    fwd_s = {w: costs.forward_s(*r) for w, r in ranges.items()}
-    bwd_s = {w: costs.backward_s(*r) for w, r in ranges.items()}
+    fwd_s = {w: costs.forward_s(*r, w) for w, r in ranges.items()}
+    bwd_s = {w: costs.backward_s(*r, w) for w, r in ranges.items()}
     # A forward on worker w receives the output of the layer before its first layer; a
     # backward receives the gradient of its own last output.
     recv_fwd_bytes = {w: costs.boundary_bytes(r[0]) for w, r in ranges.items()}
@@ -243,18 +243,36 @@ def finish_step(
     comm_free = {w: compute_end.get(w, 0.0) for w in ranges}
     if ring:
         link_free = dict.fromkeys(ranges, 0.0)
+        # A bucket is ready on its holders at the latest of their backwards' ends less
+        # the layers below it. Among holders of one first layer and one speed that is the
+        # one whose backward ended last (readiness grows with the end): each bucket's
+        # readiness is the latest over those few, found once per holder set (the same
+        # max, so the same bits; a rerouted plan's holders end at thousands of moments).
+        distinct: dict[tuple[int, ...], list[tuple[float, int, int]]] = {}
+        slowdown = costs.job.slowdown
         for bucket in sorted(buckets, key=lambda b: -b.first_layer):
-            start = max(
-                max(
-                    costs.bucket_ready_s(compute_end.get(h, 0.0), ranges[h][0], bucket.first_layer),
-                    link_free[h],
-                )
-                for h in bucket.holders
+            holders = bucket.holders
+            moments = distinct.get(holders)
+            if moments is None:
+                latest: dict[tuple[int, float], tuple[float, int]] = {}
+                for h in holders:
+                    ce, kind = compute_end.get(h, 0.0), (ranges[h][0], slowdown(h))
+                    seen = latest.get(kind)
+                    if seen is None or ce > seen[0]:
+                        latest[kind] = (ce, h)
+                moments = distinct[holders] = [
+                    (ce, first, h) for (first, _), (ce, h) in latest.items()
+                ]
+            ready = max(
+                costs.bucket_ready_s(ce, first, bucket.first_layer, h) for ce, first, h in moments
             )
-            end = start + costs.allreduce_s(bucket.holders, bucket.first_layer, bucket.end_layer)
-            for h in bucket.holders:
-                link_free[h] = end
-                comm_free[h] = max(comm_free[h], end)
+            start = max(ready, max(map(link_free.__getitem__, holders)))
+            end = start + costs.allreduce_s(holders, bucket.first_layer, bucket.end_layer)
+            link_free.update(dict.fromkeys(holders, end))
+        # (each holder's ends only grow: its last is its latest)
+        for w, free in link_free.items():
+            if free > comm_free[w]:
+                comm_free[w] = free
     for bucket in () if ring else sorted(buckets, key=lambda b: (b.round, b.index)):
         start = max(comm_free[h] for h in bucket.holders)
         end = start + costs.allreduce_s(bucket.holders, bucket.first_layer, bucket.end_layer)
@@ -268,10 +286,11 @@ def finish_step(
     )
     commit_end = max(reported, default=0.0) + costs.commit_s(len(ranges))
     after = store * (1 + (norm_owners is not None))  # the loss read, the norms read
-    step = max(  # over distinct layer ranges: thousands of workers share a few
-        (commit_end + costs.optimizer_s(*r) + after for r in set(ranges.values())),
-        default=commit_end,
-    )
+    if costs.job.slow:  # a slow worker's update is slower than its range's
+        optimize = [costs.optimizer_s(*r, w) for w, r in ranges.items()]
+    else:  # over distinct layer ranges: thousands of workers share a few
+        optimize = [costs.optimizer_s(*r) for r in set(ranges.values())]
+    step = max((commit_end + s + after for s in optimize), default=commit_end)
     return Timing(
         step_s=step,
         compute_end_s=dict(compute_end),

@@ -179,11 +179,17 @@ def in_pass_s(job: Job, current: Plan, survivors: Collection[int]) -> float:
     gets."""
     costs = CostModel(job)
     ranges = {s.worker: (s.first_layer, s.end_layer) for s in current.stages}
-    passes = [
-        (costs.forward_s(*ranges[w]) + costs.backward_s(*ranges[w])) / 2
-        for w in survivors
-        if w in ranges
-    ]
+    per_range: dict[tuple[tuple[int, int], float], float] = {}  # (thousands share a few)
+    passes = []
+    for w in survivors:
+        if w in ranges:
+            key = (ranges[w], job.slowdown(w))
+            mean = per_range.get(key)
+            if mean is None:
+                mean = per_range[key] = (
+                    costs.forward_s(*ranges[w], w) + costs.backward_s(*ranges[w], w)
+                ) / 2
+            passes.append(mean)
     if not passes:
         return 0.0
     k = len(passes)

@@ -194,13 +194,15 @@ class _PerWorker:
         self.fwd_s, self.bwd_s = np.zeros(top), np.zeros(top)
         self.fwd_bytes = np.zeros(top, dtype=np.int64)
         self.bwd_bytes = np.zeros(top, dtype=np.int64)
-        seen: dict[tuple[int, int], tuple[float, float, int, int]] = {}
+        seen: dict[tuple[int, int, float], tuple[float, float, int, int]] = {}
+        job = costs.job
         for w, (first, end) in ranges.items():
-            row = seen.get((first, end))
+            key = (first, end, job.slowdown(w))
+            row = seen.get(key)
             if row is None:
-                row = seen[(first, end)] = (
-                    costs.forward_s(first, end),
-                    costs.backward_s(first, end),
+                row = seen[key] = (
+                    costs.forward_s(first, end, w),
+                    costs.backward_s(first, end, w),
                     costs.boundary_bytes(first),
                     costs.boundary_bytes(end),
                 )

@@ -45,21 +45,31 @@ COMMIT_BYTES = 24
 class CostModel:
     job: Job
 
-    def forward_s(self, first: int, end: int) -> float:
-        return self.job.model.total("forward_s", first, end) + self.job.cluster.pass_cpu_s
+    # ``worker``: whose compute it is, for a job with slow workers (Job.slow); None: a
+    # worker at the cost table's speed.
 
-    def backward_s(self, first: int, end: int) -> float:
-        return self.job.model.total("backward_s", first, end) + self.job.cluster.pass_cpu_s
+    def forward_s(self, first: int, end: int, worker: int | None = None) -> float:
+        s = self.job.model.total("forward_s", first, end) + self.job.cluster.pass_cpu_s
+        return s * self.job.slowdown(worker) if self.job.slow else s
 
-    def bucket_ready_s(self, compute_end_s: float, first: int, bucket_first: int) -> float:
+    def backward_s(self, first: int, end: int, worker: int | None = None) -> float:
+        s = self.job.model.total("backward_s", first, end) + self.job.cluster.pass_cpu_s
+        return s * self.job.slowdown(worker) if self.job.slow else s
+
+    def bucket_ready_s(
+        self, compute_end_s: float, first: int, bucket_first: int, worker: int | None = None
+    ) -> float:
         """When a ring's bucket starting at layer ``bucket_first`` is ready on a worker
         holding layers from ``first`` whose last pass (a backward) ended at
         ``compute_end_s``: that backward had the layers below the bucket still to do."""
         below = self.job.model.total("backward_s", first, bucket_first)
+        if self.job.slow:
+            below *= self.job.slowdown(worker)
         return max(0.0, compute_end_s - below)
 
-    def optimizer_s(self, first: int, end: int) -> float:
-        return self.job.model.total("optimizer_s", first, end)
+    def optimizer_s(self, first: int, end: int, worker: int | None = None) -> float:
+        s = self.job.model.total("optimizer_s", first, end)
+        return s * self.job.slowdown(worker) if self.job.slow else s
 
     def boundary_bytes(self, layer: int) -> int:
         """Bytes crossing the boundary before ``layer`` (the previous layer's output)."""

@@ -222,10 +222,38 @@ class Job:
     cluster: Cluster
     model: Model
     training: Training
+    # Workers slower than the others (a throttled device, a noisy neighbour, a host whose
+    # loader falls behind: launcher/stragglers.py measures them), as (worker, factor):
+    # every pass and optimizer update of theirs takes ``factor`` times what the cost table
+    # says. Empty: every worker at the table's speed.
+    slow: tuple[tuple[int, float], ...] = ()
+
+    @cached_property
+    def slowdowns(self) -> dict[int, float]:
+        return dict(self.slow)
+
+    def slowdown(self, worker: int | None) -> float:
+        """How many times the cost table's time ``worker``'s compute takes (1: none)."""
+        if not self.slow or worker is None:
+            return 1.0
+        return self.slowdowns.get(worker, 1.0)
 
     @property
     def tp(self) -> int:
         return self.training.tp
+
+    @property
+    def interchangeable_workers(self) -> bool:
+        """Whether any renaming of workers (spares included) keeps every cost the same:
+        each worker is a node of its own on a host of its own, at the cost table's speed,
+        so every pair of workers is joined by the same link and shares nothing else."""
+        c = self.cluster
+        return (
+            c.devices_per_node == self.tp
+            and c.nodes_per_host <= 1
+            and not c.host_cores
+            and not self.slow
+        )
 
     @property
     def num_workers(self) -> int:

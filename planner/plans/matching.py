@@ -21,6 +21,7 @@ than the others.
 
 from __future__ import annotations
 
+import heapq
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -179,17 +180,21 @@ def _match_greedy(
         groups.setdefault(holdings.get(w), deque()).append(w)
     # Slots repeat the same few ranges: rank the holdings once per range wanted, then
     # take the best one with a worker left (what a min over the non-empty ones gives).
-    ranked: dict[Range, list[Range | None]] = {}
+    # A group only empties, so each ranking keeps how far its emptied head reaches.
+    ranked: dict[Range, tuple[list[Range | None], list[int]]] = {}
     chosen = []
     for j, i in slots:
         want = new_pipelines[j][i]
-        order = ranked.get(want)
-        if order is None:
-            order = ranked[want] = sorted(
+        found = ranked.get(want)
+        if found is None:
+            order = sorted(
                 groups, key=lambda g: (missing_bytes(costs, g, want), g is None, g or (0, 0))
             )
-        best = next(g for g in order if groups[g])
-        chosen.append(groups[best].popleft())
+            found = ranked[want] = (order, [0])
+        order, head = found
+        while not groups[order[head[0]]]:
+            head[0] += 1
+        chosen.append(groups[order[head[0]]].popleft())
     return chosen
 
 
@@ -240,7 +245,10 @@ def choose_sources(
     holders_of: dict[Range, list[int]] = {}
     needs: list[tuple[int, Range]] = []
     for dst, want in sorted(targets.items()):
-        for piece in _missing_pieces(holdings.get(dst), want, cuts):
+        held = holdings.get(dst)
+        if held is not None and held[0] <= want[0] and want[1] <= held[1]:
+            continue  # (most workers keep their layers: nothing to fetch)
+        for piece in _missing_pieces(held, want, cuts):
             needs.append((dst, piece))
             if piece not in holders_of:
                 holders_of[piece] = sorted(
@@ -254,14 +262,64 @@ def choose_sources(
     sent = dict.fromkeys(holdings, 0.0)
     order = sorted(range(len(needs)), key=lambda k: (-costs.moved_bytes(*needs[k][1]), k))
     transfers: list[Transfer | None] = [None] * len(needs)
+    job = costs.job
+    node = {w: job.node_of(w) for w in holdings}  # (a transfer's link: within dst's node or not)
+    on_node: dict[int, list[int]] = {}
+    for w in sorted(holdings):
+        on_node.setdefault(node[w], []).append(w)
+    # Per piece, its holders by load over the far link (a heap whose entries go stale as
+    # their senders' loads grow: refreshed when they surface).
+    far_heaps: dict[Range, tuple[list[tuple[float, int]], set[int]]] = {}
     for k in order if balanced else range(len(needs)):
         dst, piece = needs[k]
         num_bytes = costs.moved_bytes(*piece)
         candidates = holders_of[piece]
         if balanced:
-            src = min(candidates, key=lambda w: (sent[w] + costs.transfer_s(w, dst, num_bytes), w))
+            # The least loaded holder counting its link to dst, min over the candidates of
+            # (sent + near or far, w): the far ones' best off the heap, the few on dst's
+            # node looked at each (thousands of candidates, two links).
+            near, far = job.intra_link.transfer_s(num_bytes), job.inter_link.transfer_s(num_bytes)
+            home = job.node_of(dst)
+            if piece not in far_heaps:
+                heap = [(sent[w] + far, w) for w in candidates]
+                heapq.heapify(heap)
+                far_heaps[piece] = (heap, set(candidates))
+            heap, held = far_heaps[piece]
+            best = _least_loaded_far(heap, sent, far, node, home)
+            for w in on_node.get(home, ()):
+                if w in held and (best is None or (sent[w] + near, w) < best):
+                    best = (sent[w] + near, w)
+            assert best is not None
+            src = best[1]
         else:
             src = candidates[0]
         sent[src] += costs.transfer_s(src, dst, num_bytes)
         transfers[k] = Transfer(src, dst, piece[0], piece[1], num_bytes)
     return [t for t in transfers if t is not None]
+
+
+def _least_loaded_far(
+    heap: list[tuple[float, int]],
+    sent: Mapping[int, float],
+    far: float,
+    node: Mapping[int, int],
+    home: int,
+) -> tuple[float, int] | None:
+    """The least (sent + far, w) on ``heap`` among workers off node ``home``: stale
+    entries (their worker has sent more since) are refreshed in place until a fresh one
+    tops the heap; those on ``home`` (near, not far) are set aside and put back."""
+    aside = []
+    best = None
+    while heap:
+        value, w = heap[0]
+        fresh = sent[w] + far
+        if value != fresh:
+            heapq.heapreplace(heap, (fresh, w))
+        elif node[w] == home:
+            aside.append(heapq.heappop(heap))
+        else:
+            best = (value, w)
+            break
+    for entry in aside:
+        heapq.heappush(heap, entry)
+    return best

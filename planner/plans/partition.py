@@ -16,6 +16,7 @@ serves every stage count at once. Rows are built on demand, O(L^2) each.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from planner.job.cost import CostModel
@@ -67,6 +68,25 @@ class Partitioner:
             self._cache[num_stages] = self._solve(num_stages)
         return self._cache[num_stages]
 
+    def fastest_at_speeds(self, factors: Sequence[float]) -> Partition | None:
+        """The split into ``len(factors)`` stages whose slowest stage is fastest when
+        stage k's forward+backward takes ``factors[k]`` times its time (a slow worker's:
+        planner.choice.stragglers gives it fewer layers), under the same memory bounds;
+        None if none fits. ``stage_s`` are at full speed, as ``fastest``'s. The same
+        dynamic program, its rows for these factors alone (each stage's factor depends on
+        its position, so they serve no other count)."""
+        p = len(factors)
+        if not 1 <= p <= self._num_layers:
+            return None
+        rows: list[list[float]] = []  # rows[j - 1]: [f, L) over the last j stages
+        for j in range(1, p + 1):
+            rows.append(self._next_row(rows[-1] if rows else None, j, factors[p - j]))
+        return self._split(p, lambda j: rows[j - 1], lambda k: factors[k])
+
+    def stage_time(self, first: int, end: int) -> float:
+        """One micro-batch's forward+backward over layers [first, end) at full speed."""
+        return self._stage_time(first, end)
+
     def _stage_time(self, first: int, end: int) -> float:
         return self._prefix_time[end] - self._prefix_time[first] + self._per_stage_s
 
@@ -92,46 +112,62 @@ class Partitioner:
 
     def _row(self, stages_after: int) -> list[float]:
         """``best`` for the last ``stages_after`` stages, building the rows it needs."""
-        n = self._num_layers
         while len(self._best) < stages_after:
-            j = len(self._best) + 1
-            row = [_INF] * (n + 1)
-            if j == 1:
-                for f in range(n):
-                    if self._fits(f, n, 1):
-                        row[f] = self._stage_time(f, n)
-            else:
-                after = self._best[-1]
-                for f in range(n - j + 1):
-                    best = _INF
-                    for e in range(f + 1, n - j + 2):
-                        rest = after[e]
-                        if rest == _INF:
-                            continue
-                        here = self._stage_time(f, e)
-                        if here >= best:
-                            break  # longer first stages only take longer
-                        if self._fits(f, e, j):
-                            best = min(best, max(here, rest))
-                    row[f] = best
-            self._best.append(row)
+            after = self._best[-1] if self._best else None
+            self._best.append(self._next_row(after, len(self._best) + 1))
         return self._best[stages_after - 1]
 
-    def _solve(self, num_stages: int) -> Partition | None:
+    def _next_row(self, after: list[float] | None, j: int, slow: float = 1.0) -> list[float]:
+        """The bottleneck of [f, L) over the last ``j`` stages, for every f, from the row
+        for the last ``j - 1`` (``after``; None for j = 1), the first of the j taking
+        ``slow`` times its time."""
         n = self._num_layers
-        if not 1 <= num_stages <= n:
+        row = [_INF] * (n + 1)
+        if after is None:
+            for f in range(n):
+                if self._fits(f, n, 1):
+                    row[f] = slow * self._stage_time(f, n)
+            return row
+        for f in range(n - j + 1):
+            best = _INF
+            for e in range(f + 1, n - j + 2):
+                rest = after[e]
+                if rest == _INF:
+                    continue
+                here = slow * self._stage_time(f, e)
+                if here >= best:
+                    break  # longer first stages only take longer
+                if self._fits(f, e, j):
+                    best = min(best, max(here, rest))
+            row[f] = best
+        return row
+
+    def _solve(self, num_stages: int) -> Partition | None:
+        if not 1 <= num_stages <= self._num_layers:
             return None
-        bottleneck = self._row(num_stages)[0]
+        return self._split(num_stages, self._row, lambda k: 1.0)
+
+    def _split(
+        self,
+        num_stages: int,
+        row: Callable[[int], list[float]],
+        slow: Callable[[int], float],
+    ) -> Partition | None:
+        """The split that reaches the bottleneck ``row(num_stages)[0]`` (None if memory
+        rules every split out), from ``row(j)``, the rows for the last j stages, stage k
+        taking ``slow(k)`` times its time."""
+        n = self._num_layers
+        bottleneck = row(num_stages)[0]
         if bottleneck == _INF:
             return None  # memory alone rules it out
         bounds, first = [0], 0
         for j in range(num_stages, 1, -1):
-            after = self._row(j - 1)
+            after, factor = row(j - 1), slow(num_stages - j)
             # the shortest first stage that still reaches the optimum
             first = next(
                 e
                 for e in range(first + 1, n - j + 2)
-                if self._stage_time(first, e) <= bottleneck + _EPS
+                if factor * self._stage_time(first, e) <= bottleneck + _EPS
                 and after[e] <= bottleneck + _EPS
                 and self._fits(first, e, j)
             )

@@ -11,23 +11,64 @@ Where workers are interchangeable (planner.simulation.symmetry), a question abou
 pipelines is asked under names drawn from the plan's structure, so that a failure at the
 same place in any pipeline is answered once; the caller names the chosen answer back
 (``Question.answer``).
+
+A re-partition is not charged the time its search took here: that is this machine's and
+this process's (a cached answer would take none), and a seed must replay the same run
+anywhere. chameleon run charges its real search; at 16,384 GPUs it is 0.15-0.3 s of a
+17 s transition (docs/simulate.md).
+
+A slowdown is asked the same way (``slowed``), the slow workers marked where a failure's
+lost ones are: its answer is figures (the step waiting for them, the uneven deal's step,
+the moves there and back, the break-even horizon), the same under any renaming.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
-from planner.choice.policy import Candidate, reroute_candidate, restart_candidate
-from planner.choice.selection import reparallelize_options, search_repartitions
+from planner.choice.policy import (
+    Candidate,
+    migrations_for,
+    reparallelize_candidates,
+    reroute_candidate,
+    restart_candidate,
+)
+from planner.choice.selection import (
+    Searched,
+    fastest_proposal,
+    reparallelize_options,
+    search_repartitions,
+)
+from planner.choice.stragglers import break_even_s, straggler_choice
+from planner.estimator.estimate import estimate
 from planner.job.workload import Job
 from planner.plans.plan import Plan
 from planner.search.layouts import Proposal, Search
 from planner.simulation.symmetry import Question, as_is, canonical, interchangeable
 
 
+def _untimed() -> float:
+    """The search's clock here (module doc): its time is not charged."""
+    return 0.0
+
+
+@dataclass(frozen=True)
+class SlowAnswer:
+    """A plan with slow workers, in figures (planner.choice.stragglers)."""
+
+    step_s: float  # the plan as it is: every step waits for them
+    dealt_step_s: float | None = None  # dealt unevenly around them (None: not asked, or no deal)
+    there_s: float = 0.0  # the move to that deal
+    back_s: float = 0.0  # and back to the even one
+    break_even_s: float | None = None  # how long a slowdown must last for the deal to pay
+
+
 class Answers:
     def __init__(self, job: Job, search: Search, *, rename: bool | None = None) -> None:
+        self.job = job
         self.search = search
         self.rename = interchangeable(job) if rename is None else rename
         self._cache: dict[tuple, Any] = {}
@@ -43,11 +84,13 @@ class Answers:
         whole = len(plan.routes) == len(plan.pipelines)
         return (canonical if self.rename and whole else as_is)(plan, lost, idle, spares)
 
-    def _cached(self, key: tuple, answer: Callable[[], Any]) -> Any:
+    def _cached(self, key: tuple, answer: Callable[[], Any], *, counted: bool = True) -> Any:
+        """``counted``: whether this is an answer of its own (a search's proposals are
+        the first half of the search answer)."""
         hit = self._cache.get(key)
         if hit is None:
             hit = self._cache[key] = answer()
-            self.computed += 1
+            self.computed += counted
         return hit
 
     def reroute(self, q: Question) -> Candidate:
@@ -56,10 +99,46 @@ class Answers:
             ("reroute", q.plan, q.lost), lambda: reroute_candidate(self.search, q.plan, q.lost)
         )
 
+    def proposals(self, q: Question) -> tuple[Proposal, ...]:
+        """The search's layouts over ``q``'s survivors, in the question's names, before
+        any migration is planned (``Simulator.grow`` rules most growths out on these)."""
+        key = self._search_key(q)
+        return self._cached(
+            ("proposals", *key),
+            lambda: (
+                search_repartitions(
+                    self.search, q.plan, q.survivors, clock=_untimed, migrations=False
+                ).proposals
+            ),
+            counted=False,
+        )
+
+    def fastest_step_s(self, q: Question) -> float | None:
+        """The step of the fastest of ``proposals(q)`` (None: none fits), without placing
+        every proposal on workers where they are not already placed
+        (``Search.fastest_step_s``): what ``Simulator.grow`` asks at every repair, where
+        most growths are ruled out on it."""
+        key = self._search_key(q)
+        placed = self._cache.get(("proposals", *key))
+        if placed is not None:
+            fastest = fastest_proposal(placed)
+            return None if fastest is None else fastest.estimate.step_s
+        # (inf for none: the cache takes None for a miss)
+        step_s = self._cached(
+            ("fastest step", *key),
+            lambda: self.search.fastest_step_s(q.plan, q.survivors) or math.inf,
+            counted=False,
+        )
+        return None if step_s == math.inf else step_s
+
     def _repartitions(self, q: Question) -> tuple[tuple[Candidate, ...], Proposal | None, float]:
         survivors = q.survivors
+        proposals = self.proposals(q)
         searched = self._cached(
-            self._search_key(q), lambda: search_repartitions(self.search, q.plan, survivors)
+            self._search_key(q),
+            lambda: Searched(
+                proposals, 0.0, migrations_for(self.job, proposals, q.plan, survivors)
+            ),
         )
         return self._cached(
             ("reparallelize", q.plan, q.lost, q.idle),
@@ -87,6 +166,23 @@ class Answers:
         """The feasible re-partitions, in the question's names."""
         return [c for c in self._repartitions(q)[0] if c.feasible]
 
+    def fastest_reparallelize(self, q: Question) -> Candidate | None:
+        """The re-partition to the fastest proposal (the first of equal ones), in the
+        question's names; None when none fits. What ``reparallelize`` gives, less the
+        migrations of the proposals it would not pick: Oobleck's policy moves to the
+        fastest, whatever the move costs."""
+        fastest = fastest_proposal(self.proposals(q))
+        if fastest is None:
+            return None
+
+        def answer() -> Candidate | None:
+            (c,) = reparallelize_candidates(
+                self.search, (fastest,), q.plan, q.survivors, failed=q.lost, search_s=0.0
+            )
+            return c if c.feasible else None
+
+        return self._cached(("fastest", q.plan, q.lost, q.idle), answer)
+
     def restart(self, q: Question) -> Candidate:
         """In the question's names: the faster of the plan on the first spares (idle
         workers first), when there are enough, and the fastest plan over the survivors
@@ -98,10 +194,38 @@ class Answers:
             key,
             lambda: restart_candidate(
                 self.search, q.plan, q.lost, q.survivors,
-                best_over_survivors=self._repartitions(q)[1],
+                best_over_survivors=fastest_proposal(self.proposals(q)),
                 since_checkpoint_s=0.0, spares=pool,
             ),
         )  # fmt: skip
+
+    def slowed(self, plan: Plan, slow: Sequence[tuple[int, float]], *, deal: bool) -> SlowAnswer:
+        """``plan`` with workers ``slow`` (each with its factor) at their speed; with
+        ``deal``, also what chameleon run weighs for them: the uneven deal and from how
+        long a slowdown on it pays (a live run never leaves a slow worker out: it could
+        not tell when to take it back)."""
+        q = self.question(plan, [w for w, _ in slow], (), ())
+        name = {old: new for new, old in q.back.items()} if q.back is not None else None
+        marked = tuple(sorted((name[w] if name else w, f) for w, f in slow))
+
+        def answer() -> SlowAnswer:
+            job = replace(self.job, slow=marked)
+            if not deal:
+                return SlowAnswer(estimate(job, q.plan).step_s)
+            choice = straggler_choice(job, q.plan, 1.0, leave_out=False, repartition=False)
+            stay, uneven = choice.stay, choice.options[1]
+            assert stay.estimate is not None
+            if not uneven.feasible or uneven.estimate is None:
+                return SlowAnswer(stay.estimate.step_s)
+            return SlowAnswer(
+                stay.estimate.step_s,
+                uneven.estimate.step_s,
+                there_s=uneven.transition_s - uneven.back_s,
+                back_s=uneven.back_s,
+                break_even_s=break_even_s(choice),
+            )
+
+        return self._cached(("slowed", q.plan, marked, deal), answer)
 
     def relaunch(self, launch: Plan, alive: Sequence[int], spares: Sequence[int]) -> Candidate:
         """A stopped job started again on ``alive`` workers and ``spares``: ``launch`` on
@@ -111,7 +235,7 @@ class Answers:
         def answer() -> Candidate:
             back = set(alive)
             failed = [w for w in launch.workers if w not in back]
-            best = reparallelize_options(self.search, launch, failed, alive)[1]
+            best = reparallelize_options(self.search, launch, failed, alive, clock=_untimed)[1]
             return restart_candidate(
                 self.search, launch, failed, alive, best_over_survivors=best,
                 since_checkpoint_s=0.0, spares=spares,

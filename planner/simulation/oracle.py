@@ -22,7 +22,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from planner.simulation.simulate import Simulator, State
+from planner.simulation.simulate import Simulator
+from planner.simulation.state import State, pace_s
 from planner.simulation.trace import Trace
 
 BEAM = 12
@@ -52,6 +53,11 @@ def _key(state: State) -> tuple:
         state.idle,
         state.spares,
         state.totals.stopped,
+        state.slow,
+        state.slow_since,
+        state.slowed_step_s,
+        state.deal,
+        state.pending,
     )
 
 
@@ -65,7 +71,7 @@ def _keep(merged: dict[tuple, State], state: State) -> None:
 def _bound(sim: Simulator, state: State, duration_s: float) -> float:
     if state.plan is None:
         return state.totals.samples
-    return state.totals.samples + sim.rate_of(state.step_s) * max(
+    return state.totals.samples + sim.rate_of(pace_s(state)) * max(
         0.0, duration_s - max(state.t_s, state.resume_s)
     )
 
@@ -84,7 +90,11 @@ def oracle(
     for event in trace.events:
         merged: dict[tuple, State] = {}
         for state in states:
-            if event.kind == "repair":
+            state = sim.due(state, event.t_s, "oracle")
+            if event.kind in ("slow", "speed"):
+                # (planned around as chameleon run would: no branch)
+                branches = [sim.speed_change(state, event, "oracle")]
+            elif event.kind == "repair":
                 # workers back: stay, or take them in as the growing policies would
                 branches = [sim.repair(state, event), sim.repair(state, event, "adaptive")]
             else:
@@ -96,16 +106,9 @@ def oracle(
                         sim.recover(state, None)
                     ]
             for b in branches:
-                _keep(merged, b)
+                _keep(merged, sim.paced(b, "oracle"))
         for p, state in followers.items():
-            if event.kind == "repair":
-                state = sim.repair(state, event, p)
-            else:
-                state, lost = sim.hit(state, event)
-                if lost:
-                    choices = sim.choices(state, lost, p)
-                    state = sim.recover(state, choices[0] if choices else None)
-            followers[p] = state
+            followers[p] = state = sim.step(state, event, p)
             _keep(merged, state)
         ranked = sorted(
             merged.values(), key=lambda s: _bound(sim, s, trace.duration_s), reverse=True
@@ -116,9 +119,9 @@ def oracle(
         kept_keys = {_key(s) for s in kept}
         kept += [s for s in followers.values() if _key(s) not in kept_keys]
         states = kept
-        failures += event.kind != "repair"
+        failures += event.kind == "fail"
         if on_event is not None:
             on_event(event.t_s, failures)
-    finished = [sim.advance(s, trace.duration_s) for s in states]
+    finished = [sim.finish(s, trace.duration_s, "oracle") for s in states]
     best = max(finished, key=lambda s: s.totals.samples)
     return OracleRun(best=best, states_max=most, pruned=pruned)

@@ -10,12 +10,18 @@ each run up as a pydantic model, which is also the command's ``--json``:
 - post-recovery: the rate after recoveries over failure-free, averaged over the time spent
   training then; and the rate right after the first recovery, one failure's cost (what
   PAPER.md's "within 11% of failure-free" measures);
-- failures survived in place (no restart), and restarts.
+- failures survived in place (no restart), and restarts;
+- with slowdowns in the trace: the time trained with a slow worker in the plan, and the
+  moves to an uneven deal around one and back.
 """
 
 from __future__ import annotations
 
 import gc
+import json
+import multiprocessing
+import os
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -24,7 +30,8 @@ from pydantic import BaseModel
 
 from planner.job.workload import Job
 from planner.simulation.oracle import oracle
-from planner.simulation.simulate import POLICIES, Simulator, State
+from planner.simulation.simulate import POLICIES, Simulator
+from planner.simulation.state import State
 from planner.simulation.trace import Trace
 
 
@@ -42,6 +49,8 @@ class PolicyOutcome(BaseModel):
     restarts: int
     stopped: bool  # no feasible recovery at some point
     stopped_s: float  # time spent so, until workers came back to restart it
+    slowed_s: float = 0.0  # training with a slow worker in the plan
+    deals: int = 0  # moves to an uneven deal around slow workers, and back
     series: list[tuple[float, float]]  # (t_s, samples/s) where the rate changes
     note: str = ""
 
@@ -52,6 +61,7 @@ class SimulationReport(BaseModel):
     trace_source: str
     duration_s: float
     failures: int  # failure events in the trace
+    slowdowns: int = 0  # slowdown events in the trace
     workers: int
     failure_free: float  # samples/s
     step_s: float  # failure-free
@@ -105,6 +115,8 @@ def outcome(
         restarts=t.restarts,
         stopped=t.stopped,
         stopped_s=t.stopped_s,
+        slowed_s=t.slowed_s,
+        deals=t.deals,
         series=series,
         note=note,
     )
@@ -125,6 +137,11 @@ def _cycle_collector_paused() -> Iterator[None]:
             gc.enable()
 
 
+# Policies whose runs share most of their answers (the oracle follows adaptive's states);
+# with a second process, they run in one and every other policy in the other.
+_TOGETHER = ("adaptive", "oracle")
+
+
 def simulate(
     job: Job,
     trace: Trace,
@@ -133,43 +150,145 @@ def simulate(
     config: str = "",
     sim: Simulator | None = None,
     progress: Callable[[str, float, int], None] | None = None,
+    processes: int = 1,
 ) -> SimulationReport:
     """Every policy in ``policies`` over ``trace``; ``progress(policy, t_s, failures so
-    far)`` after each event of each run (``chameleon simulate``'s progress bar)."""
+    far)`` after each event of each run (``chameleon simulate``'s progress bar; with two
+    processes it is called from two threads of this one).
+
+    ``processes`` 2 runs adaptive (and the oracle) in this process and the other policies
+    in a forked one, each with its own cache of answers: a policy's run depends on no
+    other's, and an answer on nothing cached before it (planner.simulation.answers), so
+    the figures are the same bits as in one process."""
     started = time.perf_counter()
     sim = sim or Simulator(job)
-    outcomes = []
-
-    def reporter(policy: str) -> Callable[[float, int], None] | None:
-        if progress is None:
-            return None
-        return lambda t_s, failures: progress(policy, t_s, failures)
-
+    here = [p for p in policies if p in _TOGETHER]
+    there = [p for p in policies if p not in _TOGETHER]
     with _cycle_collector_paused():
-        for policy in policies:
-            if policy == "oracle":
-                run = oracle(sim, trace, on_event=reporter(policy))
-                note = (
-                    f"best of {run.states_max} states at most; beam cut some (a lower bound)"
-                    if run.pruned
-                    else "exact"
-                )
-                outcomes.append(outcome(sim, policy, run.best, trace.duration_s, note))
-            else:
-                state = sim.run(trace, policy, on_event=reporter(policy))
-                outcomes.append(outcome(sim, policy, state, trace.duration_s))
-            if progress is not None:  # the rest of the trace, after its last event
-                progress(policy, trace.duration_s, trace.failures)
+        if processes > 1 and here and there:
+            outcomes, decisions = _in_two(sim, trace, here, there, progress)
+        else:
+            outcomes, decisions = _run(sim, trace, policies, progress), sim.decisions
+    by_policy = {o.policy: o for o in outcomes}
     return SimulationReport(
         config=config,
         trace=trace.name,
         trace_source=trace.source,
         duration_s=trace.duration_s,
         failures=trace.failures,
+        slowdowns=trace.slowdowns,
         workers=job.num_workers,
         failure_free=sim.rate0,
         step_s=sim.step0_s,
-        outcomes=outcomes,
-        decisions=sim.decisions,
+        outcomes=[by_policy[p] for p in policies],
+        decisions=decisions,
         wall_s=time.perf_counter() - started,
     )
+
+
+def _run(
+    sim: Simulator,
+    trace: Trace,
+    policies: Sequence[str],
+    progress: Callable[[str, float, int], None] | None,
+) -> list[PolicyOutcome]:
+    def reporter(policy: str) -> Callable[[float, int], None] | None:
+        if progress is None:
+            return None
+        return lambda t_s, failures: progress(policy, t_s, failures)
+
+    outcomes = []
+    for policy in policies:
+        if policy == "oracle":
+            run = oracle(sim, trace, on_event=reporter(policy))
+            note = (
+                f"best of {run.states_max} states at most; beam cut some (a lower bound)"
+                if run.pruned
+                else "exact"
+            )
+            outcomes.append(outcome(sim, policy, run.best, trace.duration_s, note))
+        else:
+            state = sim.run(trace, policy, on_event=reporter(policy))
+            outcomes.append(outcome(sim, policy, state, trace.duration_s))
+        if progress is not None:  # the rest of the trace, after its last event
+            progress(policy, trace.duration_s, trace.failures)
+    return outcomes
+
+
+def _in_two(
+    sim: Simulator,
+    trace: Trace,
+    here: list[str],
+    there: list[str],
+    progress: Callable[[str, float, int], None] | None,
+) -> tuple[list[PolicyOutcome], int]:
+    """``here`` in this process, ``there`` in a forked child (the warm Simulator is
+    inherited, not rebuilt). The child sends JSON over a pipe: its progress, then its
+    outcomes and how many answers it computed, or the error that stopped it."""
+    context = multiprocessing.get_context("fork")
+    reader, writer = context.Pipe(duplex=False)
+    child = context.Process(
+        target=_child, args=(sim, trace, there, writer, progress is not None), daemon=True
+    )
+    child.start()
+    writer.close()
+    result: dict = {}
+    failed: list[BaseException] = []
+
+    def listen() -> None:
+        # (a thread: the child's progress reaches the bar while this process runs its own)
+        try:
+            while True:
+                message = json.loads(reader.recv_bytes())
+                if "progress" in message:
+                    if progress is not None:
+                        progress(*message["progress"])
+                    continue
+                result.update(message)
+                return
+        except EOFError:
+            return  # ended without an answer: said once it is reaped (its exit code)
+        except BaseException as exc:  # the progress callback's: raised in the caller
+            failed.append(exc)
+
+    listener = threading.Thread(target=listen, name="simulate-child", daemon=True)
+    listener.start()
+    try:
+        mine = _run(sim, trace, here, progress)
+        listener.join()
+    finally:
+        if child.is_alive():
+            child.terminate()
+        child.join()
+        listener.join()  # (the child's end of the pipe is closed: it returns)
+        reader.close()
+    if failed:
+        raise failed[0]
+    if "outcomes" not in result:
+        why = result.get("error") or f"exited with code {child.exitcode} before it answered"
+        raise RuntimeError(f"the simulation of {', '.join(there)}: {why}")
+    theirs = [PolicyOutcome.model_validate(o) for o in result["outcomes"]]
+    return mine + theirs, sim.decisions + result["decisions"]
+
+
+def _child(sim: Simulator, trace: Trace, policies: list[str], pipe, report: bool) -> None:
+    parent = os.getppid()
+
+    def send(message: dict) -> None:
+        # (JSON keeps an infinite or NaN figure, which pydantic's JSON mode makes null)
+        pipe.send_bytes(json.dumps(message).encode())
+
+    def progress(policy: str, t_s: float, failures: int) -> None:
+        if os.getppid() != parent:  # the caller is gone (killed): nobody will read this
+            os._exit(1)
+        if report:
+            send({"progress": [policy, t_s, failures]})
+
+    before = sim.decisions
+    try:
+        outcomes = _run(sim, trace, policies, progress)
+        send({"outcomes": [o.model_dump() for o in outcomes], "decisions": sim.decisions - before})
+    except BaseException as exc:  # said to the parent, which raises it
+        send({"error": f"{type(exc).__name__}: {exc}"})
+    finally:
+        pipe.close()

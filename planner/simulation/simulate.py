@@ -36,27 +36,39 @@ the fastest layout over every live worker at once when that pays before the next
 failure (``Simulator.grow``; the oracle follows adaptive's growths). A job with no feasible recovery stops training until workers are back to
 run it; then it restarts from its last checkpoint, as torchrun or a requeueing scheduler
 would.
+
+Slowdowns (a trace's ``slow`` and ``speed`` events: a worker that keeps training, slower)
+hold every step back to the slow worker's pace, priced by the estimator at each worker's
+speed. ``adaptive`` (and the oracle, whose choices are chameleon run's) plans around them
+as chameleon run does (launcher/stragglers.py): once a slowdown has lasted as long as the
+uneven deal needs to pay for its moves there and back (planner.choice.stragglers'
+break-even horizon; never before the slow worker could be found, ``FOUND_AFTER_STEPS``),
+its step is dealt unevenly, and evenly again when the worker has its speed back. The
+other policies wait for it, as every launcher today does. A failure's plan replaces the
+deal (the next look starts afresh), and a failure during a deal is answered as from the
+even plan it came from: the micro-batches each pipeline runs are all that differ.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 from planner.choice.policy import Candidate, Policy, Transition
 from planner.choice.selection import (
     Outlook,
     choose,
     growth_choice,
+    layout_risk_s,
     log_score,
     restart_variants,
+    worth_growing,
 )
-from planner.job.failures import FailureRate
 from planner.job.workload import Job
 from planner.plans.layout import initial_plan
-from planner.plans.plan import Plan
 from planner.search.layouts import Search
 from planner.simulation.answers import Answers
+from planner.simulation.state import Choice, Deal, State, pace_s
 from planner.simulation.symmetry import Question
 from planner.simulation.trace import Event, Trace
 
@@ -66,58 +78,16 @@ POLICIES = ("adaptive", "reroute", "reparallelize", "restart", "redundant", "ora
 # return). ReCycle keeps its layout, torchrun restarts only on a failure, Bamboo keeps
 # its redundancy's layout.
 GROWS = ("adaptive", "reparallelize")
+# Policies that deal a slow worker fewer micro-batches (chameleon run's --stragglers);
+# the oracle's states do as adaptive does.
+PLANS_AROUND = ("adaptive", "oracle")
+# chameleon run finds a straggler once the median of its pace window has moved: about
+# half the window's steps after it slowed (launcher/stragglers.py, MIN_PACE_STEPS).
+FOUND_AFTER_STEPS = 5
 # Bamboo's redundant computation, as a share of a failure-free step. An assumption (the
 # figure depends on the model and the bubbles it fills), stated in docs/simulate.md.
 REDUNDANT_OVERHEAD = 0.25
 _FULL = 1 - 1e-9  # a rate at least this share of failure-free counts as full speed
-
-
-@dataclass(frozen=True)
-class Totals:
-    """What a run has done so far, in seconds and samples (module doc)."""
-
-    samples: float = 0.0
-    useful_s: float = 0.0  # training on new work
-    full_s: float = 0.0  # training at the failure-free rate
-    transition_s: float = 0.0  # not training: detection to the first step
-    redo_s: float = 0.0  # training again over work a restart lost
-    degraded_s: float = 0.0  # training time lost to slower steps (equivalent seconds)
-    post_s: float = 0.0  # training after the first recovery
-    post_rate_s: float = 0.0  # ... weighted by its rate over failure-free
-    in_place: int = 0  # failures recovered without a restart
-    restarts: int = 0
-    growths: int = 0  # repaired workers taken back in (``Simulator.grow``)
-    stopped: bool = False  # no feasible recovery: the job stopped
-    stopped_s: float = 0.0
-
-
-@dataclass(frozen=True)
-class State:
-    plan: Plan | None  # None: stopped
-    step_s: float
-    resume_s: float  # training resumes here
-    redo_until_s: float  # training until here redoes lost work
-    checkpoint_from_s: float  # checkpoints every interval from here
-    down: frozenset[int] = frozenset()
-    idle: frozenset[int] = frozenset()  # alive, in no plan
-    spares: frozenset[int] = frozenset()
-    rate: FailureRate | None = None  # adaptive's posterior
-    observed_s: float = 0.0  # the posterior holds the exposure up to here
-    lost_at_stop_s: float = 0.0  # stopped: the work since its last checkpoint, to redo
-    slowdown: float = 1.0  # every step's cost over the plan's estimate (redundant's overhead)
-    t_s: float = 0.0  # the state's time
-    totals: Totals = field(default_factory=Totals)
-    points: tuple = ()  # ((t, samples/s), previous points): throughput over time, linked
-
-
-@dataclass(frozen=True)
-class Choice:
-    candidate: Candidate  # its transition as this policy pays it
-    step_s: float  # as this policy trains after it (redundant: with its overhead)
-
-    @property
-    def transition(self) -> Transition:
-        return self.candidate.transition
 
 
 class Simulator:
@@ -186,10 +156,12 @@ class Simulator:
         train = max(0.0, t_s - train_from) if state.plan is not None else 0.0
         redo = max(0.0, min(t_s, state.redo_until_s) - train_from) if train else 0.0
         useful = train - redo
-        rate = self.rate_of(state.step_s)
+        rate = self.rate_of(pace_s(state))
         share = rate / self.rate0
         full = share >= _FULL
         recovered = tot.in_place + tot.restarts > 0
+        # (post-recovery rates the recovery's plan: a straggler's toll is in degraded)
+        planned = self.rate_of(state.step_s) / self.rate0
         tot = replace(
             tot,
             samples=tot.samples + rate * useful,
@@ -200,7 +172,8 @@ class Simulator:
             redo_s=tot.redo_s + redo,
             degraded_s=tot.degraded_s + (0.0 if full else useful * (1 - share)),
             post_s=tot.post_s + (useful if recovered else 0.0),
-            post_rate_s=tot.post_rate_s + (useful * share if recovered else 0.0),
+            post_rate_s=tot.post_rate_s + (useful * planned if recovered else 0.0),
+            slowed_s=tot.slowed_s + (useful if state.slowed_step_s is not None else 0.0),
         )
         return replace(state, t_s=t_s, totals=tot)
 
@@ -227,6 +200,9 @@ class Simulator:
             spares=state.spares - lost,
             rate=rate,
             observed_s=event.t_s,
+            # (a failed device is replaced, or back from repair, at its speed)
+            slow=tuple((w, f) for w, f in state.slow if w not in lost),
+            slow_since=tuple((w, t) for w, t in state.slow_since if w not in lost),
         )
         return state, hit
 
@@ -258,8 +234,26 @@ class Simulator:
             return state
         assert state.plan is not None
         q = self.answers.question(state.plan, (), state.idle, state.spares)
-        options = [q.answer(c) for c in self.answers.reparallelize(q)]
         outlook = self.outlook(state)
+        # Most repairs cannot pay: even the fastest layout the search finds, moved to for
+        # free and with no risk, would not beat staying (worth_growing falls with the
+        # grown step, its transition and its risk). Then no migration is planned at all.
+        fastest_s = self.answers.fastest_step_s(q)
+        if fastest_s is None or not worth_growing(
+            current_s=state.step_s / state.slowdown,
+            grown_s=fastest_s,
+            transition_s=0.0,
+            mtbf_s=outlook.mtbf_s,
+            current_risk_s=(
+                layout_risk_s(self.job, state.plan, outlook) if policy == "adaptive" else 0.0
+            ),
+        ):
+            return state
+        if policy == "adaptive":
+            options = [q.answer(c) for c in self.answers.reparallelize(q)]
+        else:  # Oobleck's growth takes the fastest: no other move is planned
+            fastest_rp = self.answers.fastest_reparallelize(q)
+            options = [q.answer(fastest_rp)] if fastest_rp is not None else []
         best = growth_choice(
             self.job, state.plan, state.step_s / state.slowdown, options, outlook,
             risk=policy == "adaptive",
@@ -278,6 +272,9 @@ class Simulator:
             idle=frozenset((state.idle | set(state.plan.workers)) - used),
             totals=replace(state.totals, growths=state.totals.growths + 1),
             points=((resume, self.rate_of(step)), ((t, 0.0), state.points)),
+            slowed_step_s=None,  # (``paced`` prices the new plan's slow workers)
+            deal=None,
+            pending=None,
         )
 
     def relaunch(self, state: State) -> State:
@@ -355,8 +352,7 @@ class Simulator:
             c = plain(replace(reroute, transition=takeover))
             return [Choice(c.candidate, c.step_s * state.slowdown)]
         if policy == "reparallelize":
-            feasible = self.answers.reparallelize(q)
-            fastest = min(feasible, key=lambda c: c.estimate.step_s, default=None)  # type: ignore[union-attr]
+            fastest = self.answers.fastest_reparallelize(q)
             if fastest is None:
                 return fallback()
             naive = fastest.migration.naive()
@@ -405,7 +401,7 @@ class Simulator:
         # Beyond its transition, a failure costs the time until it is seen, and one that
         # interrupts a step loses that step's work so far (half a step on average; a
         # restart's lost work since its checkpoint already holds it).
-        interrupted = state.step_s / 2 if training and not restart else 0.0
+        interrupted = pace_s(state) / 2 if training and not restart else 0.0
         blocked = self.job.cluster.detection_s + interrupted + tr.total_s - tr.lost_work_s
         return replace(
             state,
@@ -425,6 +421,94 @@ class Simulator:
                 (t + blocked, self.rate_of(step)),
                 ((t, 0.0), state.points),
             ),
+            slowed_step_s=None,  # (``paced`` prices the new plan's slow workers)
+            deal=None,
+            pending=None,
+        )
+
+    # -- slowdowns ------------------------------------------------------------------------
+
+    def speed_change(self, state: State, event: Event, policy: str) -> State:
+        """Workers slowed (``slow``) or back to speed (``speed``), then ``paced``."""
+        state = self.due(state, event.t_s, policy)
+        state = self.advance(state, event.t_s)
+        slow, since = dict(state.slow), dict(state.slow_since)
+        for w in event.workers:
+            if event.kind == "slow":
+                slow[w] = event.factor
+                since.setdefault(w, event.t_s)
+            else:
+                slow.pop(w, None)
+                since.pop(w, None)
+        state = replace(
+            state, slow=tuple(sorted(slow.items())), slow_since=tuple(sorted(since.items()))
+        )
+        return self.paced(state, policy)
+
+    def paced(self, state: State, policy: str) -> State:
+        """``state``'s step at its slow workers' speed, and (``PLANS_AROUND``) the deal
+        around them: kept while any worker it was made for is still slow, taken back
+        once none is, and otherwise made pending from when it pays (module doc)."""
+        if state.plan is None:
+            return state
+        if not state.slow and state.deal is None:
+            if state.slowed_step_s is None and state.pending is None:
+                return state
+            return self._repaced(state, None, None)
+        workers = set(state.plan.workers)
+        slow = tuple((w, f) for w, f in state.slow if w in workers)
+        if state.deal is not None:
+            if any(w in dict(slow) for w in state.deal.around):
+                return state  # still dealt around them
+            state = self._dealt(state, None, state.deal.back_s)
+        if not slow:
+            return self._repaced(state, None, None)
+        around = policy in PLANS_AROUND
+        answer = self.answers.slowed(state.plan, slow, deal=around)
+        pending = None
+        if around and answer.dealt_step_s is not None and answer.break_even_s is not None:
+            since = min(t for w, t in state.slow_since if w in workers)
+            step = answer.step_s * state.slowdown
+            at = max(since + answer.break_even_s, since + FOUND_AFTER_STEPS * step)
+            pending = Deal(
+                at_s=max(at, state.resume_s),
+                around=tuple(w for w, _ in slow),
+                step_s=answer.dealt_step_s * state.slowdown,
+                there_s=answer.there_s,
+                back_s=answer.back_s,
+            )
+        return self._repaced(state, answer.step_s * state.slowdown, pending)
+
+    def _repaced(self, state: State, step_s: float | None, pending: Deal | None) -> State:
+        before = pace_s(state)
+        state = replace(state, slowed_step_s=step_s, pending=pending)
+        if pace_s(state) != before and self.training(state):
+            state = replace(state, points=((state.t_s, self.rate_of(pace_s(state))), state.points))
+        return state
+
+    def due(self, state: State, t_s: float, policy: str) -> State:
+        """``state`` with its pending deal made, if it falls by ``t_s``."""
+        deal = state.pending
+        if deal is None or deal.at_s > t_s or state.plan is None:
+            return state
+        state = self.advance(state, deal.at_s)
+        return self._dealt(state, deal, deal.there_s)
+
+    def _dealt(self, state: State, deal: Deal | None, move_s: float) -> State:
+        """A move at ``state``'s time to ``deal`` (None: back to the even deal): like a
+        recovery's, at a step boundary, nothing lost; not training for ``move_s``."""
+        t = state.t_s
+        resume = max(state.resume_s, t + move_s)
+        step = deal.step_s if deal is not None else state.step_s
+        return replace(
+            state,
+            deal=deal,
+            pending=None,
+            slowed_step_s=step if deal is not None else None,
+            resume_s=resume,
+            totals=replace(state.totals, deals=state.totals.deals + 1),
+            # (no stop in the series: a deal is not a recovery, and its move is seconds)
+            points=((resume, self.rate_of(step)), state.points),
         )
 
     def run(
@@ -437,14 +521,25 @@ class Simulator:
         failures so far)`` after each event (a progress bar's)."""
         state, failures = self.start(policy), 0
         for event in trace.events:
-            if event.kind == "repair":
-                state = self.repair(state, event, policy)
-            else:
-                failures += 1
-                state, lost = self.hit(state, event)
-                if lost:
-                    options = self.choices(state, lost, policy)
-                    state = self.recover(state, options[0] if options else None)
+            state = self.step(state, event, policy)
+            failures += event.kind == "fail"
             if on_event is not None:
                 on_event(event.t_s, failures)
-        return self.advance(state, trace.duration_s)
+        return self.finish(state, trace.duration_s, policy)
+
+    def step(self, state: State, event: Event, policy: str) -> State:
+        """``state`` through one event of its trace, as ``policy`` meets it."""
+        state = self.due(state, event.t_s, policy)
+        if event.kind in ("slow", "speed"):
+            return self.speed_change(state, event, policy)
+        if event.kind == "repair":
+            state = self.repair(state, event, policy)
+        else:
+            state, lost = self.hit(state, event)
+            if lost:
+                options = self.choices(state, lost, policy)
+                state = self.recover(state, options[0] if options else None)
+        return self.paced(state, policy)
+
+    def finish(self, state: State, duration_s: float, policy: str) -> State:
+        return self.advance(self.due(state, duration_s, policy), duration_s)

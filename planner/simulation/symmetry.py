@@ -29,11 +29,8 @@ from planner.plans.plan import Plan, Route, rename_workers
 
 
 def interchangeable(job: Job) -> bool:
-    """Whether any renaming of workers (spares included) keeps every cost the same:
-    each worker is a node of its own on a host of its own, so every pair of workers is
-    joined by the same link and shares nothing else."""
-    c = job.cluster
-    return c.devices_per_node == job.tp and c.nodes_per_host <= 1 and not c.host_cores
+    """Whether any renaming of workers keeps every cost the same (Job.interchangeable_workers)."""
+    return job.interchangeable_workers
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
-"""Failure traces for ``chameleon simulate``: which workers fail when, and when they return.
+"""Failure traces for ``chameleon simulate``: which workers fail when, and when they return;
+which are slowed (stragglers), by how much, and when they have their speed back.
 
-Three sources, one form (``Trace``: events in time order, each a set of workers lost or
-back):
+Three sources, one form (``Trace``: events in time order, each a set of workers lost,
+back, slowed or back to speed):
 
 - ``oobleck(job, interval_s)``: Oobleck's evaluation traces (PAPER.md): 30 nodes falling to
   15, one failure every 10 min, 30 min, 1 h, 3 h or 6 h, no repairs. Replayed on the job's
@@ -13,7 +14,11 @@ back):
   12.9% software, 8.4% network, the rest host and other), and the cause its scope: a GPU
   takes its worker until repaired; a software fault takes the worker's process, which is
   back at once (``PROCESS_RESTART_S``); network and host faults take a whole node until
-  repaired. Repairs after ``repair_s`` (none when None).
+  repaired. Repairs after ``repair_s`` (none when None). Slowdowns, when asked for
+  (``Slowdowns``), arrive as a Poisson process of their own (another stream of the same
+  seed, so a trace's failures are the same with or without them): one device's worker
+  slowed by a factor for a time drawn around a mean (exponential: most are short, a few
+  last long), as a throttled GPU or a noisy neighbour would.
 - ``load(path, job)``: a JSON file (``TraceFile``), for traces from a real cluster.
 """
 
@@ -25,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from planner.job.errors import ConfigError
 from planner.job.failures import CAUSES
@@ -40,9 +45,10 @@ OOBLECK_INTERVALS_S = {"10m": 600.0, "30m": 1800.0, "1h": 3600.0, "3h": 10800.0,
 @dataclass(frozen=True)
 class Event:
     t_s: float
-    kind: Literal["fail", "repair"]
+    kind: Literal["fail", "repair", "slow", "speed"]  # speed: a slowdown's end
     workers: tuple[int, ...]
     cause: str = ""
+    factor: float = 1.0  # a slowdown's: 3 = a third of the worker's speed
 
     def takes_node(self, job: Job) -> bool:
         """Whether this failure took a whole node: by its cause where it names one of
@@ -68,9 +74,44 @@ class Trace:
     def failures(self) -> int:
         return sum(1 for e in self.events if e.kind == "fail")
 
+    @property
+    def slowdowns(self) -> int:
+        return sum(1 for e in self.events if e.kind == "slow")
+
 
 def _sorted(events: list[Event], duration_s: float) -> tuple[Event, ...]:
     return tuple(sorted((e for e in events if e.t_s < duration_s), key=lambda e: e.t_s))
+
+
+@dataclass(frozen=True)
+class Slowdowns:
+    """Stragglers to draw beside failures: one every ``every_s`` on average (the job's),
+    each slowing one device's worker ``factor`` times for ``for_s`` on average."""
+
+    every_s: float
+    factor: float = 2.0
+    for_s: float = 1800.0
+
+    def __post_init__(self) -> None:
+        if self.every_s <= 0 or self.for_s <= 0:
+            raise ConfigError("slowdowns need a positive interval and duration")
+        if self.factor <= 1.0:
+            raise ConfigError(f"a slowdown factor must be above 1 (got {self.factor:g})")
+
+
+def _slowdowns(job: Job, spec: Slowdowns, duration_s: float, seed: int) -> list[Event]:
+    # (a stream of its own: the failures drawn from ``seed`` stay the same)
+    rng = random.Random(f"slowdowns-{seed}")
+    events: list[Event] = []
+    t = 0.0
+    while True:
+        t += rng.expovariate(1.0 / spec.every_s)
+        if t >= duration_s:
+            return events
+        worker = (job.worker_of(rng.randrange(job.cluster.num_devices)),)
+        lasts = rng.expovariate(1.0 / spec.for_s)
+        events.append(Event(t, "slow", worker, "slowdown", spec.factor))
+        events.append(Event(t + lasts, "speed", worker, "slowdown"))
 
 
 def oobleck(job: Job, interval_s: float, *, duration_s: float, seed: int = 0) -> Trace:
@@ -96,8 +137,9 @@ def generated(
     seed: int = 0,
     mtbf_s: float | None = None,
     repair_s: float | None = None,
+    slowdowns: Slowdowns | None = None,
 ) -> Trace:
-    """Failures drawn from statistics (module doc)."""
+    """Failures, and slowdowns when given, drawn from statistics (module doc)."""
     rng = random.Random(seed)
     c = job.cluster
     rate = 1.0 / mtbf_s if mtbf_s else c.num_devices / c.device_mtbf_s
@@ -119,6 +161,8 @@ def generated(
         back = PROCESS_RESTART_S if scopes[k] == "process" else repair_s
         if back is not None:
             events.append(Event(t + back, "repair", workers, names[k]))
+    if slowdowns is not None:
+        events += _slowdowns(job, slowdowns, duration_s, seed)
     source = (
         f"generated: one failure per {mtbf_s / 3600:.3g} h"
         if mtbf_s
@@ -126,11 +170,17 @@ def generated(
         f"{c.device_mtbf_s / 3600:.3g} device-hours"
     )
     repairs = f"repaired after {repair_s / 3600:.3g} h" if repair_s is not None else "no repairs"
+    slow = (
+        f"; a worker slowed {slowdowns.factor:g}x every {slowdowns.every_s / 3600:.3g} h "
+        f"for {slowdowns.for_s / 60:.3g} min on average"
+        if slowdowns is not None
+        else ""
+    )
     return Trace(
         name=f"generated-seed{seed}",
         duration_s=duration_s,
         events=_sorted(events, duration_s),
-        source=f"{source}; Llama 3's cause mix; {repairs}",
+        source=f"{source}; Llama 3's cause mix; {repairs}{slow}",
     )
 
 
@@ -144,12 +194,27 @@ class TraceEventFile(_Strict):
     fail_nodes: list[Annotated[int, Field(ge=0)]] = []
     repair_ranks: list[Annotated[int, Field(ge=0)]] = []
     repair_nodes: list[Annotated[int, Field(ge=0)]] = []
+    # A slowdown: these ranks' (or nodes') workers ``factor`` times slower for ``for_hours``.
+    slow_ranks: list[Annotated[int, Field(ge=0)]] = []
+    slow_nodes: list[Annotated[int, Field(ge=0)]] = []
+    factor: Annotated[float, Field(gt=1.0)] | None = None
+    for_hours: Annotated[float, Field(gt=0)] | None = None
     cause: str = ""
+
+    @model_validator(mode="after")
+    def _slowdown_whole(self) -> TraceEventFile:
+        slowed = bool(self.slow_ranks or self.slow_nodes)
+        if slowed and (self.factor is None or self.for_hours is None):
+            raise ValueError("a slowdown (slow_ranks, slow_nodes) needs factor and for_hours")
+        if not slowed and (self.factor is not None or self.for_hours is not None):
+            raise ValueError("factor and for_hours belong to a slowdown (slow_ranks, slow_nodes)")
+        return self
 
 
 class TraceFile(_Strict):
     """A trace as JSON: ``{"name": ..., "events": [{"t_hours": 1.5, "fail_nodes": [3]},
-    {"t_hours": 4, "repair_nodes": [3]}]}``; ranks are device ranks."""
+    {"t_hours": 4, "repair_nodes": [3]}, {"t_hours": 5, "slow_ranks": [9], "factor": 2,
+    "for_hours": 0.5}]}``; ranks are device ranks."""
 
     name: str = ""
     events: list[TraceEventFile]
@@ -170,6 +235,7 @@ def load(path: Path, job: Job, *, duration_s: float) -> Trace:
         for kind, ranks, nodes in (
             ("fail", e.fail_ranks, e.fail_nodes),
             ("repair", e.repair_ranks, e.repair_nodes),
+            ("slow", e.slow_ranks, e.slow_nodes),
         ):
             bad = [r for r in ranks if r >= c.num_devices] + [x for x in nodes if x >= c.num_nodes]
             if bad:
@@ -180,8 +246,15 @@ def load(path: Path, job: Job, *, duration_s: float) -> Trace:
             workers = {job.worker_of(r) for r in ranks}
             workers |= {w for x in nodes for w in job.workers_on_node(x)}
             workers = {w for w in workers if w < job.num_workers}
-            if workers:
-                events.append(Event(e.t_hours * 3600, kind, tuple(sorted(workers)), e.cause))  # type: ignore[arg-type]
+            if not workers:
+                continue
+            t_s, these = e.t_hours * 3600, tuple(sorted(workers))
+            if kind == "slow":
+                assert e.factor is not None and e.for_hours is not None
+                events.append(Event(t_s, "slow", these, e.cause, e.factor))
+                events.append(Event(t_s + e.for_hours * 3600, "speed", these, e.cause))
+            else:
+                events.append(Event(t_s, kind, these, e.cause))  # type: ignore[arg-type]
     return Trace(
         name=data.name or path.stem,
         duration_s=duration_s,

@@ -8,6 +8,7 @@ import os
 import shutil
 import signal
 import subprocess
+import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -54,6 +55,7 @@ class Member:
 @dataclass
 class EtcdCluster:
     members: list[Member] = field(default_factory=list)
+    data_root: Path | None = None  # the members' data folders, on tmpfs (removed at stop)
 
     @property
     def endpoints(self) -> str:
@@ -86,6 +88,13 @@ class EtcdCluster:
                 "revision",
                 "--auto-compaction-retention",
                 "1000",
+                # Raft's timing for a loaded 2-core host rather than a datacenter: etcd's
+                # defaults (100 ms, 1 s) start elections whenever a member is descheduled
+                # for a second, which a suite of real jobs beside it does.
+                "--heartbeat-interval",
+                "200",
+                "--election-timeout",
+                "2000",
             ],  # fmt: skip
             stdout=log.open("ab"),
             stderr=subprocess.STDOUT,
@@ -108,12 +117,15 @@ class EtcdCluster:
     def stop(self) -> None:
         for i in range(len(self.members)):
             self.kill(i)
+        if self.data_root is not None:
+            shutil.rmtree(self.data_root, ignore_errors=True)
 
 
 # free_port() hands out a port that was free a moment ago; another process can bind it
 # before etcd does (CI, November 2026: "bind: address already in use"). Such a start is
 # tried again on new ports; any other failure is reported at once.
 BIND_RETRIES = 3
+DATA_PREFIX = "chameleon-etcd-"  # tests/conftest.py looks for leftovers by it
 
 
 def start_cluster(
@@ -131,10 +143,14 @@ def start_cluster(
 def _try_cluster(
     work: Path, size: int, timeout_s: float, host: str
 ) -> tuple[EtcdCluster | None, str]:
-    cluster = EtcdCluster()
+    # Data on tmpfs where there is one: a member's fsync on a busy disk can take longer
+    # than its election timeout. tests/conftest.py removes what a test leaves there.
+    shm = Path("/dev/shm")
+    root = Path(tempfile.mkdtemp(prefix=DATA_PREFIX, dir=shm if shm.is_dir() else None))
+    cluster = EtcdCluster(data_root=root)
     work.mkdir(parents=True, exist_ok=True)
     for i in range(size):
-        data = work / f"member{i}"
+        data = root / f"member{i}"
         cluster.members.append(Member(f"m{i}", free_port(), free_port(), data, host=host))
     cluster.start_all(work)
     deadline = time.monotonic() + timeout_s

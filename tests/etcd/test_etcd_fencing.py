@@ -17,6 +17,7 @@ from launcher.etcd import EtcdStore, parse_endpoints
 from tests.etcd.test_etcd_job import (
     agents,
     assert_failure_free,
+    assert_in_place,
     finish,
     leader_of,
     wait_step,
@@ -86,7 +87,7 @@ def test_a_frozen_node_is_lost_in_place_and_fences_itself_when_resumed(tmp_path,
     codes = finish([procs[i] for i in others], tmp_path, timeout=180)
     assert codes == [0, 0], [(tmp_path / f"n{i}.log").read_text()[-2500:] for i in others]
     evs = [e for i in others for e in events(tmp_path / f"n{i}.jsonl")]
-    assert [e["attempt"] for e in evs if e["event"] == "workers_started"] == [0, 0]
+    assert_in_place(tmp_path, others)
     assert [e for e in evs if e["event"] == "recovered"], "not recovered in place"
     assert_failure_free(tmp_path, reference)
     print(f"resumed -> fenced and gone in {fenced_in:.2f} s")

@@ -82,6 +82,16 @@ def wait_for_event(path: Path, name: str, timeout: float = 60, **match) -> dict:
     raise AssertionError(f"no {name} event within {timeout} s in {path}: {events(path)}")
 
 
+def stacks(output: str) -> str:
+    """The stacks in a launcher's output (a worker killed as hung writes every thread's
+    first, launcher/workers.py; a traceback's frames too), for a failing test's message:
+    where a hang was, which a CI run's summary table alone does not say."""
+    kept = [
+        line for line in output.splitlines() if "most recent call first" in line or 'File "' in line
+    ]
+    return "\n" + "\n".join(kept)[-8000:]
+
+
 def devices_config(tmp: Path) -> Path:
     """The CPU test bed's config, planned as if each worker had a device of its own
     (host_cores = 0): a larger layout is then faster, and replacements are taken in."""

@@ -82,7 +82,18 @@ def test_fault_specs():
     assert (g.kind, g.step, g.code, g.attempt) == (FaultKind.EXIT, 10, 7, 1)
     h = parse_fault("kill:rank=2,phase=migrate,recovery=2,after_ms=50")
     assert (h.phase, h.recovery, h.after_ms) == ("migrate", 2, 50.0)
+    s = parse_fault("slow:rank=2,factor=3,step=10,for=20")
+    assert (s.kind, s.rank, s.factor, s.step, s.for_s) == (FaultKind.SLOW, 2, 3.0, 10, 20.0)
+    assert s.describe() == "slow rank 2 3x for 20 s at step 10 (attempt 0)"
+    assert parse_fault("slow:rank=0,factor=2.5,at=4").for_s is None
     for bad in (
+        "slow:rank=1,at=1",  # how slow?
+        "slow:rank=1,factor=1,at=1",
+        "slow:rank=1,factor=0.5,at=1",
+        "slow:rank=1,factor=2,at=1,for=0",
+        "slow:rank=1,factor=2,phase=plan",
+        "kill:rank=1,at=1,factor=2",
+        "kill:rank=1,at=1,for=3",
         "explode:rank=1,at=1",
         "kill:at=1",
         "kill:rank=x,at=1",

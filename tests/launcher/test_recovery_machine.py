@@ -302,6 +302,70 @@ def test_a_growth_takes_replacements_in_and_a_failure_cancels_it():
     assert s.joining == frozenset()
 
 
+def test_a_growth_whose_abort_splits_a_commit_rolls_forward_first_and_grows_after():
+    # The rejoin's abort came as step 5's commit ended on 1 and not on 0, 2 and 3 (step 5
+    # pending there). Workers behind apply step 5 inside the script's optimizer.step(),
+    # before the script's own code after it (a schedule's step): what they would send the
+    # replacement is a step behind there. So the step rolls forward without it (nothing
+    # healed whole), and a recovery of its own takes it in once all are back in the loop.
+    sums = (1.0, 0.5, 2.0)
+    s, _ = run(start(world=5), Admit(frozenset({4})), Grow(frozenset({4})))
+    s, actions = run(
+        s, *(ready(r, after=0, step=5, pending=True) for r in (0, 2, 3)),
+        ready(1, after=0, step=6, committed=sums), ready(4, after=0, step=None, held=()),
+    )  # fmt: skip
+    (plan,) = of(actions, StartPlanning)
+    assert (plan.roll_forward, plan.joining, plan.idle, plan.resume_step) == ((5, sums), (), (), 6)
+    assert plan.deferred  # (the planner keeps the layout: nothing lost, nobody taken in)
+    s, actions = run(s, planned(1, LAYOUT), *(AppliedReported(r, 1) for r in range(4)))
+    assert of(actions, Recovered)[0].joined == ()
+    (abort,) = of(actions, Abort)
+    assert abort.generation == 1 and "rejoin" in abort.reason and s.joining == {4}
+    s, actions = run(
+        s, *(ready(r, after=1, applied=1, step=7) for r in range(4)), ready(4, after=1, held=())
+    )
+    (plan,) = of(actions, StartPlanning)
+    assert (plan.roll_forward, plan.joining, plan.idle, plan.resume_step) == (None, (4,), (4,), 7)
+    grown = {0: (0, 2), 1: (2, 4), 2: (0, 2), 3: (2, 3), 4: (3, 4)}
+    s, actions = run(s, planned(2, grown), *(AppliedReported(r, 2) for r in range(5)))
+    assert of(actions, Recovered)[0].joined == (4,) and not of(actions, Abort)
+
+
+def test_a_deferred_joiner_survives_a_failure_meanwhile_and_a_stop_skips_it():
+    sums = (1.0, 0.5, 2.0)
+    split = (
+        *(ready(r, after=0, step=5, pending=True) for r in (0, 2, 3)),
+        ready(1, after=0, step=6, committed=sums),
+    )
+    s, _ = run(start(world=6), Admit(frozenset({4, 5})), Grow(frozenset({4, 5})))
+    s, _ = run(s, *split, ready(4, after=0, step=None, held=()), ready(5, after=0, held=()))
+    assert s.deferred == {4, 5}
+    # Joiner 5 dies while the plan is confirmed: 4 still comes in after.
+    s, actions = run(s, planned(1, LAYOUT), Failed(frozenset({5})))
+    s, actions = run(s, *(AppliedReported(r, 1) for r in range(4)))
+    assert "rejoin" in of(actions, Abort)[0].reason and s.joining == {4}
+    # A preemption notice before the plan: the stop plan is not followed by a growth.
+    s, _ = run(start(world=5), Admit(frozenset({4})), Grow(frozenset({4})), Preempt())
+    s, actions = run(s, *split, ready(4, after=0, step=None, held=()))
+    assert of(actions, StartPlanning)[0].stop
+    s, actions = run(s, planned(1, LAYOUT), *(AppliedReported(r, 1) for r in range(4)))
+    assert of(actions, Recovered) and not of(actions, Abort)
+
+
+def test_a_failure_whose_abort_splits_a_commit_leaves_an_idle_worker_out_of_the_plan():
+    # Worker 4 is idle (it holds nothing); 3 fails as step 5's commit ends on 1 alone.
+    sums = (1.0, 0.5, 2.0)
+    s, actions = run(
+        start(world=5), Failed(frozenset({3})),
+        *(ready(r, after=0, step=5, pending=True) for r in (0, 2)),
+        ready(1, after=0, step=6, committed=sums), ready(4, after=0, step=None, held=()),
+    )  # fmt: skip
+    (plan,) = of(actions, StartPlanning)
+    assert (plan.roll_forward, plan.failed, plan.idle) == ((5, sums), (3,), ())
+    s, actions = run(s, planned(1, THREE), *(AppliedReported(r, 1) for r in range(3)))
+    assert of(actions, Recovered) and not of(actions, Abort) and 4 in s.live
+
+
 def test_a_rebalance_re_partitions_a_healthy_job_and_a_failure_makes_it_a_recovery():
     """pipeline_stages="auto": the launch layout, judged again once calibrated."""
     s, actions = run(start(world=5), Rebalance())

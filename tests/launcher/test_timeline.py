@@ -61,3 +61,21 @@ def test_giving_up_is_a_row_too():
     ]
     (r,) = recoveries(events)
     assert r.outcome == "gave up"
+
+
+def test_a_straggler_and_its_recovery_are_one_row():
+    from launcher.timeline import slowdowns
+
+    rows = slowdowns(
+        [
+            {"t": 0.0, "event": "start"},
+            {"t": 1.0, "event": "straggler", "rank": 2, "factor": 2.5, "step": 9},
+            {"t": 2.0, "event": "straggler", "rank": 3, "factor": 1.8, "step": 15},
+            {"t": 4.0, "event": "straggler_recovered", "rank": 2, "factor": 1.0, "step": 40,
+             "worst_factor": 2.9},
+        ]
+    )  # fmt: skip
+    assert [(r.rank, r.step, r.factor, r.back_at, r.back_step, r.worst) for r in rows] == [
+        (2, 9, 2.5, 4.0, 40, 2.9),
+        (3, 15, 1.8, None, None, None),
+    ]

@@ -38,6 +38,22 @@ def test_a_replacement_is_judged_by_its_own_heartbeats_only():
     assert live.judge(3, 200, 4.0, status(pid=200, beat=1), 24.0) is None
 
 
+def test_silence_this_agent_could_not_see_counts_from_when_it_sees_again():
+    # The worker store moved at 13.0 (its leader's node cut off at 10.0): the beats the
+    # agent could not read meanwhile are not the workers' silence.
+    live = Liveness(T)
+    assert live.judge(0, 100, 0.0, status(beat=7), 10.0) is None
+    # The worker's own connection to the old store fails at its deadline (a heartbeat
+    # timeout), up to one later than the agent moved: its silence counts from then.
+    live.forgive(13.5)
+    assert live.judge(0, 100, 0.0, None, 19.4) is None  # (not moved to the new store yet)
+    assert "no heartbeat for 3.0 s" in live.judge(0, 100, 0.0, None, 19.5)
+    live.forgive(20.0)
+    assert live.judge(0, 100, 0.0, status(beat=7), 25.9) is None
+    assert live.judge(0, 100, 0.0, status(beat=8), 26.0) is None  # it moved and beats
+    assert "no heartbeat" in live.judge(0, 100, 0.0, status(beat=8), 29.0)
+
+
 def test_the_step_timeout_is_ten_slowest_steps_and_never_under_a_minute():
     assert T.step_timeout(0.5) == 60.0
     assert T.step_timeout(35.0) == 350.0

@@ -4,7 +4,8 @@ DistributedSampler) and for the drop-in API (``--mode chameleon``: ElasticSample
 ElasticDataParallel, ElasticOptimizer), ported as docs/dataparallel.md says and nothing
 more. tests/runtime/test_habits.py runs it under torchrun and under chameleon run with a
 kill -9, and compares the final weights. Every rank that reaches the end writes its
-state dict (float64, as lists) to ``OUT.rank<R>.json``.
+state dict (float64, as lists) to ``OUT.rank<R>.json``; with several habits (each trained
+in turn, in the same process group), to ``OUT-<habit>.rank<R>.json``.
 """
 
 import argparse
@@ -72,7 +73,12 @@ class Net(nn.Module):
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--mode", choices=["ddp", "chameleon"], required=True)
-    p.add_argument("--habit", choices=HABITS, default="plain")
+    p.add_argument(
+        "--habit",
+        default="plain",
+        help="one habit, or several comma-separated (or 'all'), each trained in turn from "
+        "the same seed in one process group: OUT-<habit>.rank<R>.json each",
+    )
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--micro-batch", type=int, default=8)
     p.add_argument("--global-batch", type=int, default=16)
@@ -90,8 +96,20 @@ def main() -> None:
         "--perturb", default=None, help="RANK,STEP: that rank's weights move after that step"
     )
     args = p.parse_args()
-    habit = args.habit
+    habits = list(HABITS) if args.habit == "all" else args.habit.split(",")
+    unknown = [h for h in habits if h not in HABITS]
+    if unknown:
+        p.error(f"unknown habit(s) {unknown}")
     torch.set_num_threads(1)
+    if args.mode == "ddp":
+        dist.init_process_group("gloo")
+    for habit in habits:
+        train(args, habit, args.out if len(habits) == 1 else f"{args.out}-{habit}")
+    if args.mode == "ddp":
+        dist.destroy_process_group()
+
+
+def train(args: argparse.Namespace, habit: str, path: str) -> None:
     dtype = torch.float32 if habit in FLOAT32 else torch.float64
     torch.manual_seed(0)
     data = TensorDataset(torch.randn(512, 8, dtype=dtype), torch.randint(0, 4, (512,)))
@@ -105,7 +123,6 @@ def main() -> None:
     extra = {"num_workers": workers, "persistent_workers": workers > 0}
     find_unused = habit == "unused" and not args.no_find_unused
     if args.mode == "ddp":
-        dist.init_process_group("gloo")
         sampler = DistributedSampler(data, shuffle=True, seed=0, drop_last=True)
         loader = DataLoader(data, batch_size=args.micro_batch, sampler=sampler, **extra)
         model = nn.parallel.DistributedDataParallel(inner, find_unused_parameters=find_unused)
@@ -233,19 +250,18 @@ def main() -> None:
     if habit == "user_collectives":
         import torch.distributed.checkpoint as dcp
 
-        dcp.save({"model": net.state_dict()}, checkpoint_id=f"{args.out}.dcp")
+        dcp.save({"model": net.state_dict()}, checkpoint_id=f"{path}.dcp")
         if cr.is_saver():
-            with open(f"{args.out}.saver{rank}", "w") as f:
+            with open(f"{path}.saver{rank}", "w") as f:
                 f.write(f"{dist.get_rank()} of {dist.get_world_size()}")
     state = {k: v.double().flatten().tolist() for k, v in net.state_dict().items()}
-    with open(f"{args.out}.rank{rank}.json", "w") as f:
+    with open(f"{path}.rank{rank}.json", "w") as f:
         json.dump({"state": state, "step": step}, f)
-    if args.mode == "ddp":  # DDP holds its group: let go of it before destroying it
+    if args.mode == "ddp":  # DDP holds its group: let go of it before the next or the end
         del model, optimizers, schedules
         import gc
 
         gc.collect()
-        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -4,6 +4,9 @@
 
 Behaviour the tests need, from the environment (nothing of it is a product feature):
     MLP_STEP_SLEEP_S      every step sleeps this long first (a slow, healthy step)
+    MLP_PASS_SPIN_S       every forward of layer 0 first computes for this much CPU time
+                          (passes bound by their device: a worker slowed from outside
+                          takes longer in its passes, its peers in their waits)
     MLP_STALL_RANK/STEP   that rank blocks forever before that step (a stalled worker)
     MLP_JOIN_SLEEP_S      a replacement (CHAMELEON_JOIN set) sleeps this long before
                           importing the runtime (a slow start-up)
@@ -34,6 +37,7 @@ from torch.nn import functional as F  # noqa: E402
 import chameleon_runtime as cr  # noqa: E402
 
 SLEEP_S = float(os.environ.get("MLP_STEP_SLEEP_S", "0"))
+SPIN_S = float(os.environ.get("MLP_PASS_SPIN_S", "0"))
 STALL = (int(os.environ.get("MLP_STALL_RANK", "-1")), int(os.environ.get("MLP_STALL_STEP", "-1")))
 RANK = int(os.environ.get("RANK", "0"))
 IN_ALLREDUCE = os.environ.get("MLP_IN_ALLREDUCE", "")
@@ -86,8 +90,21 @@ def make_data() -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(torch.randn(8, generator=g), torch.randint(0, 4, (), generator=g)) for _ in range(256)]
 
 
+class Spin(nn.Module):
+    """MLP_PASS_SPIN_S (module doc): a pass's work on a device, as CPU time."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        until = time.thread_time() + SPIN_S
+        while time.thread_time() < until:
+            pass
+        return x
+
+
 def make_layer(i: int, num_layers: int) -> nn.Module:
-    return nn.Linear(8, 4) if i == num_layers - 1 else nn.Sequential(nn.Linear(8, 8), nn.Tanh())
+    if i == num_layers - 1:
+        return nn.Linear(8, 4)
+    layer = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
+    return nn.Sequential(Spin(), *layer) if i == 0 and SPIN_S else layer
 
 
 def main() -> None:

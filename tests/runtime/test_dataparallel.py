@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.utils.data import DistributedSampler
 
-from chameleon_runtime.sampler import ElasticSampler, deal
+from chameleon_runtime.sampler import ElasticSampler, deal, uneven_shares
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = str(ROOT / "tests" / "runtime" / "dp_script.py")
@@ -48,6 +48,28 @@ def test_every_membership_covers_the_same_global_batch():
     again.load_state_dict({"epoch": 1, "step": 5, "seed": 0})
     first = next(iter(again))
     assert first == full.indices(5, 0) and again.issued[0].step == 5
+
+
+def test_a_plan_that_deals_a_slow_member_fewer_is_followed_and_an_even_one_is_not():
+    from planner.plans.plan import data_parallel, pipelines_plan
+
+    assert uneven_shares(data_parallel([0, 1, 2], 8)) is None  # the sampler's own deal
+    uneven = pipelines_plan(
+        num_layers=1, num_micro_batches=8, pipelines=[[0], [1], [2]],
+        boundaries=[[0, 1]] * 3, micro_batch_counts=[3, 4, 1],
+    )  # fmt: skip
+    shares = uneven_shares(uneven)
+    assert shares == {0: (0, 1, 2), 1: (3, 4, 5, 6), 2: (7,)}
+    data = list(range(64))
+    got = []
+    for rank in (0, 1, 2):
+        s = ElasticSampler(data, global_batch_size=16, micro_batch_size=2, rank=rank, world_size=3)
+        s.shares = shares
+        batches = list(s)[: len(shares[rank])]  # the first step's
+        assert [mb.index for mb in s.issued[: len(batches)]] == list(shares[rank])
+        assert s.issued[len(batches) - 1].last  # its last micro-batch's backward syncs
+        got += [i for b in batches for i in b]
+    assert sorted(got) == sorted(i for j in range(8) for i in s.indices(0, j))  # the same batch
 
 
 def test_bad_sizes_are_one_line_errors():

@@ -1,7 +1,8 @@
 """The habits of real training loops on the drop-in data-parallel API: each one is run as
-plain DDP (torchrun, DistributedDataParallel), as the drop-in under torchrun, and as the
-drop-in under chameleon run with a kill -9 of one of the two workers in the middle (the
-survivor then accumulates both micro-batches of every step). In float64 the final
+plain DDP (torchrun, DistributedDataParallel), as the drop-in under torchrun (each of
+those two: every habit in turn in one launch), and as the drop-in under chameleon run
+with a kill -9 of one of the two workers in the middle (the survivor then accumulates both
+micro-batches of every step). In float64 the final
 weights must equal plain DDP's within 1e-9 relative (they are equal to the bit here:
 with two workers the survivor's sum is gloo's, and halving is exact), or the job must
 fail with a one-line error naming the habit. tests/runtime/habits_script.py is the loop.
@@ -43,6 +44,19 @@ def torchrun(tmp: Path, name: str, mode: str, habit: str, nproc: int = 2, *extra
     return done, states(tmp, name)
 
 
+@pytest.fixture(scope="module")
+def under_torchrun(tmp_path_factory) -> dict[str, tuple]:
+    """Plain DDP and the drop-in under torchrun, every habit in turn in one launch of each
+    (a launch costs seconds here; the habits, milliseconds): mode -> (the launch, habit ->
+    rank -> state)."""
+    tmp = tmp_path_factory.mktemp("torchrun")
+    runs = {}
+    for mode in ("ddp", "chameleon"):
+        done, _ = torchrun(tmp, mode, mode, "all")
+        runs[mode] = (done, {h: states(tmp, f"{mode}-{h}") for h in HABITS})
+    return runs
+
+
 def chameleon(tmp: Path, name: str, habit: str, kill: int | None, *extra: str, workers: int = 2):
     log = tmp / f"{name}.events"
     fault = ["--inject-fault", f"kill:rank={kill},step=5"] if kill is not None else []
@@ -70,13 +84,14 @@ def assert_close(reference: dict[str, list[float]], state: dict[str, list[float]
 
 
 @pytest.mark.parametrize("habit", [h for h in HABITS if h != "two_backwards"])
-def test_a_habit_trains_as_ddp_does_through_a_kill(tmp_path, habit):
+def test_a_habit_trains_as_ddp_does_through_a_kill(tmp_path, under_torchrun, habit):
     rel = FLOAT32_TOLERANCE if habit in FLOAT32 else TOLERANCE
-    done, ddp = torchrun(tmp_path, "ddp", "ddp", habit)
+    done, ddp = under_torchrun["ddp"]
     assert done.returncode == 0, done.stderr[-2000:]
-    reference = ddp[0]
-    done, ours = torchrun(tmp_path, "ours", "chameleon", habit)
+    reference = ddp[habit][0]
+    done, ours = under_torchrun["chameleon"]
     assert done.returncode == 0, done.stderr[-2000:]
+    ours = ours[habit]
     assert sorted(ours) == [0, 1]
     for state in ours.values():
         assert_close(reference, state, rel)
@@ -112,16 +127,17 @@ def assert_saved(tmp: Path, name: str, state: dict[str, list[float]], saver: int
     assert [p.name for p in tmp.glob(f"{name}.saver*")] == [f"{name}.saver{saver}"]
 
 
-def test_two_backwards_are_each_reduced(tmp_path):
+def test_two_backwards_are_each_reduced(tmp_path, under_torchrun):
     # DDP reduces only the first backward after a forward: the second's gradients stay
     # on their rank and the replicas drift apart (measured: 10% apart after 12 steps).
     # The drop-in reduces each, so it is held to the one-process loop over the whole
     # global batch instead (one worker accumulating both micro-batches).
     done, alone = torchrun(tmp_path, "alone", "chameleon", "two_backwards", 1)
     assert done.returncode == 0, done.stderr[-2000:]
-    done, ours = torchrun(tmp_path, "ours", "chameleon", "two_backwards")
+    done, ours = under_torchrun["chameleon"]
     assert done.returncode == 0, done.stderr[-2000:]
-    for state in ours.values():
+    assert sorted(ours["two_backwards"]) == [0, 1]
+    for state in ours["two_backwards"].values():
         assert_close(alone[0], state, TOLERANCE)
     done, survived, _ = chameleon(tmp_path, "kill", "two_backwards", 1)
     assert done.returncode == 0, done.stderr[-2000:]

@@ -22,6 +22,7 @@ from tests.launcher.helpers import (
     lose_node_1,
     rank_outputs,
     run,
+    stacks,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -216,7 +217,7 @@ def test_a_replacement_killed_while_it_is_healed(tmp_path):
         launch=(*config, "--max-rejoins", "2", "--inject-fault", "kill:rank=1,step=3",
                 "--inject-fault", "kill:rank=1,recovery=2,phase=migrate"),
     )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, done.stderr[-3000:] + stacks(done.stderr)
     log = events(tmp_path / "twice.events")
     assert [e["rank"] for e in log if e["event"] == "failure"] == [1, 1]
     labels = [e["label"] for e in log if e["event"] == "plan_chosen"]

@@ -62,6 +62,11 @@ def test_a_worker_stalled_in_its_first_step_is_blamed_alone_and_the_rest_recover
     assert "no progress" in failure["message"] and "wait on it" in failure["message"]
     (stalled,) = named(evs, "stalled")
     assert stalled["rank"] == 1
+    # Before it was killed, it wrote its stacks (every thread's) to its log and the console:
+    # where it was stuck, the stall's frame among them.
+    mine = [line for line in result.stderr.splitlines() if line.startswith("[rank 1]")]
+    assert any("most recent call first" in line for line in mine), result.stderr[-3000:]
+    assert any("mlp.py" in line for line in mine)
     assert named(evs, "recovered") and [e["attempt"] for e in named(evs, "workers_started")] == [0]
     # Data parallel over 3 survivors: the same weights as 3 workers from the start.
     for layer, values in checks.items():

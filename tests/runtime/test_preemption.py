@@ -41,7 +41,10 @@ def _notice_after(tmp: Path, launcher: subprocess.Popen, name: str, step: int) -
     progress = tmp / f"{name}.progress0"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
-        if progress.exists() and progress.read_text().strip() and int(progress.read_text()) >= step:
+        # One read: the script rewrites the file each step, so a second read can find
+        # it truncated and empty (seen in CI).
+        done = progress.read_text().strip() if progress.exists() else ""
+        if done and int(done) >= step:
             break
         assert launcher.poll() is None, (tmp / f"{name}.log").read_text()[-2000:]
         time.sleep(0.02)

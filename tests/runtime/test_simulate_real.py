@@ -91,5 +91,37 @@ def test_simulated_throughput_agrees_with_a_real_run_of_the_same_kills(tmp_path)
     assert 0.8 <= ratio <= 1.2, (
         f"simulated {outcome['throughput']:.1f} samples/s, measured {measured:.1f} "
         f"over {t_end - t0:.2f} s (steps {first}..{last}); run chose {chosen}, "
-        f"simulation recovered {outcome['in_place']} in place, {outcome['restarts']} restarts"
+        f"simulation recovered {outcome['in_place']} in place, {outcome['restarts']} restarts; "
+        + _what_the_run_measured(events)
+    )
+
+
+def _what_the_run_measured(events: list[dict]) -> str:
+    """Per generation, the step its workers measured (what the replay is fitted to, from
+    generation 0) against the wall time between the step events, and each plan's
+    estimate: where a disagreement came from when the ratio is off. (Said, never raised:
+    it is read only in a failing assertion's message.)"""
+    try:
+        return _measured(events)
+    except Exception as exc:  # noqa: BLE001 (the assertion's own message must stand)
+        return f"(no per-generation figures: {exc!r})"
+
+
+def _measured(events: list[dict]) -> str:
+    fits = {
+        e.get("generation"): e.get("measured_step_s") for e in events if e["event"] == "calibrated"
+    }
+    plans = [e.get("estimated_step_s") for e in events if e["event"] == "plan_chosen"]
+    walls: dict[int, list[tuple[int, float]]] = {}
+    for e in events:
+        if e["event"] == "step":
+            walls.setdefault(e.get("generation", 0), []).append((e["step"], e["t"]))
+    periods = {
+        g: (b[1] - a[1]) / (b[0] - a[0])
+        for g, marks in walls.items()
+        if len(marks) > 1 and (a := min(marks)) and (b := max(marks)) and b[0] > a[0]
+    }
+    return (
+        f"measured step (s) per generation {fits}, wall per step between step events "
+        f"{ {g: round(p, 4) for g, p in periods.items()} }, chosen plans' estimates {plans}"
     )

@@ -1,0 +1,232 @@
+"""A slow worker planned around, against waiting for it, in one run.
+
+    python benchmarks/stragglers.py [--slow-for 8] [--factors 2,3] [--jobs dropin,trainer]
+
+The same job on 2 workers (2 cores: a core each, as devices), rank 1 slowed from outside
+its process (``--inject-fault slow``: stopped and continued on a duty cycle) by each
+factor from step 30 for ``--slow-for`` seconds, with ``--stragglers off`` (every step
+waits for it) and on (an uneven deal while it pays), beside the run without a slowdown:
+
+- dropin: examples/train_hf.py (the drop-in API, a Hugging Face GPT-2), 8 micro-batches;
+- trainer: examples/train_gpt.py --pipeline-stages 1 (the Trainer), 8 micro-batches.
+
+For each it prints steps per second while slowed (from the move to the slowdown's end
+when mitigated; the same stretch from the fault when not) against the run without a
+slowdown, and against the optimum the planner predicts for the deal it chose (its
+estimate of that plan against its estimate of the even plan without the slowdown, times
+the measured failure-free rate), the steps from the slowdown to the move, and from its
+end to the move back. Where a deal was dealt again (made on an early factor: the pace
+median still mixed steps from before the slowdown), the prediction is the last deal's,
+checked against the rate on that deal alone (at least 2 s of it), while "on" still
+counts every step since the first move.
+
+Targets (issue 38): mitigated within 15% of the predicted optimum, at least 1.3x the
+unmitigated throughput at 3x, the move within 20 steps of the slowdown, back within 20
+steps of its end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from processes import kill_everything
+
+ROOT = Path(__file__).resolve().parent.parent
+STEP_LINE = re.compile(r"\bstep\s+(\d+)\s+loss")
+SLOW_FROM_STEP = 30
+
+JOBS = {
+    "dropin": [
+        str(ROOT / "examples" / "train_hf.py"), "--global-batch", "64", "--micro-batch", "8",
+    ],
+    "trainer": [
+        str(ROOT / "examples" / "train_gpt.py"), "--pipeline-stages", "1",
+        "--global-batch", "16", "--micro-batch", "2", "--checkpoint-every", "0",
+    ],
+}  # fmt: skip
+
+
+@dataclass
+class Run:
+    name: str
+    steps: list[tuple[float, int]] = field(default_factory=list)  # (seen at, step)
+    events: list[dict] = field(default_factory=list)
+    exit_code: int | None = None
+
+    def step_at(self, t: float) -> int:
+        return max((s for when, s in self.steps if when <= t), default=0)
+
+    def rate(self, t0: float, t1: float) -> float | None:
+        """Steps per second between ``t0`` and ``t1`` (by the step lines seen)."""
+        inside = [(when, s) for when, s in self.steps if t0 <= when <= t1]
+        if len(inside) < 3:
+            return None
+        (a, sa), (b, sb) = inside[0], inside[-1]
+        return (sb - sa) / (b - a) if b > a else None
+
+    def event(self, name: str, **match: object) -> dict | None:
+        return next(
+            (
+                e
+                for e in self.events
+                if e["event"] == name and all(e.get(k) == v for k, v in match.items())
+            ),
+            None,
+        )
+
+
+def run(name: str, job: str, steps: int, work: Path, *launch: str) -> Run:
+    out = Run(name)
+    events = work / f"{name}.jsonl"
+    cmd = [
+        sys.executable, "-m", "chameleon_cli.app", "run", "--standalone",
+        "--nproc-per-node", "2", "--events", str(events), *launch,
+        *JOBS[job], "--steps", str(steps),
+    ]  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, cwd=work, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **_env()},
+        start_new_session=True,
+    )  # fmt: skip
+
+    def read() -> None:
+        for line in proc.stdout:  # type: ignore[union-attr]
+            if "[rank 0]" in line or "[rank0]" in line:
+                m = STEP_LINE.search(line)
+                if m:
+                    out.steps.append((time.time(), int(m.group(1))))
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        out.exit_code = proc.wait(timeout=600)
+    finally:
+        kill_everything(proc, work)
+        reader.join(timeout=5)
+    if events.exists():
+        out.events = [json.loads(x) for x in events.read_text().splitlines() if x.strip()]
+    return out
+
+
+def _env() -> dict[str, str]:
+    import os
+
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def measure(job: str, factors: list[float], slow_for: float, work: Path) -> list[dict]:
+    steps = 400 if job == "dropin" else 300
+    free = run(f"{job}-free", job, steps, work)
+    assert free.exit_code == 0, f"{job}: the failure-free run exited {free.exit_code}"
+    t_first = free.steps[0][0] if free.steps else 0.0
+    free_rate = free.rate(t_first + 3.0, free.steps[-1][0]) if free.steps else None
+    rows = []
+    for factor in factors:
+        fault = f"slow:rank=1,factor={factor:g},step={SLOW_FROM_STEP},for={slow_for:g}"
+        row: dict = {"job": job, "factor": factor, "free_steps_per_s": free_rate}
+        for mode in ("off", "on"):
+            r = run(f"{job}-{factor:g}x-{mode}", job, steps, work, "--stragglers", mode,
+                    "--inject-fault", fault)  # fmt: skip
+            began, ended = r.event("fault_injected"), r.event("slowdown_ended")
+            if r.exit_code != 0 or began is None or ended is None:
+                row[mode] = {"error": f"exit {r.exit_code}, slowdown seen: {began is not None}"}
+                continue
+            moves = [e for e in r.events if e["event"] == "plan_chosen" and "slow" in e]
+            there = next((e for e in moves if e["slow"]), None)
+            back = next(
+                (e for e in moves if e["slow"] == {} and there and e["t"] > there["t"]), None
+            )
+            start = (there["t"] if there else began["t"] + 2.0) + 0.5
+            rate = r.rate(start, ended["t"])
+            cell = {"steps_per_s": rate, "moved": there is not None}
+            if there is not None:
+                # The deal the slowdown ran on longest: the last before it ended (a deal
+                # made on an early factor is dealt again once the factor settles).
+                dealt = [e for e in moves if e["slow"] and e["t"] <= ended["t"]] or [there]
+                last = dealt[-1]
+                options = last.get("options", {})
+                uneven = options.get("uneven deal", {}).get("step_s")
+                even = last.get("failure_free_step_s")
+                if uneven and even and free_rate:
+                    cell["predicted_steps_per_s"] = free_rate * even / uneven
+                cell["load"] = last.get("load")
+                cell["deals"] = len(dealt)
+                # Its rate on that deal alone, against its prediction: the estimate checked
+                # against what it estimates (the steps on an earlier deal count in
+                # "on", against the run that waits). Too short a stretch (under 2 s):
+                # the rate since the first move, which only undercounts it.
+                settled = last["t"] + 0.5
+                if len(dealt) > 1 and ended["t"] - settled >= 2.0:
+                    cell["dealt_steps_per_s"] = r.rate(settled, ended["t"])
+                cell["steps_to_move"] = there["resume_step"] - r.step_at(began["t"])
+                if back is not None:
+                    cell["steps_to_back"] = back["resume_step"] - r.step_at(ended["t"])
+            row[mode] = cell
+        rows.append(row)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--slow-for", type=float, default=8.0, help="seconds each slowdown lasts")
+    ap.add_argument("--factors", default="2,3")
+    ap.add_argument("--jobs", default="dropin,trainer")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    factors = [float(x) for x in args.factors.split(",")]
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="stragglers-") as tmp:
+        for job in args.jobs.split(","):
+            rows += measure(job, factors, args.slow_for, Path(tmp))
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return
+    print(
+        f"{'job':8} {'slow':>5} {'free':>7} {'off':>7} {'on':>7} {'on/off':>7} "
+        f"{'pred.':>7} {'on/pred':>8} {'to move':>8} {'to back':>8}  deal"
+    )
+    fails = []
+    for row in rows:
+        off, on, free = row.get("off", {}), row.get("on", {}), row["free_steps_per_s"]
+
+        def f(x: float | None, spec: str = "7.2f") -> str:
+            return format(x, spec) if x is not None else "-".rjust(int(spec.split(".")[0]))
+
+        ratio = on["steps_per_s"] / off["steps_per_s"] if on.get("steps_per_s") and off.get(
+            "steps_per_s") else None  # fmt: skip
+        pred = on.get("predicted_steps_per_s")
+        on_deal = on.get("dealt_steps_per_s") or on.get("steps_per_s")
+        of_pred = on_deal / pred if pred and on_deal else None
+        print(
+            f"{row['job']:8} {row['factor']:>4g}x {f(free)} {f(off.get('steps_per_s'))} "
+            f"{f(on.get('steps_per_s'))} {f(ratio)} {f(pred)} {f(of_pred, '8.2f')} "
+            f"{str(on.get('steps_to_move', '-')):>8} {str(on.get('steps_to_back', '-')):>8}"
+            f"  {on.get('load', on.get('error', '-'))}"
+            + (f" (dealt {on['deals']} times)" if on.get("deals", 1) > 1 else "")
+        )
+        if of_pred is None or of_pred < 0.85:
+            fails.append(f"{row['job']} {row['factor']:g}x: not within 15% of the optimum")
+        if row["factor"] >= 3 and (ratio is None or ratio < 1.3):
+            fails.append(f"{row['job']} {row['factor']:g}x: under 1.3x the unmitigated rate")
+        if on.get("steps_to_move", 99) > 20 or on.get("steps_to_back", 99) > 20:
+            fails.append(f"{row['job']} {row['factor']:g}x: moves later than 20 steps")
+    print("(steps per second; free: no slowdown; off/on: --stragglers, 'on' from the first "
+          "move to the slowdown's end; pred.: the optimum the planner predicts for its last "
+          "deal; on/pred: the rate on that deal alone, where it was dealt again)")  # fmt: skip
+    for fail in fails:
+        print(f"target missed: {fail}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,317 @@
+"""Stragglers: a worker slower than its peers, told apart from a slow step and a stall.
+
+What is measured: each worker's passes' wall time per micro-batch, the median over its
+recent steps (``WorkerStatus.busy_s_per_mb``, chameleon_runtime.pace). Its *factor* is
+that over the median of its peers': the other workers holding the same layers (a
+stage's replicas; every worker in data parallel), where there are any, since their work
+is the same whatever the cost table says of it; else every other worker's, each divided
+by what its layers cost per micro-batch in the job's cost table (a pipeline without
+replicas, whose stages do unequal work; the runtime's own time per pass, which the table
+leaves out, makes this the rougher comparison). Wall time, not CPU time: a throttled device or a stopped process spends no
+more CPU per pass, only more time; and a pass's time leaves out the waits in
+collectives, where the peers a slow worker holds up spend theirs.
+
+- a straggler: its factor at least ``SLOW_FACTOR`` on ``CONFIRM_LOOKS`` looks in a row,
+  each with steps it ran since the last (the median over the pace window already needs
+  half its steps slow: a garbage collection or a checkpoint write does not count);
+  recovered once its factor is under ``RECOVERED_FACTOR`` as many looks;
+- a worker whose passes are under ``MIN_SHARE`` of its step is not judged (nor compared
+  with): its speed hardly moves the step;
+- a slow step: every worker slower alike, so no factor moves: nothing to find (and
+  nothing a plan could move work to);
+- a stall: no step at all. The worker reports nothing new, so it is not judged here; the
+  progress watch (launcher/watch.py) handles it as a hang.
+
+Acting (``SpeedWatch.move``, unless ``--stragglers off``): while stragglers are found,
+each look asks the planner whether an uneven deal pays over the time the slowdown has
+lasted so far (planner.choice.stragglers: a slowdown is expected to go on about as long
+as it has gone on, so a brief one moves nothing, and a job whose worker flaps does not
+oscillate); when it does, a ``Replan`` moves the job at a step boundary, nothing lost.
+While planned around, a factor that drifts ``REDEAL_DRIFT`` from the one the deal was
+made at (or another straggler, or one of them back to speed) is judged again, against the
+running deal: dealt again if that pays, ``MAX_REDEALS`` times at most per slowdown.
+Once every worker planned around is back to speed (or gone), a ``Replan`` with no slow
+worker deals evenly again. A failure's plan replaces ours: the next look starts afresh.
+
+Pure apart from the state of what was found: ``look`` is given the rates and which of
+them are fresh, and says what changed.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from chameleon_runtime.protocol.messages import PACE_WINDOW, WorkerStatus
+from launcher.recovery_events import Replan
+
+SLOW_FACTOR = 1.5  # a worker this much slower than the others' median is a straggler
+RECOVERED_FACTOR = 1.2  # ... until it is back under this (hysteresis: no flapping)
+CONFIRM_LOOKS = 1  # looks in a row, each with new steps, before either is said
+# A worker whose passes take less of its step than this is not judged: however slow they
+# get they hardly move the step, and passes of a fraction of a millisecond (a cheap
+# pipeline stage) vary by more than a slowdown's bar from one step to the next.
+MIN_SHARE = 0.05
+# A worker is judged once its pace window holds this many steps of its generation: the
+# median of fewer moves with one step (a new generation's first steps after a recovery
+# are uneven, as groups warm up and the host settles).
+MIN_PACE_STEPS = PACE_WINDOW // 2 + 1
+# A plan made around slow workers is dealt again once a factor has moved this much (either
+# way) from the one the deal was made at, or another worker is found slow: the first
+# move comes a few steps into a slowdown, while the median still mixes steps from before
+# it (seen: a 3x slowdown planned around at 1.7x, 0.49 of the deal a 3x factor predicts).
+REDEAL_DRIFT = 1.3
+# ... at most this many times per slowdown: a factor that swings (on a host whose workers
+# share cores the deal itself moves the others' speed) must not keep the job moving.
+MAX_REDEALS = 2
+LOOK_STEPS = 3  # while one is found, the leader looks every this many steps ...
+LOOK_MIN_S = 0.1  # ... but not more often than this
+
+
+@dataclass(frozen=True)
+class Found:
+    """A worker became a straggler (``recovered`` False) or recovered its speed."""
+
+    rank: int
+    factor: float  # its time per unit of work over the others' median, this look
+    recovered: bool = False
+    # Recovered: the largest factor it had while slow. The factor it is found at is an
+    # early one (the pace median still mixes steps from before the slowdown).
+    worst: float | None = None
+
+
+def factors(
+    rates: Mapping[int, float],
+    holds: Mapping[int, object] | None = None,
+    raw: Mapping[int, float] | None = None,
+) -> dict[int, float]:
+    """Each worker's rate over the median of the others' (nothing for a lone worker):
+    against the others, so that with two workers the slow one is not half of the
+    reference it is measured against. ``holds``: what each worker of the plan holds (its
+    layers); where others hold the same, only they are its peers, and ``raw`` (its time
+    per micro-batch, not scaled by the cost table) is compared (module doc); a worker
+    whose peers have no rate is not judged."""
+    raw = raw if raw is not None else rates
+    out: dict[int, float] = {}
+    for rank in rates:
+        peers = [k for k in rates if k != rank and holds and holds.get(k) == holds.get(rank)]
+        replicated = holds is not None and any(
+            k != rank and layers == holds.get(rank) for k, layers in holds.items()
+        )
+        if replicated and not peers:
+            continue
+        if peers:
+            mine, others = raw[rank], [raw[k] for k in peers]
+        else:
+            mine, others = rates[rank], [rates[k] for k in rates if k != rank]
+        if others:
+            reference = statistics.median(others)
+            if reference > 0:
+                out[rank] = mine / reference
+    return out
+
+
+@dataclass
+class Stragglers:
+    slow: float = SLOW_FACTOR
+    recovered: float = RECOVERED_FACTOR
+    confirm: int = CONFIRM_LOOKS
+    found: dict[int, float] = field(default_factory=dict)  # straggler -> its last factor
+    worst: dict[int, float] = field(default_factory=dict)  # straggler -> its largest factor
+    _streak: dict[int, int] = field(default_factory=dict)  # looks in a row past the bar
+
+    def look(
+        self,
+        rates: Mapping[int, float],
+        fresh: set[int],
+        holds: Mapping[int, object] | None = None,
+        raw: Mapping[int, float] | None = None,
+    ) -> list[Found]:
+        """One look at the live workers' rates; ``fresh``: those that ran steps since the
+        last look (a stale rate neither confirms nor clears); ``holds``, ``raw``:
+        ``factors``'."""
+        changes: list[Found] = []
+        for rank, factor in sorted(factors(rates, holds, raw).items()):
+            if rank not in fresh:
+                continue
+            slow_now = rank in self.found
+            crossed = factor < self.recovered if slow_now else factor >= self.slow
+            self._streak[rank] = self._streak.get(rank, 0) + 1 if crossed else 0
+            if slow_now:
+                self.found[rank] = factor
+                self.worst[rank] = max(self.worst.get(rank, factor), factor)
+            if self._streak[rank] >= self.confirm:
+                self._streak[rank] = 0
+                if slow_now:
+                    del self.found[rank]
+                    worst = self.worst.pop(rank, factor)
+                    changes.append(Found(rank, factor, recovered=True, worst=worst))
+                else:
+                    self.found[rank] = self.worst[rank] = factor
+                    changes.append(Found(rank, factor))
+        return changes
+
+    def forget(self, ranks: set[int]) -> list[int]:
+        """Workers gone (failed, left out): what was found of them no longer holds.
+        Returns the stragglers among them."""
+        gone = sorted(r for r in ranks if r in self.found)
+        for rank in ranks:
+            self.found.pop(rank, None)
+            self.worst.pop(rank, None)
+            self._streak.pop(rank, None)
+        return gone
+
+
+def unit_costs(
+    stages: Mapping[int, tuple[int, int]], layer_s: list[float], per_mb_s: float = 0.0
+) -> dict[int, float]:
+    """What a micro-batch's passes cost each worker by the cost table: the sum of its
+    layers' forward and backward (``stages``: worker -> its layers [first, end)), and
+    ``per_mb_s`` beyond them (the runtime's own, where measured). A table that prices
+    nothing (not measured yet) counts micro-batches alone."""
+    if sum(layer_s) <= 0:
+        return dict.fromkeys(stages, 1.0)
+    return {w: max(sum(layer_s[first:end]) + per_mb_s, 1e-12) for w, (first, end) in stages.items()}
+
+
+@dataclass
+class SpeedWatch:
+    """The coordinator's look at its workers' speeds: which statuses are fresh (a step
+    run since the last look, in the current generation), their rates, and what
+    ``Stragglers`` finds in them."""
+
+    stragglers: Stragglers = field(default_factory=Stragglers)
+    plan_around: bool = True  # --stragglers on
+    _seen: dict[int, tuple[int, int]] = field(default_factory=dict)  # rank -> (gen, step)
+    _since: dict[int, float] = field(default_factory=dict)  # straggler -> when found
+    # The slow workers the running plan was made around.
+    moved: tuple[tuple[int, float], ...] = ()
+    # How many times the running deal was dealt again since the job left the even deal.
+    _redeals: int = 0
+
+    def observe(
+        self,
+        statuses: Mapping[int, WorkerStatus],
+        generation: int,
+        unit_s: Mapping[int, float],
+        now: float = 0.0,
+        holds: Mapping[int, object] | None = None,
+    ) -> list[Found]:
+        """``unit_s``: each worker's modelled passes per micro-batch (``unit_costs``);
+        the workers it names are those the plan trains on; ``holds``: each one's layers.
+        A straggler found now has been
+        slow for at least the steps that moved the median of its pace window: that long
+        counts toward how long its slowdown has lasted (``move``)."""
+        rates: dict[int, float] = {}
+        raw: dict[int, float] = {}  # per micro-batch, for peers holding the same layers
+        fresh = set()
+        for rank, status in statuses.items():
+            per_mb = status.busy_s_per_mb
+            if rank not in unit_s or per_mb is None or status.generation != generation:
+                continue
+            if status.phase != "train":
+                continue
+            if (status.pace_steps or 0) < MIN_PACE_STEPS:
+                continue  # a generation's first steps: too few for the median to hold
+            busy = per_mb * (status.micro_batches or 0)
+            if status.mean_step_s and busy < MIN_SHARE * status.mean_step_s:
+                continue
+            rates[rank], raw[rank] = per_mb / unit_s[rank], per_mb
+            mark = (status.generation, status.step)
+            if self._seen.get(rank) != mark:
+                self._seen[rank] = mark
+                fresh.add(rank)
+        for rank in [r for r in self._seen if r not in statuses]:
+            del self._seen[rank]  # (bounded: the live workers' marks only)
+        changes = self.stragglers.look(rates, fresh, holds, raw)
+        for found in changes:
+            if not found.recovered:
+                status = statuses[found.rank]
+                step_s = status.mean_step_s or status.step_s or 0.0
+                self._since[found.rank] = now - (PACE_WINDOW // 2 + 1) * step_s
+        return changes
+
+    def forget(self, ranks: set[int]) -> list[int]:
+        for rank in ranks:
+            self._seen.pop(rank, None)
+            self._since.pop(rank, None)
+        return self.stragglers.forget(ranks)
+
+    @property
+    def slowed(self) -> bool:
+        """A straggler is found or planned around: steps now are not the job's pace."""
+        return bool(self.stragglers.found or self.moved)
+
+    def look_period_s(self, statuses: Mapping[int, WorkerStatus], default_s: float) -> float:
+        """How soon to look again: ``default_s``, or while a straggler is found or planned
+        around, every few steps (at least 0.1 s), so that the move there and the move
+        back follow its speed within a few steps on a fast job, not a second later."""
+        if not self.slowed:
+            return default_s
+        steps = sorted(s.mean_step_s for s in statuses.values() if s.mean_step_s)
+        if not steps:
+            return default_s
+        return min(default_s, max(LOOK_MIN_S, LOOK_STEPS * steps[len(steps) // 2]))
+
+    def move(
+        self,
+        now: float,
+        uneven: bool,
+        choose: Callable[[tuple[tuple[int, float], ...], float], bool],
+    ) -> Replan | None:
+        """The move to make now, if any (module doc). ``choose(slow, horizon_s)``: whether
+        the planner would leave the even plan for slow workers ``slow`` over that horizon.
+        ``uneven``: whether the running plan deals unevenly (planner.choice.stragglers.
+        dealt_unevenly): a failure's or a growth's plan that replaced ours does not, and
+        a successor leader finds one that does."""
+        found = self.stragglers.found
+        for rank in found:
+            self._since.setdefault(rank, now)  # (found before a successor took over)
+        for rank in [r for r in self._since if r not in found]:
+            del self._since[rank]
+        if self.moved and not uneven:
+            self.moved, self._redeals = (), 0  # a failure's or a growth's plan runs now
+        elif uneven and not self.moved:
+            # (a successor leader, or found again: the plan is around someone)
+            self.moved = tuple(sorted(found.items())) or ((-1, 1.0),)
+        if not self.plan_around:
+            return None
+        if self.moved:
+            if not any(rank in found for rank, _ in self.moved):
+                self.moved, self._redeals = (), 0
+                return Replan(slow=(), horizon_s=0.0)
+            made_at = dict(self.moved)  # (drift is counted from the deal's factors)
+            if self._redeals >= MAX_REDEALS or not _drifted(made_at, found):
+                return None
+            # Dealt again if the planner prefers the deal at today's factors to the
+            # running one at them (choose weighs the running plan as it is); asked at
+            # each look while drifted, as the first move is (choose answers a factor it
+            # was asked once from its cache). A worker found slow since is judged over
+            # its own slowdown's length: a dip of another's is not planned around on
+            # the first one's.
+            lasting = [r for r in found if r not in made_at] or list(found)
+        elif found:
+            lasting = list(found)
+        else:
+            return None
+        slow = tuple(sorted(found.items()))
+        horizon_s = now - min(self._since[r] for r in lasting)
+        if not choose(slow, horizon_s):
+            return None
+        self._redeals += bool(self.moved)
+        self.moved = slow
+        return Replan(slow=slow, horizon_s=horizon_s)
+
+
+def _drifted(made_at: Mapping[int, float], found: Mapping[int, float]) -> bool:
+    """Whether the slow workers or their factors moved far enough from those the deal was
+    made at: a worker found slow since, one of them back to speed, a factor moved
+    REDEAL_DRIFT."""
+    if set(found) ^ set(made_at):
+        return True
+    return any(
+        max(f / made_at[r], made_at[r] / f) >= REDEAL_DRIFT
+        for r, f in found.items()
+        if r in made_at and made_at[r] > 0 and f > 0
+    )

@@ -1,0 +1,70 @@
+"""A worker slowed from outside its process (``--inject-fault slow:rank=R,factor=F``): the
+agent stops and continues it on a duty cycle (SIGSTOP, SIGCONT), so that it runs
+``1/F`` of the time, every thread of it alike. Nothing in the worker changes: the runtime
+can tell it from a slow device (a throttled GPU, a noisy neighbour) by timing alone,
+which is what a straggler test needs.
+
+Why a short period: a step of tens of milliseconds must be slowed evenly, not stopped
+whole for one step and left alone for the next. The stop phases are shorter than any
+heartbeat timeout, so a slowed worker is slow, never silent. The process-state check
+(launcher/local.py) knows a throttled rank's stops are the throttle's own.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from launcher.workers import Worker, signal_worker
+
+PERIOD_S = 0.02  # one stop and one run per period: shorter than a pass of tens of ms
+
+
+class Throttle:
+    """Slows ``worker`` by ``factor`` for ``duration_s`` (None: until it exits or the
+    round ends), on a thread of its own; ``on_end(lasted_s)`` when it stops."""
+
+    def __init__(
+        self,
+        worker: Worker,
+        factor: float,
+        duration_s: float | None,
+        on_end: Callable[[float], Any],
+    ) -> None:
+        self.worker = worker
+        self.factor = factor
+        self.duration_s = duration_s
+        self._on_end = on_end
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="throttle", daemon=True)
+        self._thread.start()
+
+    @property
+    def active(self) -> bool:
+        return self._thread.is_alive()
+
+    def _run(self) -> None:
+        run_s = PERIOD_S / self.factor
+        stopped_s = PERIOD_S - run_s
+        began = time.monotonic()
+        end = began + self.duration_s if self.duration_s is not None else float("inf")
+        try:
+            while not self._stop.is_set() and time.monotonic() < end:
+                if self.worker.popen.returncode is not None:
+                    break
+                signal_worker(self.worker, signal.SIGSTOP)
+                self._stop.wait(stopped_s)
+                signal_worker(self.worker, signal.SIGCONT)
+                self._stop.wait(run_s)
+        finally:
+            # Never left stopped: a stopped worker would hold its peers and ignore SIGTERM.
+            signal_worker(self.worker, signal.SIGCONT)
+            self._on_end(time.monotonic() - began)
+
+    def close(self) -> None:
+        """Stop slowing it (the worker runs on, continued)."""
+        self._stop.set()
+        self._thread.join(timeout=5.0)
