@@ -227,8 +227,9 @@ def parser(environ: Mapping[str, str] | None = None) -> Parser:
         default="auto",
         metavar="MODULES",
         help="what the warm fork server imports besides torch, so that restarted workers "
-        "do not: auto (the script's top-level third-party imports, read from its source), "
-        "none, or comma-separated module names (may include auto)",
+        "do not: auto (the script's top-level third-party imports, read from its source; "
+        "not even torch for a script that imports only the standard library), none, or "
+        "comma-separated module names (may include auto)",
     )
     add(
         "--preemption-grace",

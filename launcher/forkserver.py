@@ -2,7 +2,9 @@
 
 Most of a plain script's restart is fresh interpreters importing torch again (1-2 s each
 here, every worker at once on the same cores). Each agent starts one server process
-first, which imports torch (and what scripts import lazily, ``PRELOAD``) once and waits.
+first, which imports torch (and what scripts import lazily, ``PRELOAD``) once and waits;
+a script whose top-level imports are all the standard library's gets a server that
+imports nothing (launcher/preload.py), so that its workers start at once.
 Every worker (the first round's, a restart's, a replacement rank) is a child of it: the server forks, and the child takes the worker's argv,
 environment, working folder and output pipes and runs the script as ``python -u SCRIPT``
 would (``__main__``, ``sys.argv``, ``sys.path[0]``, exit code, traceback on stderr).
@@ -101,14 +103,14 @@ def _reap(sock: socket.socket) -> None:
         send(sock, {"op": "exited", "pid": pid, "code": os.waitstatus_to_exitcode(status)})
 
 
-def serve(sock: socket.socket, extra: list[str] = ()) -> ChildSpec | None:  # type: ignore[assignment]
+def serve(sock: socket.socket, modules: list[str] = PRELOAD) -> ChildSpec | None:  # type: ignore[assignment]
     """The server's loop. Returns in a forked child (what it is to run), or None in the
-    server once the launcher has closed its end. ``extra``: the script's own imports
-    (launcher/preload.py)."""
+    server once the launcher has closed its end. ``modules``: what to import first
+    (launcher/preload.py decides: PRELOAD and the script's own imports)."""
     import importlib
     import threading
 
-    for name in (*PRELOAD, *extra):
+    for name in modules:
         module, _, attr = name.partition(":")  # module:name, what `from module import name` loads
         try:
             loaded = importlib.import_module(module)
@@ -252,18 +254,24 @@ def eligible(argv: list[str]) -> bool:
 def main() -> None:
     sock = socket.socket(fileno=int(sys.argv[1]))
     die_with_parent(int(sys.argv[2]))
-    spec = serve(sock, json.loads(sys.argv[3]) if len(sys.argv) > 3 else [])
-    if spec is not None:
-        try:
-            _become(spec)
-        except SystemExit:
-            raise
-        except BaseException as exc:  # the script's: printed as Python would, from its frames
-            _report(exc)
-            if isinstance(exc, KeyboardInterrupt):  # as Python ends on one: by the signal
-                signal.signal(signal.SIGINT, signal.SIG_DFL)
-                os.kill(os.getpid(), signal.SIGINT)
-            sys.exit(1)
+    spec = serve(sock, json.loads(sys.argv[3]) if len(sys.argv) > 3 else list(PRELOAD))
+    if spec is None:
+        # The launcher is done with us. An interpreter that imported torch, dynamo and
+        # FSDP takes about half a second to tear down, and the launcher waits for it at
+        # every exit; there is nothing to flush but our own output.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+    try:
+        _become(spec)
+    except SystemExit:
+        raise
+    except BaseException as exc:  # the script's: printed as Python would, from its frames
+        _report(exc)
+        if isinstance(exc, KeyboardInterrupt):  # as Python ends on one: by the signal
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGINT)
+        sys.exit(1)
 
 
 def _report(exc: BaseException) -> None:

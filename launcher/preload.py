@@ -20,6 +20,8 @@ import importlib.util
 import sys
 from pathlib import Path
 
+from launcher.forkserver import PRELOAD
+
 # The launcher's own packages (a worker forked from the server drops them: a script's
 # own ``launcher`` must import as in a fresh interpreter); chameleon_runtime and the
 # planner may be preloaded (what they read from the environment, they read per worker).
@@ -79,14 +81,28 @@ def third_party(names: list[str], script_dir: Path) -> list[str]:
 
 
 def modules_for(script: str, flag: str, module_mode: bool) -> list[str]:
-    """What the server imports for this job: ``flag`` is ``--preload`` (``auto``, the
-    default: the script's third-party imports; ``none``; or comma-separated names,
-    which may include ``auto``)."""
+    """What the server imports for this job: torch and what training scripts pull in
+    lazily (``PRELOAD``), then ``flag``'s modules. ``flag`` is ``--preload``: ``auto``, the
+    default (the script's third-party imports; and no torch at all for a script whose
+    top-level imports are all the standard library's: preloading torch would hold its
+    first workers back by seconds for nothing), ``none`` (torch only), or comma-separated
+    names, which may include ``auto``."""
     wanted = [w.strip() for w in flag.split(",") if w.strip()]
     if "none" in wanted:
-        return []
+        return list(PRELOAD)
     out = [w for w in wanted if w != "auto"]
+    base = list(PRELOAD)
     if "auto" in wanted and not module_mode:
         path = Path(script)
-        out += third_party(script_imports(path), path.resolve().parent)
-    return list(dict.fromkeys(out))
+        names = script_imports(path)
+        out += third_party(names, path.resolve().parent)
+        if not out and path.is_file() and _stdlib_only(names):
+            base = []
+    return list(dict.fromkeys([*base, *out]))
+
+
+def _stdlib_only(names: list[str]) -> bool:
+    """Every one of ``names`` (a script's top-level imports, read from a file that was
+    there to read) is the standard library's: the script imports no torch before its
+    first line runs, whatever it does later."""
+    return all(n.split(":", 1)[0].split(".", 1)[0] in sys.stdlib_module_names for n in names)

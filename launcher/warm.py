@@ -16,9 +16,10 @@ import socket
 import subprocess
 import sys
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 
-from launcher.forkserver import MAX_MESSAGE, eligible, send
+from launcher.forkserver import MAX_MESSAGE, PRELOAD, eligible, send
 
 
 class ForkedProcess:
@@ -58,7 +59,9 @@ class ForkedProcess:
 class ForkServer:
     """The launcher's handle on its fork server: start it, spawn through it, close it."""
 
-    def __init__(self, env: dict[str, str], log_file: Path, preload: list[str] = ()) -> None:  # type: ignore[assignment]
+    def __init__(
+        self, env: dict[str, str], log_file: Path, preload: Sequence[str] = PRELOAD
+    ) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         log_file.parent.mkdir(parents=True, exist_ok=True)
         with open(log_file, "ab") as log:

@@ -8,9 +8,10 @@ import signal
 import sys
 import time
 
+import psutil
 import pytest
 
-from launcher.forkserver import eligible
+from launcher.forkserver import PRELOAD, eligible
 from launcher.preload import modules_for
 from launcher.warm import ForkServer
 
@@ -76,9 +77,13 @@ def test_the_server_imports_what_the_script_imports(tmp_path):
     )
     wanted = modules_for(str(script), "auto", module_mode=False)
     # not stdlib, local, missing, or lazy; a name imported from a module is loaded too
-    assert wanted == ["rich.console", "pydantic", "pydantic:BaseModel"]
-    assert modules_for(str(script), "none", module_mode=False) == []
-    assert modules_for(str(script), "auto,psutil", module_mode=False)[0] == "psutil"
+    assert wanted == [*PRELOAD, "rich.console", "pydantic", "pydantic:BaseModel"]
+    assert modules_for(str(script), "none", module_mode=False) == list(PRELOAD)
+    # a local module may import torch: torch is preloaded for it
+    local = tmp_path / "local.py"
+    local.write_text("import os\nimport mine\n")
+    assert modules_for(str(local), "auto", module_mode=False) == list(PRELOAD)
+    assert modules_for(str(script), "auto,psutil", module_mode=False)[len(PRELOAD)] == "psutil"
     fs = ForkServer(dict(os.environ), tmp_path / "server.log", wanted)
     assert fs.wait_ready(120)
     proc, out, _err = _spawn(
@@ -89,6 +94,17 @@ def test_the_server_imports_what_the_script_imports(tmp_path):
     assert proc.wait(timeout=30) == 0
     assert out.read().decode().strip() == "True False"
     fs.close()
+
+
+def test_a_script_of_the_standard_library_alone_gets_a_server_that_imports_nothing(tmp_path):
+    # its workers start at once instead of after torch's import (seconds); one that
+    # imports torch only inside a function imports it itself, as a fresh interpreter does
+    script = tmp_path / "plain.py"
+    script.write_text("import os, sys, time\ndef f():\n    import torch\n")
+    assert modules_for(str(script), "auto", module_mode=False) == []
+    assert modules_for(str(script), "auto,rich", module_mode=False) == [*PRELOAD, "rich"]
+    assert modules_for(str(script), "auto", module_mode=True) == list(PRELOAD)
+    assert modules_for(str(tmp_path / "missing.py"), "auto", module_mode=False) == list(PRELOAD)
 
 
 def test_a_signal_is_reported_as_popen_does(server, tmp_path):
@@ -117,9 +133,10 @@ def test_children_die_with_the_server(tmp_path):
     os.kill(fs.pid, signal.SIGKILL)
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
-        try:
-            os.kill(proc.pid, 0)
-        except ProcessLookupError:
+        try:  # (an orphan's zombie is pytest's to reap: tests/conftest.py is its subreaper)
+            if psutil.Process(proc.pid).status() == psutil.STATUS_ZOMBIE:
+                break
+        except psutil.NoSuchProcess:
             break
         time.sleep(0.05)
     else:
