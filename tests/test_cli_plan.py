@@ -126,6 +126,8 @@ def test_version_and_help():
         assert command in help_text
 
 
+@pytest.mark.slow  # a 1,024-GPU HSDP search: seconds
+@pytest.mark.timeout(60)  # 3 s measured
 def test_an_hsdp_job_of_1024_gpus_is_described_with_each_candidates_estimates():
     """configs/h100_1024_llama70b_hsdp.toml: 16 replica groups of 64 H100s, Llama 70B
     sharded within each (planner.job.fsdp). A lost GPU breaks its group: rerouting drops

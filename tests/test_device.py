@@ -75,6 +75,7 @@ def test_the_trainer_refuses_before_building_anything():
 
 @pytest.mark.slow
 @pytest.mark.skipif(not NO_GPU, reason="a GPU is visible")
+@pytest.mark.timeout(60)  # 4 s measured
 def test_the_example_asked_for_a_missing_gpu_fails_in_one_line(tmp_path):
     result = run(
         "run", "--nproc-per-node", "2", "--plain", "--max-restarts", "0", "--master-port",

@@ -132,6 +132,8 @@ def test_every_second_of_a_run_is_accounted_for(sim, policy):
     assert t.samples <= sim.rate0 * tr.duration_s
 
 
+@pytest.mark.slow  # every sequence of choices: seconds
+@pytest.mark.timeout(60)  # 2 s measured
 def test_the_oracle_is_never_below_a_sequence_of_choices_it_could_have_made(sim):
     job = sim.job
     for seed in (1, 2):
@@ -277,6 +279,8 @@ def test_a_seed_replays_the_same_run(ascend):
         assert a == b
 
 
+@pytest.mark.slow  # two processes, seconds
+@pytest.mark.timeout(60)  # 5 s measured
 def test_two_processes_give_the_figures_of_one(ascend):
     # chameleon simulate runs adaptive and the oracle in this process and the rest in a
     # forked one: the same figures, in the order asked, and the progress of both.

@@ -89,12 +89,14 @@ class EtcdCluster:
                 "--auto-compaction-retention",
                 "1000",
                 # Raft's timing for a loaded 2-core host rather than a datacenter: etcd's
-                # defaults (100 ms, 1 s) start elections whenever a member is descheduled
-                # for a second, which a suite of real jobs beside it does.
+                # defaults (100 ms, 1 s) start an election whenever a member is
+                # descheduled for a second, which a suite of real jobs beside it can do.
+                # An election still ends within the agents' 5 s of patience
+                # (launcher/etcd.py, UNREACHABLE_AFTER_S).
                 "--heartbeat-interval",
-                "200",
+                "150",
                 "--election-timeout",
-                "2000",
+                "1500",
             ],  # fmt: skip
             stdout=log.open("ab"),
             stderr=subprocess.STDOUT,

@@ -14,6 +14,7 @@ import psutil
 import pytest
 
 from launcher.etcd import EtcdStore, parse_endpoints
+from tests import references
 from tests.etcd.test_etcd_job import (
     agents,
     assert_failure_free,
@@ -23,7 +24,6 @@ from tests.etcd.test_etcd_job import (
     wait_step,
 )
 from tests.launcher.helpers import events
-from tests.runtime.test_liveness import run_mlp
 
 pytestmark = pytest.mark.slow
 
@@ -58,8 +58,9 @@ def written_by(etcd, key: str, rank_range: range) -> list[str]:
 # The leader's node (a follower's frozen node was tested the same way, and is the simpler
 # case: no successor to elect, no worker store to move; tests/partitions cut followers).
 @pytest.mark.parametrize("frozen", ["leader"])
+@pytest.mark.timeout(150)  # 45 s measured
 def test_a_frozen_node_is_lost_in_place_and_fences_itself_when_resumed(tmp_path, etcd, frozen):
-    _, _, reference = run_mlp(tmp_path, "ref", workers=4, steps=STEPS, args=("--stages", "1"))
+    reference = references.mlp(workers=4, steps=STEPS)
     procs = agents(tmp_path, etcd, 3, steps=STEPS)
     wait_step(tmp_path, procs, 20)
     leader = leader_of(tmp_path, procs)

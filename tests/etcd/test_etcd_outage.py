@@ -1,4 +1,5 @@
-"""The control plane's own outage: every etcd member stopped for 60 s while a job trains,
+"""The control plane's own outage: every etcd member stopped for 20 s (six leases of 3 s)
+while a job trains,
 then started again. The job trains on meanwhile, a worker killed during the outage is
 recovered in place once etcd answers, and the run ends with the failure-free weights."""
 
@@ -10,6 +11,7 @@ import time
 
 import pytest
 
+from tests import references
 from tests.etcd.test_etcd_job import (
     agents,
     assert_failure_free,
@@ -19,23 +21,25 @@ from tests.etcd.test_etcd_job import (
     wait_step,
 )
 from tests.launcher.helpers import events
-from tests.runtime.test_liveness import run_mlp
 
 pytestmark = pytest.mark.slow
 
-OUTAGE_S = 60.0
-STEPS = 300
+OUTAGE_S = 20.0
+STEPS = 200
 
 
+@pytest.mark.timeout(150)  # 45 s measured
 def test_a_job_trains_through_an_etcd_outage_and_recovers_a_failure_from_it(tmp_path, etcd):
-    _, _, reference = run_mlp(tmp_path, "ref", workers=4, steps=STEPS, args=("--stages", "1"))
+    reference = references.mlp(workers=4, steps=STEPS)
     procs = agents(tmp_path, etcd, 2, nnodes="2", steps=STEPS)
     wait_step(tmp_path, procs, 10)
     for i in range(len(etcd.members)):
         etcd.kill(i)
     cut = time.monotonic()
     before = steps_seen(tmp_path, 2)
-    time.sleep(OUTAGE_S / 3)
+    # (after the agents' 5 s of patience with etcd, launcher/etcd.py: the leader reports
+    # no step while its call waits)
+    time.sleep(OUTAGE_S * 2 / 3)
     during = steps_seen(tmp_path, 2)
     # A worker of the second node killed while nobody can reach etcd.
     victim = next(e for e in events(tmp_path / "n1.jsonl") if e["event"] == "workers_started")

@@ -16,6 +16,7 @@ from launcher.rendezvous import RendezvousError
 pytestmark = pytest.mark.slow
 
 
+@pytest.mark.timeout(60)  # 2 s measured
 def test_counters_are_atomic_across_connections(etcd):
     stores = [EtcdStore(parse_endpoints(etcd.endpoints)) for _ in range(4)]
     seen: list[int] = []
@@ -30,6 +31,7 @@ def test_counters_are_atomic_across_connections(etcd):
     assert sorted(seen) == list(range(1, 81))  # every add saw a value of its own
 
 
+@pytest.mark.timeout(60)  # 1 s measured
 def test_queue_keeps_order_and_leaves_no_items(etcd):
     store = EtcdStore(parse_endpoints(etcd.endpoints))
     for item in ("a", "b", "c"):
@@ -40,6 +42,7 @@ def test_queue_keeps_order_and_leaves_no_items(etcd):
     assert sorted(store.keys("q/")) == ["q/head", "q/tail"]
 
 
+@pytest.mark.timeout(60)  # 8 s measured
 def test_a_leased_key_goes_when_its_lease_is_not_refreshed(etcd):
     store = EtcdStore(parse_endpoints(etcd.endpoints))
     lease = store.grant(2)
@@ -56,6 +59,7 @@ def test_a_leased_key_goes_when_its_lease_is_not_refreshed(etcd):
     assert not store.keepalive(lease)
 
 
+@pytest.mark.timeout(60)  # 2 s measured
 def test_calls_move_to_the_next_member_when_one_is_killed(etcd):
     store = EtcdStore(parse_endpoints(etcd.endpoints))
     store.set("k", "1")
@@ -64,6 +68,7 @@ def test_calls_move_to_the_next_member_when_one_is_killed(etcd):
     assert store.get("k") == b"2"
 
 
+@pytest.mark.timeout(60)  # 1 s measured
 def test_one_agent_leads_a_fresh_incarnation_and_the_next_joins_it(etcd):
     def open_one():
         return EtcdControlPlane.open(
@@ -85,6 +90,7 @@ def test_one_agent_leads_a_fresh_incarnation_and_the_next_joins_it(etcd):
     third.close(last=True)
 
 
+@pytest.mark.timeout(60)  # 1 s measured
 def test_an_agent_with_another_token_or_none_is_refused_by_name(etcd):
     def open_one(token):
         return EtcdControlPlane.open(
@@ -115,6 +121,7 @@ def _plane(etcd, run_id="f"):
     )  # fmt: skip
 
 
+@pytest.mark.timeout(60)  # 1 s measured
 def test_an_agent_whose_lease_ran_out_can_write_nothing(etcd):
     from launcher.etcd import Fenced
 
@@ -143,6 +150,7 @@ def test_an_agent_whose_lease_ran_out_can_write_nothing(etcd):
     leader.close(last=True)
 
 
+@pytest.mark.timeout(90)  # 22 s measured
 def test_leases_outlive_an_outage_of_every_member(etcd, tmp_path):
     # etcd's new leader renews every lease: agents cut off from all of etcd together are
     # not lost for it (launcher/outage.py relies on this).
@@ -173,6 +181,7 @@ def test_leases_outlive_an_outage_of_every_member(etcd, tmp_path):
     leader.close(last=True)
 
 
+@pytest.mark.timeout(60)  # 1 s measured
 def test_an_expired_lease_is_told_as_such_and_revoking_it_again_is_harmless(etcd):
     store = EtcdStore(parse_endpoints(etcd.endpoints))
     lease = store.grant(2)

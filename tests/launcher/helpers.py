@@ -11,6 +11,8 @@ import textwrap
 import time
 from pathlib import Path
 
+from tests.clock import budget
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -38,13 +40,40 @@ def env() -> dict[str, str]:
 _env = env  # ``start`` takes an ``env`` argument of its own
 
 
+def _log_path(cwd: Path, stem: str) -> Path:
+    """A new file for a process's output in its working folder, where tests/conftest.py
+    finds it when the test fails: ``chameleon-run.1.log``, ``chameleon-run.2.log``, ..."""
+    n = 1
+    while (cwd / f"{stem}.{n}.log").exists():
+        n += 1
+    return cwd / f"{stem}.{n}.log"
+
+
 def run(
     *args: str, cwd: Path, timeout: float = 120, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        chameleon_cmd(*args), cwd=cwd, env={**_env(), **(env or {})}, capture_output=True,
-        text=True, timeout=timeout,
-    )  # fmt: skip
+    """``chameleon ARGS`` to its end. Its stdout and stderr are kept in files in ``cwd`` as
+    well as returned, so that a run cut short still leaves its log. ``timeout`` is cut to
+    the test's budget (tests/clock.py); a run past it is killed (its launcher's guard
+    kills the workers) and fails the test with its log's tail."""
+    out_path, err_path = _log_path(cwd, "chameleon-run.out"), _log_path(cwd, "chameleon-run.err")
+    with open(out_path, "w") as out, open(err_path, "w") as err:
+        proc = subprocess.Popen(
+            chameleon_cmd(*args), cwd=cwd, env={**_env(), **(env or {})}, stdout=out,
+            stderr=err, text=True,
+        )  # fmt: skip
+        limit = budget(timeout)
+        try:
+            code = proc.wait(timeout=limit)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            tail = (out_path.read_text()[-3000:], err_path.read_text()[-3000:])
+            raise AssertionError(
+                f"chameleon {' '.join(args)} still running after {limit:.0f} s, killed;\n"
+                f"stdout: ...{tail[0]}\nstderr: ...{tail[1]}"
+            ) from None
+    return subprocess.CompletedProcess(proc.args, code, out_path.read_text(), err_path.read_text())
 
 
 def start(*args: str, cwd: Path, log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
@@ -73,6 +102,7 @@ def events(path: Path) -> list[dict]:
 
 
 def wait_for_event(path: Path, name: str, timeout: float = 60, **match) -> dict:
+    timeout = budget(timeout)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         for e in events(path):
@@ -124,7 +154,7 @@ def lose_node_1(
     leaves no launcher behind."""
     common = [
         "run", "--nnodes", "2", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-        "--master-port", str(free_port()), "--heartbeat-timeout", "2", *flags,
+        "--master-port", str(free_port()), "--heartbeat-timeout", "3", *flags,
     ]  # fmt: skip
     node1 = start(*common, "--node-rank", "1", *args, cwd=tmp, log=tmp / "n1.log", env=env)
     log0 = tmp / "n0.jsonl"
@@ -133,13 +163,14 @@ def lose_node_1(
         log=tmp / "n0.log", env=env,
     )  # fmt: skip
     try:
+        timeout = budget(timeout)
         deadline = time.monotonic() + timeout
         while not any(e["event"] == "step" and e["step"] >= after_step for e in events(log0)):
             assert time.monotonic() < deadline and node0.poll() is None
             time.sleep(0.05)
         node1.kill()
         node1.wait()
-        assert node0.wait(timeout=timeout) == 0, (tmp / "n0.log").read_text()[-3000:]
+        assert node0.wait(timeout=budget(timeout)) == 0, (tmp / "n0.log").read_text()[-3000:]
     finally:
         for node in (node0, node1):
             if node.poll() is None:

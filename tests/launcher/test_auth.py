@@ -10,18 +10,20 @@ from datetime import timedelta
 import pytest
 
 from chameleon_runtime.protocol.messages import Abort, Exit, Keys
+from tests import references
 from tests.launcher.helpers import events, start, wait_for_event
-from tests.runtime.test_liveness import MLP, run_mlp
+from tests.runtime.test_liveness import MLP
 from tests.runtime.test_recovery import dumps
 
 pytestmark = pytest.mark.slow
 STEPS = 50
 
 
+@pytest.mark.timeout(60)  # 13 s measured
 def test_forged_exit_abort_and_plan_change_nothing(tmp_path):
     import torch.distributed as dist
 
-    _, _, reference = run_mlp(tmp_path, "ref", workers=3, steps=STEPS, args=("--stages", "1"))
+    reference = references.mlp(workers=3, steps=STEPS)
     log = tmp_path / "events.jsonl"
     job = start(
         "run", "--standalone", "--nproc-per-node", "3", "--events", str(log), MLP,

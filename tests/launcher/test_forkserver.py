@@ -39,6 +39,7 @@ def _spawn(server, tmp_path, source: str, *args: str, env: dict | None = None):
     return proc, os.fdopen(out_fd, "rb"), os.fdopen(err_fd, "rb")
 
 
+@pytest.mark.timeout(60)  # 2 s measured
 def test_a_child_runs_the_script_with_its_argv_env_and_folder(server, tmp_path):
     proc, out, err = _spawn(
         server,
@@ -57,6 +58,7 @@ def test_a_child_runs_the_script_with_its_argv_env_and_folder(server, tmp_path):
     assert line == f"['a', 'b'] rank-3 {tmp_path} __main__ {tmp_path} 1 False True"
 
 
+@pytest.mark.timeout(60)  # 1 s measured
 def test_an_exception_prints_its_traceback_and_exits_1(server, tmp_path):
     proc, out, err = _spawn(server, tmp_path, "def f():\n    raise KeyError('x')\nf()\n")
     assert proc.wait(timeout=30) == 1
@@ -67,6 +69,7 @@ def test_an_exception_prints_its_traceback_and_exits_1(server, tmp_path):
     assert len(frames) == 2 and all("child.py" in f for f in frames), text
 
 
+@pytest.mark.timeout(60)  # 3 s measured
 def test_the_server_imports_what_the_script_imports(tmp_path):
     script = tmp_path / "train.py"
     (tmp_path / "mine.py").write_text("import sys\nsys.exit('a local module is never preloaded')\n")
@@ -96,6 +99,7 @@ def test_the_server_imports_what_the_script_imports(tmp_path):
     fs.close()
 
 
+@pytest.mark.timeout(60)  # 0 s measured
 def test_a_script_of_the_standard_library_alone_gets_a_server_that_imports_nothing(tmp_path):
     # its workers start at once instead of after torch's import (seconds); one that
     # imports torch only inside a function imports it itself, as a fresh interpreter does
@@ -107,6 +111,7 @@ def test_a_script_of_the_standard_library_alone_gets_a_server_that_imports_nothi
     assert modules_for(str(tmp_path / "missing.py"), "auto", module_mode=False) == list(PRELOAD)
 
 
+@pytest.mark.timeout(60)  # 0 s measured
 def test_a_signal_is_reported_as_popen_does(server, tmp_path):
     proc, out, err = _spawn(
         server, tmp_path, "import time\nprint('up', flush=True)\ntime.sleep(60)\n"
@@ -117,6 +122,7 @@ def test_a_signal_is_reported_as_popen_does(server, tmp_path):
     assert proc.wait(timeout=30) == -signal.SIGKILL
 
 
+@pytest.mark.timeout(60)  # 0 s measured
 def test_only_plain_python_commands_are_forked():
     assert eligible([sys.executable, "-u", "train.py", "--lr", "1"])
     assert eligible([sys.executable, "-u", "-m", "pkg.train"])
@@ -125,6 +131,7 @@ def test_only_plain_python_commands_are_forked():
     assert not eligible([])
 
 
+@pytest.mark.timeout(60)  # 2 s measured
 def test_children_die_with_the_server(tmp_path):
     fs = ForkServer(dict(os.environ), tmp_path / "server.log")
     assert fs.wait_ready(120)

@@ -12,6 +12,7 @@ pytestmark = pytest.mark.slow
 FAILS = "echo 'GPU 3: 12 uncorrectable ECC errors' >&2; exit 1"
 
 
+@pytest.mark.timeout(60)  # 3 s measured
 def test_a_node_that_fails_the_check_does_not_start_its_workers(tmp_path):
     script = write(tmp_path / "ddp.py", DDP)
     log = tmp_path / "events.jsonl"
@@ -29,6 +30,7 @@ def test_a_node_that_fails_the_check_does_not_start_its_workers(tmp_path):
     assert not list(tmp_path.glob("progress_*"))
 
 
+@pytest.mark.timeout(60)  # 7 s measured
 def test_an_elastic_job_forms_without_the_unhealthy_node(tmp_path):
     script = write(tmp_path / "ddp.py", DDP)
     port = free_port()
@@ -56,6 +58,7 @@ def test_an_elastic_job_forms_without_the_unhealthy_node(tmp_path):
 MLP = str(__import__("pathlib").Path(__file__).resolve().parents[1] / "runtime" / "mlp.py")
 
 
+@pytest.mark.timeout(60)  # 5 s measured
 def test_a_replacement_is_not_started_where_the_check_fails(tmp_path):
     # Healthy when the node joins, not when the kill's replacement would start there.
     check = write(

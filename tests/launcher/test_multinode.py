@@ -6,6 +6,7 @@ import time
 
 import pytest
 
+from tests import references
 from tests.launcher.helpers import (
     events,
     free_port,
@@ -50,6 +51,7 @@ DDP = """
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(60)  # 6 s measured
 def test_gloo_job_restarts_after_external_kill_9(tmp_path):
     # torch 2.13's torchrun fails this: restarted gloo workers dial the dead attempt's
     # addresses (see launcher/store.py). Each attempt gets a fresh store here.
@@ -83,6 +85,7 @@ def test_gloo_job_restarts_after_external_kill_9(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(60)  # 4 s measured
 def test_two_static_agents_run_one_ddp_job(tmp_path):
     script = write(tmp_path / "ddp.py", DDP)
     port = free_port()
@@ -138,6 +141,7 @@ def _two_agents(tmp_path, script, envs: list[dict[str, str]], *flags: str):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(60)  # 4 s measured
 def test_two_agents_under_srun_take_the_rendezvous_from_slurm(tmp_path):
     # What srun gives each task of `srun --nodes 2 --ntasks-per-node 1 chameleon run ...`
     # (the two "hosts" are both this machine's loopback).
@@ -162,6 +166,7 @@ def test_two_agents_under_srun_take_the_rendezvous_from_slurm(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(60)  # 4 s measured
 def test_two_agents_configured_as_a_pytorchjob_does_form_one_job(tmp_path):
     # Kubeflow's elastic PyTorchJob: the same PET_* variables in every pod, no flags.
     port = free_port()
@@ -187,6 +192,7 @@ SLEEPER = """
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(60)  # 8 s measured
 def test_lost_node_is_detected_and_the_job_shrinks(tmp_path):
     script = write(tmp_path / "sleeper.py", SLEEPER)
     endpoint = f"127.0.0.1:{free_port()}"
@@ -211,7 +217,7 @@ def test_lost_node_is_detected_and_the_job_shrinks(tmp_path):
     node0 = start(
         *common, "--events", str(log0), str(script), cwd=tmp_path, log=tmp_path / "n0.log"
     )
-    time.sleep(0.3)
+    wait_for_event(log0, "start")  # node 0 binds the endpoint: it leads
     node1 = start(
         *common,
         "--events",
@@ -240,6 +246,7 @@ def test_lost_node_is_detected_and_the_job_shrinks(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(60)  # 3 s measured
 def test_an_agent_of_another_run_id_is_refused(tmp_path):
     script = write(tmp_path / "sleeper.py", "import time; time.sleep(20)\n")
     endpoint = f"127.0.0.1:{free_port()}"
@@ -254,9 +261,12 @@ def test_an_agent_of_another_run_id_is_refused(tmp_path):
         "--rdzv-endpoint",
         endpoint,
     ]
-    host = start(*common, "--rdzv-id", "alpha", str(script), cwd=tmp_path, log=tmp_path / "a.log")
+    host = start(
+        *common, "--rdzv-id", "alpha", "--events", str(tmp_path / "a.jsonl"), str(script),
+        cwd=tmp_path, log=tmp_path / "a.log",
+    )  # fmt: skip
     try:
-        time.sleep(3)
+        wait_for_event(tmp_path / "a.jsonl", "start")  # the job's store is up
         intruder = run(
             *common,
             "--rdzv-id",
@@ -274,17 +284,18 @@ def test_an_agent_of_another_run_id_is_refused(tmp_path):
         host.wait()
 
 
+@pytest.mark.timeout(60)  # 4 s measured
 def test_an_agent_with_another_token_or_none_is_refused(tmp_path):
     script = write(tmp_path / "sleeper.py", "import time; time.sleep(20)\n")
     endpoint = f"127.0.0.1:{free_port()}"
     common = ["run", "--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
               "--rdzv-endpoint", endpoint, "--rdzv-id", "alpha"]  # fmt: skip
     host = start(
-        *common, str(script), cwd=tmp_path, log=tmp_path / "a.log",
-        env={"CHAMELEON_JOB_TOKEN": "right"},
+        *common, "--events", str(tmp_path / "a.jsonl"), str(script), cwd=tmp_path,
+        log=tmp_path / "a.log", env={"CHAMELEON_JOB_TOKEN": "right"},
     )  # fmt: skip
     try:
-        time.sleep(3)
+        wait_for_event(tmp_path / "a.jsonl", "start")  # the job's store is up
         for conf, why in (
             ("join_timeout=5,token=wrong", "is signed with another job token: refused"),
             ("join_timeout=5", "needs its job token"),
@@ -298,15 +309,16 @@ def test_an_agent_with_another_token_or_none_is_refused(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(60)  # 13 s measured
 def test_a_lost_node_recovered_in_place_lets_the_job_end(tmp_path):
     # Two agents of two runtime workers each; node 1's agent is SIGKILLed mid-run (its
     # workers die with it). Node 0 recovers in place, trains to the end with the weights
     # of a failure-free run, and exits 0 (before: its launcher never ended).
 
-    from tests.runtime.test_liveness import MLP, run_mlp
+    from tests.runtime.test_liveness import MLP
     from tests.runtime.test_recovery import dumps
 
-    _, _, reference = run_mlp(tmp_path, "ref", workers=4, steps=60, args=("--stages", "1"))
+    reference = references.mlp(workers=4, steps=60)
     args = [MLP, "--steps", "60", "--stages", "1", "--dump", str(tmp_path / "dump")]
     evs = lose_node_1(tmp_path, args, after_step=15, env={"MLP_STEP_SLEEP_S": "0.1"}, timeout=90)
     assert [e["node"] for e in evs if e["event"] == "node_lost"] == [1]
@@ -321,16 +333,17 @@ def test_a_lost_node_recovered_in_place_lets_the_job_end(tmp_path):
         assert values[0] == pytest.approx(reference[layer][0], rel=1e-5)
 
 
+@pytest.mark.timeout(90)  # 25 s measured
 def test_a_hot_spare_node_takes_a_lost_nodes_ranks_in_place(tmp_path):
     # Three agents for a job of two nodes (--nnodes 2:2): the third waits as a hot spare.
     # Node 1's agent is SIGKILLed (its workers die with it); the spare takes its ranks in
     # the running round (no restart): their replacements start there, join as spares and
     # are taken in, and the job ends with the failure-free weights.
-    from tests.runtime.test_liveness import MLP, run_mlp
+    from tests.runtime.test_liveness import MLP
     from tests.runtime.test_recovery import dumps
 
     steps = 150
-    _, _, reference = run_mlp(tmp_path, "ref", workers=4, steps=steps, args=("--stages", "1"))
+    reference = references.mlp(workers=4, steps=steps)
     port = free_port()
     common = [
         "run", "--nnodes", "2:2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",

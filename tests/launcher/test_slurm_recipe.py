@@ -77,6 +77,7 @@ def _sbatch(tmp: Path, job: str, restarts: int) -> subprocess.Popen:
     )
 
 
+@pytest.mark.timeout(60)  # 13 s measured
 def test_the_sbatch_recipe_saves_requeues_and_the_requeue_finishes(tmp_path):
     job = _free_slurm_job_id()
     first = _sbatch(tmp_path, job, 0)

@@ -17,8 +17,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.launcher.helpers import chameleon_cmd, env, events, leftovers
-from tests.runtime.test_liveness import MLP, run_mlp
+from tests import references
+from tests.launcher.helpers import chameleon_cmd, env, events, leftovers, wait_for_event
+from tests.runtime.test_liveness import MLP
 from tests.runtime.test_recovery import dumps
 
 pytestmark = pytest.mark.slow
@@ -63,7 +64,8 @@ class Job:
         etcd incarnation and leads it)."""
         for i in range(nodes):
             self.start(i, f"n{i}")
-            time.sleep(0.3)
+            if i == 0:  # up before the others start
+                wait_for_event(self.tmp / "n0.jsonl", "start", timeout=60)
 
     def events(self, name: str) -> list[dict]:
         return events(self.tmp / f"{name}.jsonl")
@@ -168,8 +170,9 @@ def partition(
     print(f"node {cut} cut: its agent gone {gone_after:.1f} s later (lease {LEASE_S:g} s)")
 
 
+@pytest.mark.timeout(120)  # 30 s measured
 def test_a_node_cut_off_from_the_c10d_store_fences_itself_and_the_rest_go_on(tmp_path, net):
-    _, _, reference = run_mlp(tmp_path, "ref", workers=4, steps=STEPS, args=("--stages", "1"))
+    reference = references.mlp(workers=4, steps=STEPS)
     n = net(3)
     port = 29400
     job = Job(
@@ -194,7 +197,7 @@ def etcd_partition(tmp_path, net, cut: int) -> Job:
 
     if etcd_binary() is None:
         pytest.skip("no etcd on PATH (scripts/install.sh installs Debian's etcd-server)")
-    _, _, reference = run_mlp(tmp_path, "ref", workers=4, steps=STEPS, args=("--stages", "1"))
+    reference = references.mlp(workers=4, steps=STEPS)
     n = net(3)
     etcd = start_cluster(tmp_path / "etcd", host=n.hub)
     job = Job(
@@ -214,6 +217,7 @@ def etcd_partition(tmp_path, net, cut: int) -> Job:
     return job
 
 
+@pytest.mark.timeout(120)  # 33 s measured
 def test_a_node_cut_off_from_etcd_and_the_others_fences_itself_once_it_is_back(tmp_path, net):
     # On etcd the cut-off side cannot tell a cut from an outage of etcd, so it waits (its
     # workers cannot train: their peers are across the cut) until etcd answers again and
@@ -221,6 +225,7 @@ def test_a_node_cut_off_from_etcd_and_the_others_fences_itself_once_it_is_back(t
     etcd_partition(tmp_path, net, 2)
 
 
+@pytest.mark.timeout(120)  # 34 s measured
 def test_the_leaders_node_cut_off_on_etcd_fences_itself_and_a_new_leader_goes_on(tmp_path, net):
     # Node 0 leads and hosts the worker store every worker and agent is connected to. A
     # new leader is elected once its lease runs out and serves a new store; every
@@ -233,11 +238,12 @@ def test_the_leaders_node_cut_off_on_etcd_fences_itself_and_a_new_leader_goes_on
     assert len(elected) == 1
 
 
+@pytest.mark.timeout(90)  # 29 s measured
 def test_a_frozen_node_on_c10d_fences_itself_when_resumed(tmp_path, net):
     # Its agent and workers stopped (SIGSTOP) for three leases: the others count it lost
     # and go on; resumed, its lease watch finds no beat went through for the lease, and
     # it kills its workers before they act on the generation the others left.
-    _, _, reference = run_mlp(tmp_path, "ref", workers=4, steps=STEPS, args=("--stages", "1"))
+    reference = references.mlp(workers=4, steps=STEPS)
     n = net(3)
     job = Job(
         tmp_path, n,

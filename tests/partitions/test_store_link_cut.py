@@ -60,12 +60,14 @@ def _blocked_call_across_a_cut(net, deadline: str | None) -> str | None:
         client.wait()
 
 
+@pytest.mark.timeout(60)  # 4 s measured
 def test_a_call_across_a_cut_fails_at_the_deadline(net):
     said = _blocked_call_across_a_cut(net, "2")
     assert said is not None and said.startswith("failed after"), said
     assert 1.5 <= float(said.split()[2]) <= 4.5, said
 
 
+@pytest.mark.timeout(60)  # 10 s measured
 def test_without_a_deadline_the_same_call_never_returns(net):
     assert _blocked_call_across_a_cut(net, None) is None
 
@@ -80,6 +82,7 @@ print(store.queue_pop("mailbox", block=True).decode(), flush=True)
 """
 
 
+@pytest.mark.timeout(60)  # 9 s measured
 def test_a_waiter_killed_while_cut_off_keeps_no_mailbox_from_its_replacement(net):
     # The old worker's kernel drops its socket unseen (the deadline, while cut off); the
     # host must drop its end too, or the push below wakes nobody (torch 2.13's server).

@@ -21,7 +21,8 @@ from tests.launcher.helpers import env
 
 ROOT = Path(__file__).resolve().parents[2]
 
-pytestmark = pytest.mark.slow
+# a soak: scripts/soak.sh runs it (before resolving anything that touches recovery)
+pytestmark = [pytest.mark.slow, pytest.mark.soak]
 
 
 @pytest.mark.timeout(600)  # three runs (reference, chaos, floor): 130-230 s on 2 shared cores

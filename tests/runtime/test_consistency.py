@@ -27,6 +27,7 @@ def ddp3(tmp_path_factory):
     return states[0]
 
 
+@pytest.mark.timeout(60)  # 10 s measured
 def test_a_drifted_replica_is_healed_from_the_majority_at_the_next_check(tmp_path, ddp3):
     # Moved after step 5, checked at every step: healed before it computes a gradient,
     # so the run ends on plain DDP's weights.
@@ -41,6 +42,7 @@ def test_a_drifted_replica_is_healed_from_the_majority_at_the_next_check(tmp_pat
         assert_close(ddp3, state, 1e-9)
 
 
+@pytest.mark.timeout(60)  # 4 s measured
 def test_the_check_finds_a_drift_within_its_interval(tmp_path):
     # Checked every 4 steps: moved after step 5, found at step 8; the replicas agree to
     # the bit from then on (steps 6 and 7 were trained on the drifted replica's
@@ -51,6 +53,7 @@ def test_the_check_finds_a_drift_within_its_interval(tmp_path):
     assert ours[0] == ours[1] == ours[2]
 
 
+@pytest.mark.timeout(60)  # 4 s measured
 def test_two_replicas_that_disagree_stop_the_job(tmp_path):
     done, ours = chameleon(tmp_path, "two", 2, "--check-every", "4", "--perturb", "1,5")
     assert done.returncode == 1
@@ -61,6 +64,7 @@ def test_two_replicas_that_disagree_stop_the_job(tmp_path):
     ) in done.stdout + done.stderr
 
 
+@pytest.mark.timeout(60)  # 6 s measured
 def test_the_check_heals_under_plain_torchrun_too(tmp_path, ddp3):
     done, states = test_habits.torchrun(
         tmp_path, "tr", "chameleon", "plain", 3, "--global-batch", "24", "--check-every", "1",

@@ -96,6 +96,7 @@ def _run(tmp_path: Path, name: str, mode: str, nproc: int, *extra: str) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(60)  # 11 s measured
 def test_under_torchrun_it_trains_as_ddp_does(tmp_path):
     ddp = _run(tmp_path, "ddp", "ddp", 2)
     ours = _run(tmp_path, "ours", "chameleon", 2)

@@ -74,6 +74,7 @@ def reference(tmp_path_factory):
     return weights
 
 
+@pytest.mark.timeout(90)  # 24 s measured
 def test_under_plain_torchrun_the_same_loop_trains_the_same_weights(tmp_path, reference):
     import os
     import subprocess
@@ -91,6 +92,7 @@ def test_under_plain_torchrun_the_same_loop_trains_the_same_weights(tmp_path, re
     assert_same(reference, dumps(out))
 
 
+@pytest.mark.timeout(60)  # 8 s measured
 def test_a_killed_worker_is_recovered_in_place(tmp_path, reference):
     weights, evs = train(
         tmp_path, "kill", "--max-rejoins", "0", "--inject-fault", "kill:rank=1,step=5"
@@ -101,9 +103,10 @@ def test_a_killed_worker_is_recovered_in_place(tmp_path, reference):
     assert [e["attempt"] for e in named(evs, "workers_started")] == [0]  # no restart
 
 
+@pytest.mark.timeout(60)  # 11 s measured
 def test_a_hung_worker_is_recovered_in_place(tmp_path, reference):
     weights, evs = train(
-        tmp_path, "hang", "--max-rejoins", "0", "--heartbeat-timeout", "2",
+        tmp_path, "hang", "--max-rejoins", "0", "--heartbeat-timeout", "3",
         "--inject-fault", "hang:rank=2,step=5",
     )  # fmt: skip
     assert_same(reference, weights)
@@ -115,6 +118,7 @@ def test_a_hung_worker_is_recovered_in_place(tmp_path, reference):
 
 
 @pytest.mark.parametrize("at", ["2.3", "2.6"])
+@pytest.mark.timeout(60)  # 10 s measured
 def test_a_kill_at_a_moment_not_a_step_boundary(tmp_path, reference, at):
     # Killed by the clock: wherever the step is (often inside the all-reduce). Before the
     # survivors dropped an abandoned step's buffers, an all-reduce of the old group that
@@ -127,6 +131,7 @@ def test_a_kill_at_a_moment_not_a_step_boundary(tmp_path, reference, at):
     assert [e["attempt"] for e in named(evs, "workers_started")] == [0]
 
 
+@pytest.mark.timeout(60)  # 9 s measured
 def test_a_second_kill_during_the_recovery(tmp_path, reference):
     weights, evs = train(
         tmp_path, "second", "--max-rejoins", "0", "--inject-fault", "kill:rank=1,step=5",
@@ -138,6 +143,7 @@ def test_a_second_kill_during_the_recovery(tmp_path, reference):
     assert [e["attempt"] for e in named(evs, "workers_started")] == [0]
 
 
+@pytest.mark.timeout(150)  # 41 s measured
 def test_a_replacement_heals_from_a_live_member_and_trains_on(tmp_path):
     # Planned as if every worker had a device of its own, the job with 4 workers is
     # clearly faster than with fewer: the replacement of rank 1 must be taken in.
@@ -153,6 +159,7 @@ def test_a_replacement_heals_from_a_live_member_and_trains_on(tmp_path):
     assert_same(reference, weights)
 
 
+@pytest.mark.timeout(150)  # 47 s measured
 def test_a_lost_node_is_recovered_in_place(tmp_path, reference):
     args = [EXAMPLE, "--steps", "200", "--float64", "--dump", str(tmp_path / "dump")]
     evs = lose_node_1(tmp_path, args, flags=("--max-rejoins", "0"))
@@ -165,6 +172,7 @@ def test_a_lost_node_is_recovered_in_place(tmp_path, reference):
 
 
 @pytest.mark.parametrize("spare", [False, True], ids=["taken-in", "left-a-spare"])
+@pytest.mark.timeout(60)  # 9 s measured
 def test_a_replacement_heals_after_the_script_resumed_from_its_checkpoint(
     tmp_path, reference, spare
 ):

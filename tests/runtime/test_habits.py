@@ -84,6 +84,7 @@ def assert_close(reference: dict[str, list[float]], state: dict[str, list[float]
 
 
 @pytest.mark.parametrize("habit", [h for h in HABITS if h != "two_backwards"])
+@pytest.mark.timeout(90)  # 20 s measured
 def test_a_habit_trains_as_ddp_does_through_a_kill(tmp_path, under_torchrun, habit):
     rel = FLOAT32_TOLERANCE if habit in FLOAT32 else TOLERANCE
     done, ddp = under_torchrun["ddp"]
@@ -127,6 +128,7 @@ def assert_saved(tmp: Path, name: str, state: dict[str, list[float]], saver: int
     assert [p.name for p in tmp.glob(f"{name}.saver*")] == [f"{name}.saver{saver}"]
 
 
+@pytest.mark.timeout(60)  # 7 s measured
 def test_two_backwards_are_each_reduced(tmp_path, under_torchrun):
     # DDP reduces only the first backward after a forward: the second's gradients stay
     # on their rank and the replicas drift apart (measured: 10% apart after 12 steps).
@@ -144,6 +146,7 @@ def test_two_backwards_are_each_reduced(tmp_path, under_torchrun):
     assert_close(alone[0], survived[0], TOLERANCE)
 
 
+@pytest.mark.timeout(60)  # 8 s measured
 def test_an_unused_parameter_without_the_flag_is_a_one_line_error(tmp_path):
     done, _ = torchrun(tmp_path, "ours", "chameleon", "unused", 2, "--no-find-unused")
     assert done.returncode != 0
@@ -153,6 +156,7 @@ def test_an_unused_parameter_without_the_flag_is_a_one_line_error(tmp_path):
     assert "find_unused_parameters=True" in done.stdout + done.stderr
 
 
+@pytest.mark.timeout(60)  # 4 s measured
 def test_an_exception_on_a_member_ends_the_job_with_its_error(tmp_path):
     # On rank 0, the lowest-ranked member: its exit used to announce the end of
     # training, and the other member exited 0 early.
@@ -164,6 +168,7 @@ def test_an_exception_on_a_member_ends_the_job_with_its_error(tmp_path):
     assert not [e for e in evs if e["event"] == "recovered"]
 
 
+@pytest.mark.soak  # 2,000 steps (scripts/soak.sh); the heal itself is in CI in test_dropin
 def test_replacements_heal_through_kills_of_either_rank(tmp_path):
     # BatchNorm, 2,000 steps, rank 1 killed at step 100 and rank 0 (the one that healed
     # the first replacement) at 1,600, each replaced and healed from the other. A heal
@@ -188,6 +193,7 @@ def test_replacements_heal_through_kills_of_either_rank(tmp_path):
         assert_close(ddp[0], state, TOLERANCE)
 
 
+@pytest.mark.timeout(60)  # 9 s measured
 def test_a_loop_that_counts_its_own_steps_fails_when_a_replacement_joins(tmp_path):
     # The replacement's own count starts at 0: it would train on alone after the others
     # ended. Said in one line, with the fix.

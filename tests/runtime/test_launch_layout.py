@@ -58,6 +58,7 @@ SCRIPT = ("--steps", str(STEPS), "--stages", "auto", "--layers", str(LAYERS),
           "--global-batch", str(BATCH), "--exact")  # fmt: skip
 
 
+@pytest.mark.timeout(60)  # 5 s measured
 def test_the_leader_plans_the_launch_layout_and_a_kill_recovers_from_it(tmp_path, expected):
     log = tmp_path / "events.jsonl"
     result = run(
@@ -79,6 +80,7 @@ def test_the_leader_plans_the_launch_layout_and_a_kill_recovers_from_it(tmp_path
     assert_weights(checks, expected)
 
 
+@pytest.mark.timeout(60)  # 4 s measured
 def test_without_a_launcher_the_chief_plans_the_launch_layout(tmp_path, expected):
     env = {k: v for k, v in os.environ.items() if not k.startswith("CHAMELEON_")}
     result = subprocess.run(
@@ -91,6 +93,7 @@ def test_without_a_launcher_the_chief_plans_the_launch_layout(tmp_path, expected
     assert_weights(checks, expected)
 
 
+@pytest.mark.timeout(60)  # 3 s measured
 def test_auto_alone_in_a_plain_script(tmp_path, expected):
     env = {
         k: v

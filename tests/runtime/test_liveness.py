@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import references
 from tests.launcher.helpers import chameleon_cmd, env, events, leftovers
 from tests.runtime.test_recovery import dumps
 
@@ -35,6 +36,7 @@ def named(evs, name):
     return [e for e in evs if e["event"] == name]
 
 
+@pytest.mark.timeout(60)  # 11 s measured
 def test_steps_slower_than_the_heartbeat_timeout_are_not_hangs(tmp_path):
     # Each step sleeps 2.5 s; a worker's heartbeat thread beats through it.
     result, evs, _ = run_mlp(
@@ -45,12 +47,13 @@ def test_steps_slower_than_the_heartbeat_timeout_are_not_hangs(tmp_path):
     assert named(evs, "failure") == []
 
 
+@pytest.mark.timeout(90)  # 21 s measured
 def test_a_worker_stalled_in_its_first_step_is_blamed_alone_and_the_rest_recover(tmp_path):
     # Rank 1 blocks forever before step 0; its peers wait on it. Within the startup
     # timeout it is found, blamed (not the peers waiting on it) and the others go on.
     # (The timeout must cover 4 workers importing torch on 2 cores: 4.4 s measured, so a
     # 4 s timeout failed healthy workers that had not beaten yet.)
-    _, _, reference = run_mlp(tmp_path, "ref", workers=3, steps=12, args=("--stages", "1"))
+    reference = references.mlp(workers=3, steps=12)
     result, evs, checks = run_mlp(
         tmp_path, "stall", "--startup-timeout", "12", "--max-rejoins", "0", "--max-restarts", "0",
         workers=4, steps=12, extra_env={"MLP_STALL_RANK": "1", "MLP_STALL_STEP": "0"},
@@ -74,14 +77,15 @@ def test_a_worker_stalled_in_its_first_step_is_blamed_alone_and_the_rest_recover
         assert values[0] == pytest.approx(reference[layer][0], rel=1e-5)
 
 
+@pytest.mark.timeout(60)  # 16 s measured
 def test_a_replacement_slow_to_start_is_judged_by_its_own_heartbeats(tmp_path):
-    # Rank 3 is killed; its replacement sleeps 3 s before it even imports the runtime, far
-    # past --heartbeat-timeout 1. Judged on its dead predecessor's last heartbeat it was
+    # Rank 3 is killed; its replacement sleeps 5 s before it even imports the runtime, far
+    # past --heartbeat-timeout 3. Judged on its dead predecessor's last heartbeat it was
     # killed as hung; it must start, join and be counted as a worker of the job again.
     result, evs, _ = run_mlp(
-        tmp_path, "rejoin", "--heartbeat-timeout", "1", "--inject-fault", "kill:rank=3,step=3",
+        tmp_path, "rejoin", "--heartbeat-timeout", "3", "--inject-fault", "kill:rank=3,step=3",
         workers=4, steps=200,
-        extra_env={"MLP_JOIN_SLEEP_S": "3", "MLP_STEP_SLEEP_S": "0.05"},
+        extra_env={"MLP_JOIN_SLEEP_S": "5", "MLP_STEP_SLEEP_S": "0.05"},
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     failures = named(evs, "failure")

@@ -78,6 +78,7 @@ def torchrun(tmp: Path, path: Path) -> dict[int, dict]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(60)  # 20 s measured
 def test_the_porting_diff_runs_as_written_and_trains_as_ddp(tmp_path):
     old, new = sides()
     ddp = torchrun(tmp_path, script(tmp_path, "ddp", old))

@@ -53,6 +53,7 @@ def _notice_after(tmp: Path, launcher: subprocess.Popen, name: str, step: int) -
     return sent
 
 
+@pytest.mark.timeout(60)  # 12 s measured
 def test_the_drop_in_saves_at_one_step_leaves_75_and_the_requeue_ends_as_if_never_stopped(
     tmp_path,
 ):
@@ -93,6 +94,7 @@ def test_the_drop_in_saves_at_one_step_leaves_75_and_the_requeue_ends_as_if_neve
             assert diff <= 1e-9 * (sum(a * a for a in want) ** 0.5), key
 
 
+@pytest.mark.timeout(60)  # 4 s measured
 def test_a_notice_slurm_sends_to_every_process_of_the_step_is_heard_by_the_workers_too(tmp_path):
     # Slurm's --signal (and scancel --signal) reaches every process of the job step: the
     # workers get USR1 themselves, whose default action would end them.
@@ -107,6 +109,7 @@ def test_a_notice_slurm_sends_to_every_process_of_the_step_is_heard_by_the_worke
     assert [e for e in events(tmp_path / "all.events") if e["event"] == "failure"] == []
 
 
+@pytest.mark.timeout(60)  # 4 s measured
 def test_a_plain_script_gets_the_signal_and_saves_what_it_agrees_on(tmp_path):
     launcher = _launch(tmp_path, "plain", "plain")
     sent = _notice_after(tmp_path, launcher, "plain", 5)
@@ -119,6 +122,7 @@ def test_a_plain_script_gets_the_signal_and_saves_what_it_agrees_on(tmp_path):
     assert (tmp_path / "ckpt.pt").exists()
 
 
+@pytest.mark.timeout(60)  # 5 s measured
 def test_workers_that_do_not_save_are_stopped_at_the_end_of_the_grace_period(tmp_path):
     launcher = start(
         "run", "--standalone", "--nproc-per-node", "2", "--signals-to-handle", "SIGUSR1",
@@ -135,6 +139,7 @@ def test_workers_that_do_not_save_are_stopped_at_the_end_of_the_grace_period(tmp
     assert leftovers(tmp_path) == []
 
 
+@pytest.mark.timeout(60)  # 3 s measured
 def test_ctrl_c_during_the_grace_period_stops_the_run_at_once(tmp_path):
     launcher = start(
         "run", "--standalone", "--nproc-per-node", "2", "--signals-to-handle", "SIGUSR1",
@@ -169,6 +174,7 @@ def _dumps(tmp: Path, name: str) -> list[dict]:
     return [json.loads(p.read_text()) for p in sorted(tmp.glob(f"{name}.rank*.json"))]
 
 
+@pytest.mark.timeout(60)  # 12 s measured
 def test_a_pipeline_stops_at_one_step_saves_and_the_requeue_ends_with_the_same_bits(tmp_path):
     # The Trainer's stages cannot agree on a step inside one (no collective spans them):
     # the leader's recovery brings them to one, with a plan that says stop, and they save.

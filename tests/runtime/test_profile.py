@@ -18,6 +18,7 @@ MODEL = ["--blocks", "2", "--hidden", "32", "--heads", "2", "--seq-len", "16", "
 pytestmark = pytest.mark.slow
 
 
+@pytest.mark.timeout(60)  # 5 s measured
 def test_profile_writes_a_cost_table_the_planner_reads(tmp_path):
     out = tmp_path / "tables" / "gpt.json"
     result = run(
@@ -73,6 +74,7 @@ def test_profile_writes_a_cost_table_the_planner_reads(tmp_path):
     assert json.loads(planned.stdout)["chosen"]["policy"] in ("reroute", "reparallelize")
 
 
+@pytest.mark.timeout(60)  # 3 s measured
 def test_profile_of_a_script_without_the_runtime_says_so(tmp_path):
     script = write(tmp_path / "plain.py", "print('hello')\n")
     result = run("profile", "--out", str(tmp_path / "t.json"), str(script), cwd=tmp_path)
@@ -81,6 +83,7 @@ def test_profile_of_a_script_without_the_runtime_says_so(tmp_path):
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.timeout(60)  # 1 s measured
 def test_profile_bad_input_is_one_line(tmp_path):
     missing = run("profile", "--out", "t.json", "nope.py", cwd=tmp_path)
     assert missing.returncode != 0 and "not found: nope.py" in missing.stderr

@@ -105,11 +105,13 @@ def clipped():
     return weights
 
 
+@pytest.mark.timeout(60)  # 5 s measured
 def test_clipping_across_stages_and_replicas_is_clipping_the_whole_model(tmp_path, clipped):
     checks, _events = chameleon(tmp_path)
     assert_weights(checks, clipped | {-1: None})
 
 
+@pytest.mark.timeout(60)  # 5 s measured
 def test_a_run_with_a_kill_ends_with_the_clipped_failure_free_weights(
     tmp_path, clipped, monkeypatch
 ):
@@ -138,6 +140,7 @@ def free_and_killed(
     return free, checks, evs
 
 
+@pytest.mark.timeout(60)  # 10 s measured
 def test_bf16_with_a_kill_ends_with_the_failure_free_bf16_weights(tmp_path, clipped, monkeypatch):
     # every layer's output is rounded to bf16, so the re-partition must not change the
     # arithmetic
@@ -150,6 +153,7 @@ def test_bf16_with_a_kill_ends_with_the_failure_free_bf16_weights(tmp_path, clip
     assert_weights(checks, reference)
 
 
+@pytest.mark.timeout(60)  # 10 s measured
 def test_fp16_skips_overflowing_steps_alike_and_a_kill_keeps_the_failure_free_weights(
     tmp_path, clipped, monkeypatch
 ):

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.clock import slack
 from tests.launcher.helpers import events, leftovers, run
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -115,6 +116,7 @@ def exact_reference(tmp_path_factory):
 @pytest.mark.parametrize(
     ("workers", "stages"), [(2, 2), (4, 1)], ids=["one pipeline", "data parallel"]
 )
+@pytest.mark.timeout(60)  # 18 s measured
 def test_exact_training_is_independent_of_the_layout(
     tmp_path, reference, exact_reference, workers, stages
 ):
@@ -136,6 +138,7 @@ def test_exact_training_is_independent_of_the_layout(
 
 
 @pytest.mark.parametrize("policy", ["reroute", "reparallelize"])
+@pytest.mark.timeout(60)  # 6 s measured
 def test_in_place_recovery_keeps_training_identical(tmp_path, reference, policy):
     checks, losses, evs = train(
         tmp_path, policy, "--policy", policy, "--inject-fault", "kill:rank=3,step=4",
@@ -146,7 +149,7 @@ def test_in_place_recovery_keeps_training_identical(tmp_path, reference, policy)
     assert recovered["policy"] == policy and recovered["steps_lost"] == 0
     # Survivors only: every worker kept the group it had (a gloo group whose member died
     # still carries point to point), as the planner charged (no group to build).
-    assert recovered["groups_carried"] is True and recovered["groups_s"] < 0.05
+    assert recovered["groups_carried"] is True and recovered["groups_s"] < slack(0.05)
     chosen = next(e for e in evs if e["event"] == "plan_chosen")
     assert chosen["failed"] == [3] and chosen["transition_parts_s"]["groups"] == 0.0
     # --config: the test bed's 2 GiB devices and device MTBF of 2 h are what the planner
@@ -158,6 +161,7 @@ def test_in_place_recovery_keeps_training_identical(tmp_path, reference, policy)
     assert 7200 / 2 / 3 < chosen["mtbf_s"] < 7200 / 3
 
 
+@pytest.mark.timeout(60)  # 6 s measured
 def test_forced_restart_resumes_from_the_checkpoint(tmp_path, reference):
     checks, losses, evs = train(
         tmp_path, "restart", "--policy", "restart", "--inject-fault", "kill:rank=1,step=7"
@@ -175,6 +179,7 @@ def test_forced_restart_resumes_from_the_checkpoint(tmp_path, reference):
     assert resumed["resume_step"] in lag
 
 
+@pytest.mark.timeout(60)  # 7 s measured
 def test_losing_every_replica_of_a_stage_falls_back_to_the_checkpoint(tmp_path, reference):
     checks, losses, evs = train(
         tmp_path,
@@ -201,32 +206,49 @@ def test_losing_every_replica_of_a_stage_falls_back_to_the_checkpoint(tmp_path, 
     assert row["policy"] == "restart" and row["steps_lost"] == reached - resume
 
 
-def test_two_failures_in_sequence(tmp_path, reference):
+def assert_same_bits(exact_reference, checks, losses) -> None:
+    """Trainer(exact=True): the same bits as the failure-free run, whatever layouts the
+    recoveries chose (the default's float32 ring sums differ with the layout: a run
+    whose two failures left one pipeline of 4 where the reference has two of 2 measured
+    1.07e-5 relative, over the default's 1e-5 for a run this short)."""
+    ref_checks, ref_losses = exact_reference
+    for layer, values in checks.items():
+        assert max(values) == min(values), f"holders of layer {layer} disagree"
+    assert {k: v[0] for k, v in checks.items()} == {k: v[0] for k, v in ref_checks.items()}
+    assert losses == ref_losses
+
+
+@pytest.mark.timeout(60)  # 7 s measured
+def test_two_failures_in_sequence(tmp_path, exact_reference):
     # Rerouting twice: after a re-partition one worker may be the only holder of some
     # layers, and a second failure there would (rightly) restart from the checkpoint.
     checks, losses, evs = train(
         tmp_path, "two", "--policy", "reroute",
         "--inject-fault", "kill:rank=5,step=3", "--inject-fault", "kill:rank=0,step=8", workers=6,
+        script_flags=("--exact",),
     )  # fmt: skip
-    assert_same_training(reference, checks, losses)
+    assert_same_bits(exact_reference, checks, losses)
     assert len(recoveries(evs)) == 2
     assert all(r["steps_lost"] == 0 for r in recoveries(evs))
 
 
 @pytest.mark.parametrize("phase", ["collect", "plan", "groups", "migrate", "confirm"])
+@pytest.mark.timeout(60)  # 9 s measured
 def test_a_second_failure_in_any_phase_of_a_recovery_is_recovered_in_place(
-    tmp_path, reference, phase
+    tmp_path, exact_reference, phase
 ):
     # Rank 5 dies; in the given phase of that recovery another worker dies: rank 1 for the
     # leader's phases, whichever worker reports building groups or moving layers for the
-    # worker's own. A re-partition, so that layers move.
+    # worker's own. A re-partition, so that layers move; the layout it ends on is the
+    # planner's choice on this machine, so the run is exact (the same bits in any layout).
     second = "1" if phase in ("collect", "plan", "confirm") else "any"
     checks, losses, evs = train(
         tmp_path, phase, "--policy", "reparallelize", "--max-restarts", "0",
         "--inject-fault", "kill:rank=5,step=3",
         "--inject-fault", f"kill:rank={second},phase={phase}", workers=6,
+        script_flags=("--exact",),
     )  # fmt: skip
-    assert_same_training(reference, checks, losses)
+    assert_same_bits(exact_reference, checks, losses)
     faults = [e for e in evs if e["event"] == "fault_injected"]
     assert len(faults) == 2, "the second fault never fired"
     seen = faults[1]["worker_phase"] if second == "any" else faults[1]["recovery_phase"]
@@ -237,6 +259,7 @@ def test_a_second_failure_in_any_phase_of_a_recovery_is_recovered_in_place(
     assert recovered["steps_lost"] == recovered["reached_step"] - recovered["resume_step"] == 0
 
 
+@pytest.mark.timeout(60)  # 5 s measured
 def test_exit_fault_on_a_runtime_worker_uses_its_code(tmp_path, reference):
     _checks, _losses, evs = train(
         tmp_path, "exitcode", "--policy", "reroute", "--inject-fault", "exit:rank=2,step=4,code=7"

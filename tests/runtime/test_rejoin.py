@@ -39,6 +39,7 @@ def named(evs, name):
     return [e for e in evs if e["event"] == name]
 
 
+@pytest.mark.timeout(90)  # 23 s measured
 def test_a_replacement_is_taken_in_when_it_pays(tmp_path, long_reference):
     # Planned as if every worker had a device of its own, the job with 4 workers is
     # clearly faster than with 3: the replacement must be taken in.
@@ -62,6 +63,7 @@ def test_a_replacement_is_taken_in_when_it_pays(tmp_path, long_reference):
     assert [e["attempt"] for e in named(evs, "workers_started")] == [0]  # never restarted
 
 
+@pytest.mark.timeout(60)  # 13 s measured
 def test_a_spare_replacement_serves_the_next_recovery(tmp_path, long_reference):
     # Under a forced reroute the layout stays (no growth), so the replacement of rank 3
     # waits as a spare. Rank 0 dies later: the spare must answer the abort like everyone
@@ -82,6 +84,7 @@ def test_a_spare_replacement_serves_the_next_recovery(tmp_path, long_reference):
     assert second and second[0]["policy"] in ("reroute", "reparallelize")
 
 
+@pytest.mark.timeout(60)  # 13 s measured
 def test_a_replacement_on_another_agent_rejoins(tmp_path, long_reference):
     # Two agents on 127.0.0.1, two workers each. Rank 3 runs under the non-leader agent:
     # that agent starts its replacement when the leader asks through the worker store.
@@ -121,6 +124,7 @@ PAIR = ("--blocks", "4", "--hidden", "64", "--heads", "4", "--seq-len", "64",
 PAIR_STEPS = 120
 
 
+@pytest.mark.timeout(60)  # 20 s measured
 def test_a_pair_that_lost_one_ends_with_exit_0_when_the_replacement_rejoins(tmp_path):
     # Two data-parallel workers, rank 1 killed, no restarts allowed. The survivor trains
     # alone; when the replacement is taken in, the survivor must hear the abort between

@@ -24,8 +24,16 @@ STEPS = 60
 # so that the next kill hit a stage with no replica and restarted. Now the replay takes
 # the run's calibration, and both see the restart such a layout risks (planner.choice.risk).
 POLICY = "adaptive"
+# What still moves the ratio (0.73-1.34 seen, most runs 0.9-1.1): the replay is fitted to
+# generation 0's first settled steps (4 of them), and on 8 workers sharing 2 cores the
+# host's pace drifts by up to a third within one run (the failure message prints each
+# generation's measured step); the checkpoint every 10 steps is in the run and not in the
+# replay (it charges checkpoints only to restarts), and the model underestimates how much
+# faster 7 workers run than 8 on this host: these two err in opposite directions.
 
-pytestmark = pytest.mark.slow
+# a soak (scripts/soak.sh): the real run's pace on 8 workers sharing 2 cores drifts by
+# up to a third within one run, so the figure it is held to is the host's that minute
+pytestmark = [pytest.mark.slow, pytest.mark.soak]
 
 
 def profiled_config(work: Path) -> Path:

@@ -12,6 +12,7 @@ import sys
 import time
 from datetime import timedelta
 
+import pytest
 import torch.distributed as dist
 
 from chameleon_runtime import storeaddr
@@ -63,6 +64,8 @@ time.sleep(30)
 """
 
 
+@pytest.mark.slow  # real processes, seconds: the full suite runs it, the fast tier does not
+@pytest.mark.timeout(60)  # 6 s measured
 def test_a_frozen_store_host_is_not_a_lost_one(monkeypatch):
     # Its kernel answers the probes while the process is stopped: a host busy (or
     # stopped) in Python for longer than the deadline keeps its connections.

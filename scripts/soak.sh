@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# The long runs that CI leaves out (tests marked soak: the chaos soak, the 2,000-step heal
+# soak, the 2,500-step bounded-store run, simulate against a real run). Run them before
+# resolving any change that touches recovery:  bash scripts/soak.sh [pytest args]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+exec python3 -m pytest -q -m soak "$@"

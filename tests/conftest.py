@@ -1,0 +1,247 @@
+"""What every test gets from the suite: nothing it starts outlives it, a budget its waits
+end within, and, when it fails, the tail of its job's logs where CI's last lines show it.
+
+- **Processes.** pytest is the child subreaper of everything a test starts (Linux
+  ``PR_SET_CHILD_SUBREAPER``): a worker whose launcher was killed is re-parented to pytest,
+  not to init, so every process a test started, however deep and in whatever session, is
+  one of pytest's descendants. After each test, whatever it started and left running gets
+  a few seconds to exit (a killed launcher's workers die of it a moment later), then is
+  sent SIGCONT (a test that froze a node may leave it stopped) and SIGKILL, and the test
+  fails naming each process. A test that already failed gets the kill and a note instead
+  of a second failure.
+- **Network namespaces and bridges** (tests/netns.py names them ``ch*``; checked for the
+  tests that use its ``net`` fixture) and **etcd data folders** (tests/etcd/cluster.py
+  puts them on tmpfs) left by a test are removed, and the test fails naming them.
+- **The budget.** tests/clock.py learns when the test's pytest timeout fires, so that the
+  helpers' waits end first and a job that ran out fails with its log.
+- **Logs.** A failed test's report carries the tails of the newest logs in its
+  ``tmp_path`` (launcher output, event logs); the run's summary repeats them just before
+  pytest's short summary, the last lines CI prints.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests import clock, references
+
+pytest_plugins = ("pytester",)  # tests/test_conftest.py runs the suite's rules in a pytest
+
+_PR_SET_CHILD_SUBREAPER = 36
+# How long a test's processes may take to exit on their own once it ended: a launcher
+# killed by the test takes its workers down through PR_SET_PDEATHSIG and its reaper
+# guard, which is milliseconds on an idle machine.
+EXIT_GRACE_S = clock.slack(2.0)
+LOG_SUFFIXES = (".log", ".jsonl", ".events", ".out", ".err")
+ETCD_TMPFS = Path("/dev/shm")
+ETCD_PREFIX = "chameleon-etcd-"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    config._chameleon_failed_logs = []  # type: ignore[attr-defined]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _reference_folder(tmp_path_factory: pytest.TempPathFactory) -> None:
+    references.set_root(tmp_path_factory.mktemp("references"))
+
+
+# -- what a test leaves behind -------------------------------------------------------------
+
+
+def _descendants() -> dict[int, psutil.Process]:
+    try:
+        return {p.pid: p for p in psutil.Process().children(recursive=True)}
+    except psutil.Error:
+        return {}
+
+
+# The standard library's helpers of the pytest process itself (torch.multiprocessing's
+# spawn starts multiprocessing's resource tracker, which serves pytest until it exits):
+# pytest's, not the test's.
+PYTEST_HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
+
+
+def _alive(p: psutil.Process) -> bool:
+    try:
+        if p.status() == psutil.STATUS_ZOMBIE:
+            return False
+        if p.ppid() == os.getpid():
+            cmdline = " ".join(p.cmdline())
+            if any(helper in cmdline for helper in PYTEST_HELPERS):
+                return False
+        return p.is_running()
+    except psutil.Error:
+        return False
+
+
+def _describe(p: psutil.Process) -> str:
+    try:
+        return f"pid {p.pid} ({' '.join(p.cmdline())[:160] or p.name()})"
+    except psutil.Error:
+        return f"pid {p.pid}"
+
+
+def _reap(skip: set[int]) -> None:
+    """Collect the exit status of pytest's exited children (re-parented orphans among
+    them), except those a longer-lived fixture may still wait for."""
+    for p in _descendants().values():
+        if p.pid in skip:
+            continue
+        try:
+            if p.ppid() == os.getpid() and p.status() == psutil.STATUS_ZOMBIE:
+                os.waitpid(p.pid, os.WNOHANG)
+        except (psutil.Error, ChildProcessError):
+            pass
+
+
+def _kill(procs: list[psutil.Process]) -> None:
+    for sig in (signal.SIGCONT, signal.SIGKILL):
+        for p in procs:
+            with contextlib.suppress(psutil.Error):
+                p.send_signal(sig)
+    psutil.wait_procs(procs, timeout=5)
+
+
+def _namespaces() -> set[str]:
+    if shutil.which("ip") is None or os.geteuid() != 0:
+        return set()
+    found = set()
+    for args in (["netns", "list"], ["-o", "link", "show", "type", "bridge"]):
+        done = subprocess.run(["ip", *args], capture_output=True, text=True)
+        for line in done.stdout.splitlines():
+            words = line.replace(":", " ").split()
+            name = words[0] if args[0] == "netns" else (words[1] if len(words) > 1 else "")
+            if name.startswith("ch"):
+                found.add(("netns " if args[0] == "netns" else "link ") + name)
+    return found
+
+
+def _remove_namespace(kind_name: str) -> None:
+    kind, name = kind_name.split(" ", 1)
+    cmd = ["ip", "netns", "del", name] if kind == "netns" else ["ip", "link", "del", name]
+    subprocess.run(cmd, capture_output=True)
+
+
+def _etcd_folders() -> set[Path]:
+    return set(ETCD_TMPFS.glob(f"{ETCD_PREFIX}*")) if ETCD_TMPFS.is_dir() else set()
+
+
+def _timeout_s(request: pytest.FixtureRequest) -> float | None:
+    """The test's pytest-timeout: its marker's, else --timeout's, else the ini's."""
+    marker = request.node.get_closest_marker("timeout")
+    value = None
+    if marker is not None:
+        value = marker.args[0] if marker.args else marker.kwargs.get("timeout")
+    if value is None:
+        value = request.config.getoption("timeout", None) or request.config.getini("timeout")
+    return float(value) if value else None
+
+
+@pytest.fixture(autouse=True)
+def _nothing_outlives_the_test(request: pytest.FixtureRequest):
+    before = set(_descendants())
+    # (namespaces take two `ip` commands to list: only for the tests that make them)
+    makes_namespaces = "net" in request.fixturenames
+    spaces = _namespaces() if makes_namespaces else set()
+    folders = _etcd_folders()
+    clock.set_deadline(_timeout_s(request))
+    yield
+    clock.set_deadline(None)
+    left: list[psutil.Process] = []
+    deadline = time.monotonic() + EXIT_GRACE_S
+    while True:
+        left = [p for pid, p in _descendants().items() if pid not in before and _alive(p)]
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    problems = [f"left running: {_describe(p)}" for p in left]
+    _kill(left)
+    _reap(before)
+    for name in sorted((_namespaces() if makes_namespaces else set()) - spaces):
+        problems.append(f"left behind: {name}")
+        _remove_namespace(name)
+    for folder in sorted(_etcd_folders() - folders):
+        problems.append(f"left behind: {folder}")
+        shutil.rmtree(folder, ignore_errors=True)
+    if not problems:
+        return
+    failed = getattr(request.node, "_chameleon_failed", False)
+    if failed:  # said beside the test's own failure, not as a second one
+        request.node._chameleon_leftovers = problems
+    else:
+        pytest.fail("the test left things behind (removed now):\n  " + "\n  ".join(problems))
+
+
+# -- a failed test's logs ------------------------------------------------------------------
+
+
+def _tail(path: Path, lines: int) -> str:
+    try:
+        with path.open("rb") as f:
+            f.seek(max(0, path.stat().st_size - 200 * lines))
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def _logs(folder: Path, *, count: int) -> list[Path]:
+    """The newest log files under a test's folder, the job's own (launcher output, event
+    logs) before etcd members'."""
+    try:
+        found = [p for p in folder.rglob("*") if p.suffix in LOG_SUFFIXES and p.is_file()]
+    except OSError:
+        return []
+    found.sort(key=lambda p: ("etcd" in str(p.relative_to(folder)), -p.stat().st_mtime))
+    return found[:count]
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    report: pytest.TestReport = yield
+    if report.failed:
+        item._chameleon_failed = True  # type: ignore[attr-defined]
+    folder = getattr(item, "funcargs", {}).get("tmp_path")
+    if report.failed and report.when in ("setup", "call") and isinstance(folder, Path):
+        tails = [(p, _tail(p, 40)) for p in _logs(folder, count=4)]
+        for path, text in tails:
+            report.sections.append((f"job log {path.relative_to(folder)} (tail)", text))
+        item.config._chameleon_failed_logs.append(  # type: ignore[attr-defined]
+            (item.nodeid, [(path, "\n".join(text.splitlines()[-12:])) for path, text in tails])
+        )
+    if report.when == "teardown":
+        leftovers = getattr(item, "_chameleon_leftovers", None)
+        if leftovers:
+            report.sections.append(
+                ("left behind by the failed test (removed)", "\n".join(leftovers))
+            )
+    return report
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    failed = config._chameleon_failed_logs  # type: ignore[attr-defined]
+    if not failed:
+        return
+    terminalreporter.section("job logs of the failed tests (tails; whole in each failure above)")
+    for nodeid, tails in failed:
+        terminalreporter.write_line(f"FAILED {nodeid}")
+        if not tails:
+            terminalreporter.write_line("    (no log in its tmp_path)")
+        for path, text in tails:
+            terminalreporter.write_line(f"  -- {path}")
+            for line in text.splitlines():
+                terminalreporter.write_line(f"    {line[:200]}")

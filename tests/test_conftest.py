@@ -1,0 +1,69 @@
+"""The suite's own rules (tests/conftest.py), tested as pytest runs them: a test that
+leaves a process running fails, naming it, and the process is gone afterwards, however
+it was left (a child, an orphan re-parented by the subreaper, a stopped one); a failed
+test's report and the run's last lines carry its job's log."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import psutil
+
+ROOT = Path(__file__).resolve().parent.parent
+
+LEAKS = """
+import os, signal, subprocess, sys, time
+
+def sleeper(tag):
+    return [sys.executable, "-c", "import time; time.sleep(300)", tag]
+
+def test_leaves_a_child():
+    p = subprocess.Popen(sleeper("leak-child"), start_new_session=True)
+    open("child.pid", "w").write(str(p.pid))
+
+def test_leaves_an_orphan_stopped():
+    # the intermediate process exits: its child is re-parented (to pytest, the subreaper)
+    code = (
+        "import subprocess, sys; p = subprocess.Popen(%r, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL); print(p.pid)"
+        % (sleeper("leak-orphan"),)
+    )
+    pid = int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout)
+    os.kill(pid, signal.SIGSTOP)
+    open("orphan.pid", "w").write(str(pid))
+
+def test_cleans_up():
+    p = subprocess.Popen(sleeper("no-leak"))
+    p.kill()
+    p.wait()
+
+def test_fails_with_a_log(tmp_path):
+    (tmp_path / "job.log").write_text("first line\\nthe job's last words\\n")
+    assert False, "the test's own failure"
+"""
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_a_leaked_process_fails_its_test_and_is_gone_after_it(pytester, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    monkeypatch.setenv("CHAMELEON_TEST_SLACK", "0.25")  # half a second's grace to exit
+    pytester.makepyfile(test_leaks=LEAKS)
+    result = pytester.runpytest_subprocess("-p", "tests.conftest", "-p", "no:cacheprovider")
+    # the two leaks pass their calls and fail at teardown; the failing test fails once
+    result.assert_outcomes(passed=3, failed=1, errors=2)
+    out = result.stdout.str()
+    assert out.count("E           Failed: the test left things behind") == 2
+    assert "leak-child" in out and "leak-orphan" in out and "no-leak" not in out
+    for name in ("child.pid", "orphan.pid"):
+        pid = int((pytester.path / name).read_text())
+        assert _gone(pid), f"{name}: {pid} still running"
+    # the failed test's log, in its report and again in the run's last lines
+    assert "job log job.log (tail)" in out and "\nthe job's last words\n" in out
+    tail = out[out.index("job logs of the failed tests") :]
+    assert "FAILED test_leaks.py::test_fails_with_a_log" in tail
+    assert "\n    the job's last words\n" in tail
