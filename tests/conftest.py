@@ -44,6 +44,8 @@ _PR_SET_CHILD_SUBREAPER = 36
 # guard, which is milliseconds on an idle machine.
 EXIT_GRACE_S = clock.slack(2.0)
 LOG_SUFFIXES = (".log", ".jsonl", ".events", ".out", ".err")
+JOB_LOG = "job log of the test:"  # a report section's title: "job log of the test: PATH (tail)"
+_failed_logs: list[tuple[str, list[tuple[str, str]]]] = []  # (test, [(log, tail)])
 ETCD_TMPFS = Path("/dev/shm")
 ETCD_PREFIX = "chameleon-etcd-"
 
@@ -51,7 +53,6 @@ ETCD_PREFIX = "chameleon-etcd-"
 def pytest_configure(config: pytest.Config) -> None:
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-    config._chameleon_failed_logs = []  # type: ignore[attr-defined]
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -137,7 +138,9 @@ def _remove_namespace(kind_name: str) -> None:
 
 
 def _etcd_folders() -> set[Path]:
-    return set(ETCD_TMPFS.glob(f"{ETCD_PREFIX}*")) if ETCD_TMPFS.is_dir() else set()
+    """This pytest's etcd data folders (tests/etcd/cluster.py names them by its pid)."""
+    mine = f"{ETCD_PREFIX}{os.getpid()}-*"
+    return set(ETCD_TMPFS.glob(mine)) if ETCD_TMPFS.is_dir() else set()
 
 
 def _timeout_s(request: pytest.FixtureRequest) -> float | None:
@@ -217,12 +220,8 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
         item._chameleon_failed = True  # type: ignore[attr-defined]
     folder = getattr(item, "funcargs", {}).get("tmp_path")
     if report.failed and report.when in ("setup", "call") and isinstance(folder, Path):
-        tails = [(p, _tail(p, 40)) for p in _logs(folder, count=4)]
-        for path, text in tails:
-            report.sections.append((f"job log {path.relative_to(folder)} (tail)", text))
-        item.config._chameleon_failed_logs.append(  # type: ignore[attr-defined]
-            (item.nodeid, [(path, "\n".join(text.splitlines()[-12:])) for path, text in tails])
-        )
+        for path in _logs(folder, count=4):
+            report.sections.append((f"{JOB_LOG} {path} (tail)", _tail(path, 40)))
     if report.when == "teardown":
         leftovers = getattr(item, "_chameleon_leftovers", None)
         if leftovers:
@@ -232,8 +231,20 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     return report
 
 
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Where reports arrive (the controller, under pytest-xdist): a failed test's log
+    tails, for the summary."""
+    if report.failed and report.when in ("setup", "call"):
+        tails = [
+            (title[len(JOB_LOG) + 1 :].rsplit(" (tail)", 1)[0], "\n".join(text.splitlines()[-12:]))
+            for title, text in report.sections
+            if title.startswith(JOB_LOG + " ")
+        ]
+        _failed_logs.append((report.nodeid, tails))
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
-    failed = config._chameleon_failed_logs  # type: ignore[attr-defined]
+    failed = _failed_logs
     if not failed:
         return
     terminalreporter.section("job logs of the failed tests (tails; whole in each failure above)")

@@ -63,7 +63,8 @@ def test_a_leaked_process_fails_its_test_and_is_gone_after_it(pytester, monkeypa
         pid = int((pytester.path / name).read_text())
         assert _gone(pid), f"{name}: {pid} still running"
     # the failed test's log, in its report and again in the run's last lines
-    assert "job log job.log (tail)" in out and "\nthe job's last words\n" in out
+    assert "job log of the test: " in out and "job.log (tail)" in out
+    assert "\nthe job's last words\n" in out
     tail = out[out.index("job logs of the failed tests") :]
     assert "FAILED test_leaks.py::test_fails_with_a_log" in tail
     assert "\n    the job's last words\n" in tail

@@ -148,7 +148,8 @@ def _try_cluster(
     # Data on tmpfs where there is one: a member's fsync on a busy disk can take longer
     # than its election timeout. tests/conftest.py removes what a test leaves there.
     shm = Path("/dev/shm")
-    root = Path(tempfile.mkdtemp(prefix=DATA_PREFIX, dir=shm if shm.is_dir() else None))
+    prefix = f"{DATA_PREFIX}{os.getpid()}-"  # this pytest's (another may run beside it)
+    root = Path(tempfile.mkdtemp(prefix=prefix, dir=shm if shm.is_dir() else None))
     cluster = EtcdCluster(data_root=root)
     work.mkdir(parents=True, exist_ok=True)
     for i in range(size):

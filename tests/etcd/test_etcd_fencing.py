@@ -15,6 +15,7 @@ import pytest
 
 from launcher.etcd import EtcdStore, parse_endpoints
 from tests import references
+from tests.clock import budget
 from tests.etcd.test_etcd_job import (
     agents,
     assert_failure_free,
@@ -78,7 +79,7 @@ def test_a_frozen_node_is_lost_in_place_and_fences_itself_when_resumed(tmp_path,
     for p in stopped:
         p.send_signal(signal.SIGCONT)
     resumed = time.time()
-    code = procs[victim].wait(timeout=30)
+    code = procs[victim].wait(timeout=budget(30))
     fenced_in = time.time() - resumed
     log = (tmp_path / f"n{victim}.log").read_text()
     assert code == 3, log[-2500:]

@@ -9,6 +9,7 @@ import psutil
 import pytest
 
 from tests import references
+from tests.clock import budget
 from tests.launcher.helpers import events, start, wait_for_event
 from tests.runtime.test_liveness import MLP
 
@@ -75,7 +76,7 @@ def leader_of(tmp_path, procs) -> int:
 
 
 def wait_step(tmp_path, procs, step, timeout=120):
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + budget(timeout)
     while steps_seen(tmp_path, len(procs)) < step:
         assert time.monotonic() < deadline, "the job did not reach step {step}"
         assert all(p.poll() is None for p in procs), [p.poll() for p in procs]
@@ -84,7 +85,7 @@ def wait_step(tmp_path, procs, step, timeout=120):
 
 def finish(procs, tmp_path, timeout=120):
     try:
-        return [p.wait(timeout=timeout) for p in procs]
+        return [p.wait(timeout=budget(timeout)) for p in procs]
     finally:
         for p in procs:
             if p.poll() is None:

@@ -11,6 +11,7 @@ from chameleon_runtime.protocol.seal import Seal
 from launcher.etcd import EtcdStore, parse_endpoints
 from launcher.etcd_control import EtcdControlPlane
 from launcher.rendezvous import RendezvousError
+from tests.clock import budget
 
 # real processes, seconds each: the full suite (CI) runs them, the fast tier does not
 pytestmark = pytest.mark.slow
@@ -52,7 +53,7 @@ def test_a_leased_key_goes_when_its_lease_is_not_refreshed(etcd):
         time.sleep(0.8)
         assert store.keepalive(lease)
     assert store.check(["leader"])
-    deadline = time.monotonic() + 6
+    deadline = time.monotonic() + budget(6)
     while store.check(["leader"]):
         assert time.monotonic() < deadline
         time.sleep(0.2)
@@ -167,7 +168,7 @@ def test_leases_outlive_an_outage_of_every_member(etcd, tmp_path):
     assert time.monotonic() - started < follower.store.unreachable_after_s + 2
     time.sleep(5)  # more than twice the lease's TTL
     etcd.start_all(tmp_path)
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + budget(30)
     while True:
         try:
             follower.beat()

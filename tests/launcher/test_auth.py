@@ -11,6 +11,7 @@ import pytest
 
 from chameleon_runtime.protocol.messages import Abort, Exit, Keys
 from tests import references
+from tests.clock import budget
 from tests.launcher.helpers import events, start, wait_for_event
 from tests.runtime.test_liveness import MLP
 from tests.runtime.test_recovery import dumps
@@ -33,7 +34,7 @@ def test_forged_exit_abort_and_plan_change_nothing(tmp_path):
     try:
         host, port = wait_for_event(log, "round_started")["worker_store"].rsplit(":", 1)
         pids = wait_for_event(log, "workers_started")["pids"]
-        deadline = time.monotonic() + 90
+        deadline = time.monotonic() + budget(90)
         while not any(e["event"] == "step" and e["step"] >= 10 for e in events(log)):
             assert time.monotonic() < deadline and job.poll() is None
             time.sleep(0.05)
@@ -54,7 +55,7 @@ def test_forged_exit_abort_and_plan_change_nothing(tmp_path):
             )
             foreign.queue_push(keys.mailbox(rank), Exit(code=7, pid=pid).model_dump_json())
         forged_at = time.time()
-        assert job.wait(timeout=120) == 0, (tmp_path / "job.log").read_text()[-3000:]
+        assert job.wait(timeout=budget(120)) == 0, (tmp_path / "job.log").read_text()[-3000:]
     finally:
         if job.poll() is None:
             job.kill()

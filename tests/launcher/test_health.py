@@ -4,6 +4,7 @@ workers, a real shell command that fails on demand."""
 
 import pytest
 
+from tests.clock import budget
 from tests.launcher.helpers import events, free_port, leftovers, run, start, write
 from tests.launcher.test_multinode import DDP
 
@@ -47,8 +48,8 @@ def test_an_elastic_job_forms_without_the_unhealthy_node(tmp_path):
     )  # fmt: skip
     second = run(*common, str(script), "5", cwd=tmp_path, env=token)
     assert second.returncode == 0, second.stderr[-2000:]
-    assert first.wait(timeout=60) == 0, (tmp_path / "a.log").read_text()[-2000:]
-    assert sick.wait(timeout=60) == 3
+    assert first.wait(timeout=budget(60)) == 0, (tmp_path / "a.log").read_text()[-2000:]
+    assert sick.wait(timeout=budget(60)) == 3
     assert "failed --health-check" in (tmp_path / "sick.log").read_text()
     for rank in range(4):  # two nodes of two
         assert (tmp_path / f"done_{rank}").read_text() == "4 6.0"

@@ -75,7 +75,7 @@ def test_workers_get_torchruns_environment(tmp_path):
         env=env,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=budget(120),
     )
     assert theirs.returncode == 0, theirs.stderr
     for rank in (0, 1):
@@ -273,13 +273,13 @@ def test_no_orphans_when_the_launcher_is_sigkilled(tmp_path):
     )
     try:
         wait_for_event(log, "workers_started")
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + budget(20)
         while len(_test_processes(marker)) < 4 and time.monotonic() < deadline:
             time.sleep(0.1)
         assert len(_test_processes(marker)) == 4  # 2 workers + 2 children
         launcher.kill()
         launcher.wait()
-        gone_by = time.monotonic() + 5
+        gone_by = time.monotonic() + budget(5)
         while _test_processes(marker) and time.monotonic() < gone_by:
             time.sleep(0.1)
         assert _test_processes(marker) == []

@@ -7,6 +7,7 @@ import time
 import pytest
 
 from tests import references
+from tests.clock import budget
 from tests.launcher.helpers import (
     events,
     free_port,
@@ -72,11 +73,11 @@ def test_gloo_job_restarts_after_external_kill_9(tmp_path):
         log=tmp_path / "out.log",
     )
     started = wait_for_event(log, "workers_started", attempt=0)
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + budget(60)
     while not (tmp_path / "progress_1").exists() and time.monotonic() < deadline:
         time.sleep(0.1)
     os.kill(started["pids"][1], signal.SIGKILL)
-    assert launcher.wait(timeout=120) == 0, (tmp_path / "out.log").read_text()[-2000:]
+    assert launcher.wait(timeout=budget(120)) == 0, (tmp_path / "out.log").read_text()[-2000:]
     attempts = [e["attempt"] for e in events(log) if e["event"] == "workers_started"]
     assert attempts == [0, 1]
     assert (tmp_path / "done_0").read_text() == "2 1.0"
@@ -105,7 +106,7 @@ def test_two_static_agents_run_one_ddp_job(tmp_path):
     )
     node0 = run(*common, "--node-rank", "0", str(script), "5", cwd=tmp_path)
     assert node0.returncode == 0, node0.stderr[-2000:]
-    assert node1.wait(timeout=60) == 0
+    assert node1.wait(timeout=budget(60)) == 0
     for rank in range(4):
         assert (tmp_path / f"done_{rank}").read_text() == "4 6.0"  # 0+1+2+3 over 4 ranks
 
@@ -134,7 +135,7 @@ def _two_agents(tmp_path, script, envs: list[dict[str, str]], *flags: str):
     )
     node0 = run("run", *flags, str(script), "5", cwd=tmp_path, env=envs[0])
     assert node0.returncode == 0, node0.stderr[-2000:]
-    assert node1.wait(timeout=60) == 0, (tmp_path / "n1.log").read_text()[-2000:]
+    assert node1.wait(timeout=budget(60)) == 0, (tmp_path / "n1.log").read_text()[-2000:]
     for rank in range(4):
         assert (tmp_path / f"done_{rank}").read_text() == "4 6.0"  # 0+1+2+3 over 4 ranks
     return node0
@@ -229,7 +230,7 @@ def test_lost_node_is_detected_and_the_job_shrinks(tmp_path):
     wait_for_event(log0, "round_started", world_size=4)
     wait_for_event(tmp_path / "events1.jsonl", "workers_started")
     node1.kill()
-    assert node0.wait(timeout=60) == 0, (tmp_path / "n0.log").read_text()[-2000:]
+    assert node0.wait(timeout=budget(60)) == 0, (tmp_path / "n0.log").read_text()[-2000:]
     lost = wait_for_event(log0, "node_lost")
     assert lost["node"] == 1 and lost["silent_s"] >= 2
     # When node 0 starts its first round alone, node 1's arrival is a restart first
@@ -275,7 +276,7 @@ def test_an_agent_of_another_run_id_is_refused(tmp_path):
             "join_timeout=5",
             str(script),
             cwd=tmp_path,
-            timeout=60,
+            timeout=budget(60),
         )
         assert intruder.returncode == 1
         assert "has run id 'alpha', not 'beta': refused" in intruder.stderr
@@ -370,7 +371,7 @@ def test_a_hot_spare_node_takes_a_lost_nodes_ranks_in_place(tmp_path):
             wait_for_event(log, "start")
     try:
         wait_for_event(tmp_path / "n2.jsonl", "waiting", timeout=60)
-        deadline = time.monotonic() + 90
+        deadline = time.monotonic() + budget(90)
         while not any(
             e["event"] == "step" and e["step"] >= 15 for e in events(tmp_path / "n0.jsonl")
         ):
@@ -383,7 +384,7 @@ def test_a_hot_spare_node_takes_a_lost_nodes_ranks_in_place(tmp_path):
         wait_for_event(tmp_path / "n0.jsonl", "rejoined", timeout=90)
         first = [e for e in events(tmp_path / "n2.jsonl") if e["event"] == "worker_respawned"]
         os.kill(next(e["pid"] for e in first if e["rank"] == 2), signal.SIGKILL)
-        codes = [procs[i].wait(timeout=150) for i in (0, 2)]
+        codes = [procs[i].wait(timeout=budget(150)) for i in (0, 2)]
         logs = [(tmp_path / f"n{i}.log").read_text()[-2500:] for i in (0, 2)]
         assert codes == [0, 0], logs
     finally:

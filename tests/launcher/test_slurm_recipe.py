@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.clock import budget
 from tests.launcher.helpers import env, leftovers, write
 from tests.launcher.test_multinode import _free_slurm_job_id
 
@@ -81,7 +82,7 @@ def _sbatch(tmp: Path, job: str, restarts: int) -> subprocess.Popen:
 def test_the_sbatch_recipe_saves_requeues_and_the_requeue_finishes(tmp_path):
     job = _free_slurm_job_id()
     first = _sbatch(tmp_path, job, 0)
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + budget(120)
     progress = tmp_path / "out.progress0"
     while not (progress.exists() and progress.read_text().strip() >= "5"):
         assert first.poll() is None and time.monotonic() < deadline, (
@@ -90,7 +91,7 @@ def test_the_sbatch_recipe_saves_requeues_and_the_requeue_finishes(tmp_path):
         time.sleep(0.05)
     for pid in (tmp_path / "fake" / "tasks").read_text().split():  # every task of the step
         os.kill(int(pid), signal.SIGUSR1)
-    assert first.wait(timeout=60) == 75, (tmp_path / "sbatch0.log").read_text()[-3000:]
+    assert first.wait(timeout=budget(60)) == 75, (tmp_path / "sbatch0.log").read_text()[-3000:]
     log = (tmp_path / "sbatch0.log").read_text()
     assert "saved and stopped" in log and "requeued" in log
     assert (tmp_path / "fake" / "scontrol.calls").read_text().split() == ["requeue", job]
@@ -99,7 +100,7 @@ def test_the_sbatch_recipe_saves_requeues_and_the_requeue_finishes(tmp_path):
 
     (tmp_path / "fake" / "scontrol.calls").unlink()
     second = _sbatch(tmp_path, job, 1)  # the requeued job: same id, SLURM_RESTART_COUNT=1
-    assert second.wait(timeout=120) == 0, (tmp_path / "sbatch1.log").read_text()[-3000:]
+    assert second.wait(timeout=budget(120)) == 0, (tmp_path / "sbatch1.log").read_text()[-3000:]
     assert "chameleon: finished" in (tmp_path / "sbatch1.log").read_text()
     assert f"--rdzv-id {job}-requeue1 (SLURM_JOB_ID)" in (tmp_path / "sbatch1.log").read_text()
     assert not (tmp_path / "fake" / "scontrol.calls").exists()

@@ -18,6 +18,7 @@ import psutil
 import pytest
 
 from tests import references
+from tests.clock import budget
 from tests.launcher.helpers import chameleon_cmd, env, events, leftovers, wait_for_event
 from tests.runtime.test_liveness import MLP
 from tests.runtime.test_recovery import dumps
@@ -80,7 +81,7 @@ class Job:
         )
 
     def wait_step(self, step: int, timeout: float = 120) -> None:
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + budget(timeout)
         while self.top_step() < step:
             assert time.monotonic() < deadline, f"no step {step}"
             assert all(p.poll() is None for p in self.procs.values()), {
@@ -139,13 +140,13 @@ def partition(
         ):
             assert time.time() - cut_at < LEASE_S + 2, "the cut-off workers outlived the lease"
             time.sleep(0.05)
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + budget(120)
     while job.top_step() < top + 10:  # the majority trains on without it
         assert time.monotonic() < deadline, "the majority did not go on"
         assert all(job.procs[n].poll() is None for n in others), {n: job.log(n) for n in others}
         time.sleep(0.1)
     job.net.heal(cut)
-    code = job.procs[names[cut]].wait(timeout=60)
+    code = job.procs[names[cut]].wait(timeout=budget(60))
     ended = [e["t"] for e in job.events(names[cut]) if e["event"] == "exit"]
     gone_after = (ended[0] if ended else time.time()) - cut_at
     assert code == 3, job.log(names[cut])
@@ -153,7 +154,9 @@ def partition(
     # The cut-off side wrote nothing once its lease (counted from the cut) was over.
     assert last_writes(tmp_path, cut_pids) < cut_at + LEASE_S
     again = job.start(cut, "again")
-    codes = [job.procs[n].wait(timeout=180) for n in others] + [again.wait(timeout=60)]
+    codes = [job.procs[n].wait(timeout=budget(180)) for n in others] + [
+        again.wait(timeout=budget(60))
+    ]
     assert codes == [0, 0, 0], {n: job.log(n) for n in [*others, "again"]}
     evs = [e for n in [*others, "again"] for e in job.events(n)]
     assert [e for e in evs if e["event"] == "recovered"], "not recovered in place"
@@ -265,12 +268,12 @@ def test_a_frozen_node_on_c10d_fences_itself_when_resumed(tmp_path, net):
         for p in stopped.values():
             p.send_signal(signal.SIGCONT)
         resumed = time.time()
-        code = job.procs["n2"].wait(timeout=30)
+        code = job.procs["n2"].wait(timeout=budget(30))
         gone_in = time.time() - resumed
         assert code == 3, job.log("n2")
         assert "fenced: cut off from the control store" in job.log("n2")
         assert last_writes(tmp_path, workers) < frozen_at + LEASE_S
-        codes = [job.procs[name].wait(timeout=180) for name in ("n0", "n1")]
+        codes = [job.procs[name].wait(timeout=budget(180)) for name in ("n0", "n1")]
         assert codes == [0, 0], {name: job.log(name) for name in ("n0", "n1")}
         evs = [e for name in ("n0", "n1") for e in job.events(name)]
         assert [e for e in evs if e["event"] == "recovered"], "not recovered in place"

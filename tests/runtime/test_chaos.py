@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.clock import budget
 from tests.launcher.helpers import env
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -30,7 +31,7 @@ def test_a_short_chaos_run_recovers_in_place_every_fault_it_can(tmp_path):
     result = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "chaos.py"), "--seed", "1", "--faults", "6",
          "--workers", "6", "--gap", "100", "--float32", "--json", "--keep", str(tmp_path)],
-        env=env(), capture_output=True, text=True, timeout=580,
+        env=env(), capture_output=True, text=True, timeout=budget(580),
     )  # fmt: skip
     report = json.loads(result.stdout)
     assert result.returncode == 0 and report["ok"], result.stdout[-3000:] + result.stderr[-3000:]

@@ -11,6 +11,7 @@ import torch
 from torch.utils.data import DistributedSampler
 
 from chameleon_runtime.sampler import ElasticSampler, deal, uneven_shares
+from tests.clock import budget
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = str(ROOT / "tests" / "runtime" / "dp_script.py")
@@ -88,7 +89,7 @@ def _run(tmp_path: Path, name: str, mode: str, nproc: int, *extra: str) -> dict:
             "--standalone", *cmd[1:],
         ]  # fmt: skip
     done = subprocess.run(
-        cmd, cwd=ROOT, capture_output=True, text=True, timeout=180,
+        cmd, cwd=ROOT, capture_output=True, text=True, timeout=budget(180),
         env={**__import__("os").environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]

@@ -26,6 +26,7 @@ from tests.launcher.helpers import (
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = str(ROOT / "examples" / "train_hf.py")
 STEPS = 40
+LONG = 150
 TOLERANCE = 1e-6
 
 pytestmark = pytest.mark.slow
@@ -143,15 +144,23 @@ def test_a_second_kill_during_the_recovery(tmp_path, reference):
     assert [e["attempt"] for e in named(evs, "workers_started")] == [0]
 
 
+@pytest.fixture(scope="module")
+def long_reference(tmp_path_factory):
+    """The failure-free run of LONG steps: long enough for a replacement to start, join
+    and heal, or for a lost node to be found, before the job ends."""
+    weights, _ = train(tmp_path_factory.mktemp("ref"), "ref", steps=LONG)
+    return weights
+
+
 @pytest.mark.timeout(150)  # 41 s measured
-def test_a_replacement_heals_from_a_live_member_and_trains_on(tmp_path):
+def test_a_replacement_heals_from_a_live_member_and_trains_on(tmp_path, long_reference):
     # Planned as if every worker had a device of its own, the job with 4 workers is
     # clearly faster than with fewer: the replacement of rank 1 must be taken in.
     config = devices_config(tmp_path)
-    reference, _ = train(tmp_path, "ref", steps=150)
+    reference = long_reference
     weights, evs = train(
         tmp_path, "heal", "--config", str(config), "--inject-fault", "kill:rank=1,step=3",
-        steps=150,
+        steps=LONG,
     )  # fmt: skip
     (rejoined,) = named(evs, "rejoined")
     assert rejoined["ranks"] == [1] and rejoined["taken_in"]
@@ -160,15 +169,14 @@ def test_a_replacement_heals_from_a_live_member_and_trains_on(tmp_path):
 
 
 @pytest.mark.timeout(150)  # 47 s measured
-def test_a_lost_node_is_recovered_in_place(tmp_path, reference):
-    args = [EXAMPLE, "--steps", "200", "--float64", "--dump", str(tmp_path / "dump")]
+def test_a_lost_node_is_recovered_in_place(tmp_path, long_reference):
+    args = [EXAMPLE, "--steps", str(LONG), "--float64", "--dump", str(tmp_path / "dump")]
     evs = lose_node_1(tmp_path, args, flags=("--max-rejoins", "0"))
     assert [e["node"] for e in evs if e["event"] == "node_lost"] == [1]
     assert [e["attempt"] for e in named(evs, "workers_started")] == [0]  # in place
-    full, _ = train(tmp_path, "ref200", steps=200)
     weights = dumps(tmp_path)
     assert set(weights) <= {0, 1}
-    assert_same(full, weights)
+    assert_same(long_reference, weights)
 
 
 @pytest.mark.parametrize("spare", [False, True], ids=["taken-in", "left-a-spare"])

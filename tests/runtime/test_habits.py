@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.clock import budget
 from tests.launcher.helpers import devices_config, env, events, leftovers, rank_outputs, run
 from tests.runtime.habits_script import FLOAT32, HABITS
 
@@ -39,7 +40,7 @@ def torchrun(tmp: Path, name: str, mode: str, habit: str, nproc: int = 2, *extra
         env={**env(), "OMP_NUM_THREADS": "1"},
         capture_output=True,
         text=True,
-        timeout=240,
+        timeout=budget(240),
     )
     return done, states(tmp, name)
 

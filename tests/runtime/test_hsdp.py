@@ -14,6 +14,7 @@ import pytest
 
 from chameleon_runtime.sharding import check_even_deal
 from chameleon_runtime.shardlayout import ShardLayout
+from tests.clock import budget
 from tests.launcher.helpers import (
     devices_config,
     env,
@@ -40,7 +41,7 @@ def torchrun(tmp: Path, name: str, mode: str, *extra: str, nproc: int = 4):
     ]  # fmt: skip
     done = subprocess.run(
         [sys.executable, *cmd], cwd=tmp, env={**env(), "OMP_NUM_THREADS": "1"},
-        capture_output=True, text=True, timeout=240,
+        capture_output=True, text=True, timeout=budget(240),
     )  # fmt: skip
     return done, {r: out["state"] for r, out in rank_outputs(tmp, name).items()}
 

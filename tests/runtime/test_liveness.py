@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from tests import references
+from tests.clock import budget
 from tests.launcher.helpers import chameleon_cmd, env, events, leftovers
 from tests.runtime.test_recovery import dumps
 
@@ -25,7 +26,7 @@ def run_mlp(tmp: Path, name: str, *flags: str, workers: int, steps: int, extra_e
             "run", "--plain", "--standalone", "--nproc-per-node", str(workers), "--events",
             str(log), *flags, MLP, "--steps", str(steps), "--dump", str(out / "dump"), *args,
         ),
-        cwd=out, env={**env(), **(extra_env or {})}, capture_output=True, text=True, timeout=240,
+        cwd=out, env={**env(), **(extra_env or {})}, capture_output=True, text=True, timeout=budget(240),
     )  # fmt: skip
     assert leftovers(out) == [], "workers outlived the launcher"
     checks, _losses = dumps(out)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.clock import budget
 from tests.launcher.helpers import env, leftovers, rank_outputs, run
 from tests.runtime.test_habits import assert_close
 
@@ -71,7 +72,7 @@ def torchrun(tmp: Path, path: Path) -> dict[int, dict]:
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
          "4", str(path)],
         cwd=tmp, env={**env(), "OMP_NUM_THREADS": "1", "OUT": str(tmp / path.stem)},
-        capture_output=True, text=True, timeout=240,
+        capture_output=True, text=True, timeout=budget(240),
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     return rank_outputs(tmp, path.stem)

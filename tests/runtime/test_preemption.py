@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.clock import budget
 from tests.launcher.helpers import env, events, leftovers, start
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -39,7 +40,7 @@ def _launch(tmp: Path, mode: str, name: str, *extra: str) -> subprocess.Popen:
 def _notice_after(tmp: Path, launcher: subprocess.Popen, name: str, step: int) -> float:
     """USR1 to the launcher once rank 0 has done ``step`` steps; when it was sent."""
     progress = tmp / f"{name}.progress0"
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + budget(120)
     while time.monotonic() < deadline:
         # One read: the script rewrites the file each step, so a second read can find
         # it truncated and empty (seen in CI).
@@ -60,7 +61,7 @@ def test_the_drop_in_saves_at_one_step_leaves_75_and_the_requeue_ends_as_if_neve
     alone = subprocess.run(
         [sys.executable, SCRIPT, "--mode", "alone", "--step-s", "0", "--ckpt",
          str(tmp_path / "alone.pt"), "--out", str(tmp_path / "alone")],
-        env={**env(), "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=120,
+        env={**env(), "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=budget(120),
     )  # fmt: skip
     assert alone.returncode == 0, alone.stderr[-2000:]
     import json
@@ -69,7 +70,9 @@ def test_the_drop_in_saves_at_one_step_leaves_75_and_the_requeue_ends_as_if_neve
 
     launcher = _launch(tmp_path, "chameleon", "first")
     sent = _notice_after(tmp_path, launcher, "first", 5)
-    assert launcher.wait(timeout=GRACE_S + 30) == 75, (tmp_path / "first.log").read_text()[-3000:]
+    assert launcher.wait(timeout=budget(GRACE_S + 30)) == 75, (tmp_path / "first.log").read_text()[
+        -3000:
+    ]
     assert time.monotonic() - sent < GRACE_S
     assert leftovers(tmp_path) == []
     first = _rank_json(tmp_path, "first")
@@ -85,7 +88,7 @@ def test_the_drop_in_saves_at_one_step_leaves_75_and_the_requeue_ends_as_if_neve
     assert (tmp_path / "ckpt.pt").exists()
 
     requeued = _launch(tmp_path, "chameleon", "second")
-    assert requeued.wait(timeout=120) == 0, (tmp_path / "second.log").read_text()[-3000:]
+    assert requeued.wait(timeout=budget(120)) == 0, (tmp_path / "second.log").read_text()[-3000:]
     for out in _rank_json(tmp_path, "second").values():
         assert out["step"] == 40 and out["stopped"] is None
         for key, want in reference.items():
@@ -103,7 +106,9 @@ def test_a_notice_slurm_sends_to_every_process_of_the_step_is_heard_by_the_worke
     started = next(e for e in events(tmp_path / "all.events") if e["event"] == "workers_started")
     for pid in started["pids"]:
         os.kill(pid, signal.SIGUSR1)
-    assert launcher.wait(timeout=GRACE_S + 30) == 75, (tmp_path / "all.log").read_text()[-3000:]
+    assert launcher.wait(timeout=budget(GRACE_S + 30)) == 75, (tmp_path / "all.log").read_text()[
+        -3000:
+    ]
     out = _rank_json(tmp_path, "all")
     assert out[0]["stopped"] == out[1]["stopped"] is not None
     assert [e for e in events(tmp_path / "all.events") if e["event"] == "failure"] == []
@@ -113,7 +118,9 @@ def test_a_notice_slurm_sends_to_every_process_of_the_step_is_heard_by_the_worke
 def test_a_plain_script_gets_the_signal_and_saves_what_it_agrees_on(tmp_path):
     launcher = _launch(tmp_path, "plain", "plain")
     sent = _notice_after(tmp_path, launcher, "plain", 5)
-    assert launcher.wait(timeout=GRACE_S + 30) == 75, (tmp_path / "plain.log").read_text()[-3000:]
+    assert launcher.wait(timeout=budget(GRACE_S + 30)) == 75, (tmp_path / "plain.log").read_text()[
+        -3000:
+    ]
     assert time.monotonic() - sent < GRACE_S
     out = _rank_json(tmp_path, "plain")
     assert out[0]["stopped"] == out[1]["stopped"] is not None
@@ -132,7 +139,7 @@ def test_workers_that_do_not_save_are_stopped_at_the_end_of_the_grace_period(tmp
         cwd=tmp_path, log=tmp_path / "deaf.log",
     )  # fmt: skip
     sent = _notice_after(tmp_path, launcher, "deaf", 3)
-    assert launcher.wait(timeout=30) == 75, (tmp_path / "deaf.log").read_text()[-3000:]
+    assert launcher.wait(timeout=budget(30)) == 75, (tmp_path / "deaf.log").read_text()[-3000:]
     assert 2.0 <= time.monotonic() - sent < 8.0
     (end,) = [e for e in events(tmp_path / "deaf.events") if e["event"] == "exit"]
     assert "stopped at the end of the grace period" in end["reason"]
@@ -151,7 +158,7 @@ def test_ctrl_c_during_the_grace_period_stops_the_run_at_once(tmp_path):
     time.sleep(0.5)
     sent = time.monotonic()
     launcher.send_signal(signal.SIGINT)
-    assert launcher.wait(timeout=30) == 130, (tmp_path / "c.log").read_text()[-3000:]
+    assert launcher.wait(timeout=budget(30)) == 130, (tmp_path / "c.log").read_text()[-3000:]
     assert time.monotonic() - sent < 5.0
     assert leftovers(tmp_path) == []
 
@@ -179,9 +186,9 @@ def test_a_pipeline_stops_at_one_step_saves_and_the_requeue_ends_with_the_same_b
     # The Trainer's stages cannot agree on a step inside one (no collective spans them):
     # the leader's recovery brings them to one, with a plan that says stop, and they save.
     ref = _mlp(tmp_path, "ref")
-    assert ref.wait(timeout=120) == 0, (tmp_path / "ref.log").read_text()[-3000:]
+    assert ref.wait(timeout=budget(120)) == 0, (tmp_path / "ref.log").read_text()[-3000:]
     first = _mlp(tmp_path, "first", "--signals-to-handle", "SIGUSR1", sleep_s=0.05)
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + budget(120)
     while time.monotonic() < deadline:
         steps = [
             e.get("step", 0) for e in events(tmp_path / "first.events") if e["event"] == "step"
@@ -191,7 +198,9 @@ def test_a_pipeline_stops_at_one_step_saves_and_the_requeue_ends_with_the_same_b
         assert first.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
         time.sleep(0.05)
     first.send_signal(signal.SIGUSR1)
-    assert first.wait(timeout=GRACE_S + 30) == 75, (tmp_path / "first.log").read_text()[-3000:]
+    assert first.wait(timeout=budget(GRACE_S + 30)) == 75, (tmp_path / "first.log").read_text()[
+        -3000:
+    ]
     dumps = _dumps(tmp_path, "first")
     assert [d["preempted"] for d in dumps] == [True, True]
     import json
@@ -201,7 +210,7 @@ def test_a_pipeline_stops_at_one_step_saves_and_the_requeue_ends_with_the_same_b
     plan = [e for e in events(tmp_path / "first.events") if e["event"] == "plan_chosen"][-1]
     assert plan["policy"] == "reroute"
     requeued = _mlp(tmp_path, "second")
-    assert requeued.wait(timeout=120) == 0, (tmp_path / "second.log").read_text()[-3000:]
+    assert requeued.wait(timeout=budget(120)) == 0, (tmp_path / "second.log").read_text()[-3000:]
     want = {k: v for d in _dumps(tmp_path, "ref") for k, v in d["checksums"].items()}
     got = {k: v for d in _dumps(tmp_path, "second") for k, v in d["checksums"].items()}
     assert got == want  # Trainer(exact=True): the same bits as the run never stopped

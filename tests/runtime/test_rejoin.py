@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.clock import budget
 from tests.launcher.helpers import devices_config, events, free_port, run, start
 from tests.runtime.test_recovery import (
     EXAMPLE,
@@ -105,7 +106,7 @@ def test_a_replacement_on_another_agent_rejoins(tmp_path, long_reference):
         cwd=tmp_path, timeout=240,
     )  # fmt: skip
     assert node0.returncode == 0, node0.stderr[-3000:]
-    assert node1.wait(timeout=60) == 0, (tmp_path / "n1.log").read_text()[-3000:]
+    assert node1.wait(timeout=budget(60)) == 0, (tmp_path / "n1.log").read_text()[-3000:]
     (respawned,) = named(events(tmp_path / "n1.jsonl"), "worker_respawned")
     assert respawned["rank"] == 3
     leader = events(tmp_path / "n0.jsonl")
