@@ -172,7 +172,11 @@ def _nothing_outlives_the_test(request: pytest.FixtureRequest):
             break
         time.sleep(0.05)
     problems = [f"left running: {_describe(p)}" for p in left]
-    _kill(left)
+    for _ in range(3):  # (what they started in the meantime goes too)
+        if not left:
+            break
+        _kill(left)
+        left = [p for pid, p in _descendants().items() if pid not in before and _alive(p)]
     _reap(before)
     for name in sorted((_namespaces() if makes_namespaces else set()) - spaces):
         problems.append(f"left behind: {name}")
