@@ -18,7 +18,7 @@ import psutil
 import pytest
 
 from tests import references
-from tests.clock import budget
+from tests.clock import budget, slack
 from tests.launcher.helpers import chameleon_cmd, env, events, leftovers, wait_for_event
 from tests.runtime.test_liveness import MLP
 from tests.runtime.test_recovery import dumps
@@ -123,6 +123,14 @@ def why(evs: list[dict]) -> str:
     )
 
 
+def running(pid: int) -> bool:
+    """Whether ``pid`` still runs: a process can end between any two questions about it."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def partition(
     tmp_path, job: Job, cut: int, reference: dict, fenced_line: str, *, fenced_by_clock: bool
 ) -> None:
@@ -135,10 +143,8 @@ def partition(
     cut_at = time.time()
     top = job.top_step()
     if fenced_by_clock:  # (c10d: its own clock; etcd: once etcd answers, after the heal)
-        while any(
-            psutil.pid_exists(p) and psutil.Process(p).status() != "zombie" for p in cut_pids
-        ):
-            assert time.time() - cut_at < LEASE_S + 2, "the cut-off workers outlived the lease"
+        while any(running(p) for p in cut_pids):
+            assert time.time() - cut_at < LEASE_S + slack(2), "the cut-off workers outlived the lease"
             time.sleep(0.05)
     deadline = time.monotonic() + budget(120)
     while job.top_step() < top + 10:  # the majority trains on without it
