@@ -22,7 +22,9 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("forkserver") / "server.log"
-    fs = ForkServer(dict(os.environ, OMP_NUM_THREADS="1"), log)
+    # Without PYTHONUNBUFFERED, as most jobs run: C's stdio then buffers what it writes
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    fs = ForkServer(dict(env, OMP_NUM_THREADS="1"), log)
     assert fs.wait_ready(120), log.read_text() if log.exists() else "no log"
     yield fs
     fs.close()
@@ -67,6 +69,47 @@ def test_an_exception_prints_its_traceback_and_exits_1(server, tmp_path):
     # the script's frames only, as `python child.py` prints them: none of the server's
     frames = [line for line in text.splitlines() if line.lstrip().startswith("File ")]
     assert len(frames) == 2 and all("child.py" in f for f in frames), text
+
+
+EXIT_AS_PYTHON = """\
+import atexit, ctypes, sys, threading, time
+log = open("left-open.txt", "w")  # never closed: Python's teardown would flush it
+log.write("written, never flushed")
+binary = open("left-open.bin", "wb")
+binary.write(b"bytes")
+def late():
+    time.sleep(0.3)
+    with open("thread.txt", "w") as f:
+        f.write("the thread ended before the exit")
+threading.Thread(target=late).start()  # not a daemon: joined before the exit
+atexit.register(lambda: print("atexit ran", flush=True))
+ctypes.CDLL(None).printf(b"from C, no newline")  # into a pipe: fully buffered
+sys.exit(sys.argv[1] if not sys.argv[1].isdigit() else int(sys.argv[1]))
+"""
+
+
+@pytest.mark.parametrize(("argument", "code"), [("0", 0), ("3", 3), ("a message", 1)])
+@pytest.mark.timeout(60)  # 1 s measured
+def test_a_child_ends_as_python_ends(server, tmp_path, argument, code):
+    # Without the interpreter's teardown (launcher/forkserver.py: _end), but with all
+    # that comes before it: threads joined, atexit, every buffer written.
+    proc, out, err = _spawn(server, tmp_path, EXIT_AS_PYTHON, argument)
+    assert proc.wait(timeout=30) == code
+    assert (tmp_path / "left-open.txt").read_text() == "written, never flushed"
+    assert (tmp_path / "left-open.bin").read_bytes() == b"bytes"
+    assert (tmp_path / "thread.txt").read_text() == "the thread ended before the exit"
+    stdout = out.read().decode()
+    assert "atexit ran" in stdout and "from C, no newline" in stdout
+    assert err.read().decode().strip() == ("a message" if code == 1 else "")
+
+
+@pytest.mark.timeout(60)  # 1 s measured
+def test_a_child_interrupted_ends_by_the_signal(server, tmp_path):
+    source = "import atexit\natexit.register(print, 'atexit ran')\nraise KeyboardInterrupt\n"
+    proc, out, err = _spawn(server, tmp_path, source)
+    assert proc.wait(timeout=30) == -signal.SIGINT
+    assert out.read().decode().strip() == "atexit ran"
+    assert "KeyboardInterrupt" in err.read().decode()
 
 
 @pytest.mark.timeout(60)  # 3 s measured
