@@ -110,7 +110,7 @@ def train(
     # three replicas, three or four of those come in one soak: room for them, as a
     # torchrun user sizes --max-restarts to the failures expected.
     cmd = [
-        sys.executable, "-m", "chameleon_cli.app", "run", "--plain", "--standalone",
+        sys.executable, "-m", "chameleon_cli", "run", "--plain", "--standalone",
         "--nproc-per-node", str(workers or args.workers), "--max-restarts", "8", "--max-rejoins", "50",
         "--heartbeat-timeout", "2", "--events", str(log), "--redirects", "3",
         "--log-dir", str(out / "logs"), *flags, str(EXAMPLE),

@@ -145,7 +145,7 @@ def run_side(mode: str, steps: int, kill_at: int | None, tmp: Path, config: Path
             )  # fmt: skip
         elif mode == "chameleon":
             job.start(
-                [sys.executable, "-m", "chameleon_cli.app", "run", "--standalone", "--plain",
+                [sys.executable, "-m", "chameleon_cli", "run", "--standalone", "--plain",
                  "--nproc-per-node", str(REPLICAS), "--config", str(config),
                  "--events", str(tmp / f"{tag}.jsonl"), WORKER, "--mode", "chameleon", *common],
                 tmp / f"{tag}.log", env(),

@@ -137,7 +137,7 @@ def env() -> dict[str, str]:
 def profile(work: Path) -> Path:
     table = work / "table.json"
     subprocess.run(
-        [sys.executable, "-m", "chameleon_cli.app", "profile", "--out", str(table),
+        [sys.executable, "-m", "chameleon_cli", "profile", "--out", str(table),
          "--nproc-per-node", "8", "--plain", str(EXAMPLE)],
         cwd=work, env=env(), check=True, stdout=subprocess.DEVNULL,
     )  # fmt: skip
@@ -153,7 +153,7 @@ def run(
 ) -> Run:  # fmt: skip
     events = work / f"{name}.jsonl"
     cmd = [
-        sys.executable, "-m", "chameleon_cli.app", "run", "--nproc-per-node", str(workers),
+        sys.executable, "-m", "chameleon_cli", "run", "--nproc-per-node", str(workers),
         "--master-port", str(free_port()), "--events", str(events), "--plain",
         "--config", str(config), "--max-rejoins", "0", *extra, str(EXAMPLE),
         "--steps", str(ARGS.steps), "--pipeline-stages", str(stages),
@@ -295,7 +295,7 @@ def hsdp_rows(work: Path, config: Path, k: int) -> tuple[list[Row], list[str]]:
     for policy in ("reroute", "reparallelize"):
         events = work / f"hsdp-{policy}-{k}.jsonl"
         cmd = [
-            sys.executable, "-m", "chameleon_cli.app", "run", "--nproc-per-node", "4",
+            sys.executable, "-m", "chameleon_cli", "run", "--nproc-per-node", "4",
             "--master-port", str(free_port()), "--events", str(events), "--plain",
             "--config", str(config), "--max-rejoins", "0", "--policy", policy,
             "--inject-fault", f"kill:rank=1,step={ARGS.kill_at}", str(HF_EXAMPLE),

@@ -83,7 +83,7 @@ def run_side(
         else:
             rejoins = "1" if kill_at is not None else "0"
             job.start(
-                [sys.executable, "-m", "chameleon_cli.app", "run", "--standalone", "--plain",
+                [sys.executable, "-m", "chameleon_cli", "run", "--standalone", "--plain",
                  "--nproc-per-node", str(WORKERS), "--config", str(config),
                  "--max-rejoins", rejoins, "--events", str(tmp / f"{tag}.jsonl"),
                  WORKER, "--mode", "chameleon", *common],

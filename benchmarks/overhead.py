@@ -333,7 +333,7 @@ def _launch(
     env.pop("CHAMELEON_JOB_TOKEN", None)
     if side == "ours":
         cmd = [
-            sys.executable, "-m", "chameleon_cli.app", "run", "--standalone",
+            sys.executable, "-m", "chameleon_cli", "run", "--standalone",
             "--nproc-per-node", str(row.workers), "--log-dir", str(work / "logs"), *script,
         ]  # fmt: skip
     else:

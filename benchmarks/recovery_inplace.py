@@ -106,7 +106,7 @@ def run_once(
 def chameleon(policy: str, events: Path) -> list[str]:
     # No replacement: on 2 shared cores its start-up (importing torch) would slow the very
     # steps whose throughput is measured against the prediction for the chosen plan.
-    return [sys.executable, "-m", "chameleon_cli.app", "run", "--nproc-per-node", "8", "--master-port", str(free_port()),
+    return [sys.executable, "-m", "chameleon_cli", "run", "--nproc-per-node", "8", "--master-port", str(free_port()),
             "--policy", policy, "--max-restarts", "1", "--max-rejoins", "0", "--events", str(events), "--plain"]  # fmt: skip
 
 

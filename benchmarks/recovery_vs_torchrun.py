@@ -51,7 +51,7 @@ def launcher_cmd(name: str, workers: int) -> list[str]:
     if name == "ft_launcher":
         return [shutil.which("ft_launcher") or "ft_launcher", *flags]
     extra = ["--no-warm-start"] if name == "chameleon-cold" else []
-    return [sys.executable, "-m", "chameleon_cli.app", "run", *flags, "--plain", *extra]
+    return [sys.executable, "-m", "chameleon_cli", "run", *flags, "--plain", *extra]
 
 
 def launchers() -> list[str]:

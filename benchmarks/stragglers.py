@@ -88,7 +88,7 @@ def run(name: str, job: str, steps: int, work: Path, *launch: str) -> Run:
     out = Run(name)
     events = work / f"{name}.jsonl"
     cmd = [
-        sys.executable, "-m", "chameleon_cli.app", "run", "--standalone",
+        sys.executable, "-m", "chameleon_cli", "run", "--standalone",
         "--nproc-per-node", "2", "--events", str(events), *launch,
         *JOBS[job], "--steps", str(steps),
     ]  # fmt: skip

@@ -25,6 +25,7 @@ from chameleon_cli.profile_cmd import profile
 from chameleon_cli.run_cmd import CONTEXT, run
 from chameleon_cli.simulate_cmd import simulate
 from chameleon_cli.timeline_cmd import timeline
+from launcher import early
 
 app = typer.Typer(
     name="chameleon",
@@ -103,6 +104,7 @@ def entry() -> None:
     0.3-0.4 s that nothing needs: every file we write is closed or line-buffered by now,
     the workers and their pumps are joined, and only stdout and stderr hold buffers."""
     code = main()
+    early.discard()  # a fork server started for a run that never got to take it
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError, ValueError):  # a closed pipe (| head): no reader
             stream.flush()

@@ -41,6 +41,7 @@ from pathlib import Path
 
 from chameleon_runtime.protocol.messages import StoreAddress
 from chameleon_runtime.protocol.seal import TOKEN_ENV, Seal
+from launcher import early
 from launcher.args import RunArgs
 from launcher.etcd import Fenced
 from launcher.events import EventLog
@@ -71,7 +72,7 @@ from launcher.store import (
     serve_store,
 )
 from launcher.supervisor import Action, Failure, FailureKind
-from launcher.warm import ForkServer
+from launcher.warm import ForkServer, server_env
 from launcher.watch import Timeouts as WatchTimeouts
 from launcher.worker_store import WorkerStoreView
 from launcher.workers import Console, Reaper
@@ -160,6 +161,7 @@ class Agent:
         self.reaper: Reaper | None = None
         self.forkserver: ForkServer | None = None
         self._server_awaited = False  # the first round waited for the fork server
+        self._server_early = False  # started by python -m chameleon_cli (launcher/early.py)
         # Leader: the last round's world, and when each node's heartbeat last moved.
         self._last_world: World | None = None
         self.beat_seen: dict[str, float] = {}
@@ -462,16 +464,20 @@ class Agent:
         waited = time.monotonic()
         if server.wait_ready(WARM_START_WAIT_S):
             self.events.emit(
-                "warm_start_ready", pid=server.pid, waited_s=round(time.monotonic() - waited, 3)
+                "warm_start_ready",
+                pid=server.pid,
+                waited_s=round(time.monotonic() - waited, 3),
+                early=self._server_early,
             )
 
     def _start_forkserver(self) -> None:
-        env = dict(os.environ)
-        if "OMP_NUM_THREADS" not in env and self.args.nproc_per_node > 1:
-            env["OMP_NUM_THREADS"] = "1"  # as the workers get it (launcher/environment.py)
+        env = server_env(os.environ, self.args.nproc_per_node)
+        log = self.run_dir / "forkserver.log"
         try:
             preload = modules_for(self.args.script, self.args.preload, self.args.module)
-            self.forkserver = ForkServer(env, self.run_dir / "forkserver.log", preload)
+            taken = early.take(env, preload, log)
+            self._server_early = taken is not None
+            self.forkserver = taken or ForkServer(env, log, preload)
         except OSError as exc:  # restarts start fresh interpreters, as without the server
             self.args = replace(self.args, warm_start=False)
             self.events.emit("warm_start_unavailable", detail=str(exc))

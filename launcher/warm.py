@@ -16,7 +16,7 @@ import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from launcher.forkserver import MAX_MESSAGE, PRELOAD, eligible, send
@@ -56,6 +56,20 @@ class ForkedProcess:
                 os.kill(self.pid, signum)
 
 
+def server_env(environ: Mapping[str, str], nproc_per_node: int) -> dict[str, str]:
+    """The environment a node's server runs with: the launcher's, with the workers'
+    thread count (launcher/environment.py), which libraries read as they load."""
+    env = dict(environ)
+    if "OMP_NUM_THREADS" not in env and nproc_per_node > 1:
+        env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def runs_folder(log_dir: str | None) -> Path:
+    """Where a run's folder goes: ``--log-dir``, else $TMPDIR/chameleon."""
+    return Path(log_dir) if log_dir else Path(os.environ.get("TMPDIR", "/tmp")) / "chameleon"
+
+
 class ForkServer:
     """The launcher's handle on its fork server: start it, spawn through it, close it."""
 
@@ -64,6 +78,9 @@ class ForkServer:
     ) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         log_file.parent.mkdir(parents=True, exist_ok=True)
+        self.log_file = log_file
+        self.env = env
+        self.preload = list(preload)
         with open(log_file, "ab") as log:
             self._proc = subprocess.Popen(
                 [
@@ -97,6 +114,11 @@ class ForkServer:
     @property
     def pid(self) -> int:
         return self._proc.pid
+
+    @property
+    def alive(self) -> bool:
+        """Not known to have gone (ready or still importing)."""
+        return not self._dead
 
     @property
     def ready(self) -> bool:
@@ -177,6 +199,20 @@ class ForkServer:
         """The launcher is done with ``pid``: drop its exit code (bounded state)."""
         with self._changed:
             self._exits.pop(pid, None)
+
+    def move_log(self, log_file: Path) -> None:
+        """Its log is now ``log_file`` (on the same file system: the server keeps writing
+        to the file it opened)."""
+        log_file.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(self.log_file, log_file)
+        self.log_file = log_file
+
+    def abandon(self) -> None:
+        """Never used (launcher/early.py): killed where it is, mid-import perhaps, which
+        ``close`` would wait for. It has started no child."""
+        self._proc.kill()
+        self._proc.wait(timeout=5)
+        self.close()
 
     def close(self) -> None:
         """The launcher is done: the server exits when its socket closes."""

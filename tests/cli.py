@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def chameleon(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "chameleon_cli.app", *args],
+        [sys.executable, "-m", "chameleon_cli", *args],
         capture_output=True,
         text=True,
         cwd=ROOT,

@@ -28,7 +28,7 @@ def free_port() -> int:
 
 
 def chameleon_cmd(*args: str) -> list[str]:
-    return [sys.executable, "-m", "chameleon_cli.app", *args]
+    return [sys.executable, "-m", "chameleon_cli", *args]
 
 
 def env() -> dict[str, str]:

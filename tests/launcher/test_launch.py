@@ -237,7 +237,7 @@ def _test_processes(marker: str) -> list[psutil.Process]:
     for p in psutil.process_iter(["cmdline"]):
         try:
             cmdline = p.info["cmdline"] or []
-            if "chameleon_cli.app" in cmdline:
+            if "chameleon_cli" in cmdline:
                 continue
             if any(marker in part for part in cmdline):
                 found.append(p)

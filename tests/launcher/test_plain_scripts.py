@@ -39,13 +39,21 @@ def test_workers_are_forks_of_the_warm_server_and_see_what_fresh_ones_see(tmp_pa
         log = tmp_path / f"{how}.jsonl"
         result = run(
             "run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1", *flags,
-            "--events", str(log),
+            "--events", str(log), "--log-dir", str(tmp_path / how),
             "probe.py", how, "--flag", cwd=tmp_path,
         )  # fmt: skip
         assert result.returncode == 0, result.stderr
         started = [e["warm"] for e in events(log) if e["event"] == "workers_started"]
         assert started == [how == "warm"] * 2  # the first round and the restart
-        assert any(e["event"] == "warm_start_ready" for e in events(log)) is (how == "warm")
+        ready = [e for e in events(log) if e["event"] == "warm_start_ready"]
+        assert bool(ready) is (how == "warm")
+        # started before the launcher imported itself (launcher/early.py), its log moved
+        # into the run's folder
+        assert [e["early"] for e in ready] == [True] * len(ready)
+        assert sorted(p.name for p in (tmp_path / how).glob("*/forkserver.log")) == (
+            ["forkserver.log"] if how == "warm" else []
+        )
+        assert list((tmp_path / how).glob(".forkserver-*")) == []
     for attempt in (0, 1):
         for rank in (0, 1):
             fresh = json.loads((tmp_path / f"facts_fresh_{attempt}_{rank}.json").read_text())
@@ -53,6 +61,21 @@ def test_workers_are_forks_of_the_warm_server_and_see_what_fresh_ones_see(tmp_pa
             assert {**warm, "argv": None} == {**fresh, "argv": None}
             assert warm["argv"] == ["probe.py", "warm", "--flag"]
             assert fresh["file"] == str(script)
+
+
+@pytest.mark.timeout(60)  # 2 s measured
+def test_a_run_refused_after_the_server_started_leaves_nothing(tmp_path):
+    # The flags read well, so the fork server starts first thing; then the launcher
+    # refuses a value. The server goes, and its log (a hidden file) with it; this suite's
+    # fixture fails the test if any process is left.
+    write(tmp_path / "train.py", "import torch\n")
+    result = run(
+        "run", "--standalone", "--nproc-per-node", "2", "--log-dir", str(tmp_path / "logs"),
+        "--heartbeat-timeout", "0", "train.py", cwd=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert "--heartbeat-timeout" in result.stderr and "Traceback" not in result.stderr
+    assert list((tmp_path / "logs").iterdir()) == []
 
 
 @pytest.mark.timeout(60)  # 3 s measured

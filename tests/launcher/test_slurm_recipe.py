@@ -45,7 +45,7 @@ SCONTROL = """
 """
 CHAMELEON = f"""
     #!/bin/bash
-    exec {sys.executable} -m chameleon_cli.app "$@"
+    exec {sys.executable} -m chameleon_cli "$@"
 """
 
 
