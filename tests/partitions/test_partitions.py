@@ -144,7 +144,9 @@ def partition(
     top = job.top_step()
     if fenced_by_clock:  # (c10d: its own clock; etcd: once etcd answers, after the heal)
         while any(running(p) for p in cut_pids):
-            assert time.time() - cut_at < LEASE_S + slack(2), "the cut-off workers outlived the lease"
+            assert time.time() - cut_at < LEASE_S + slack(2), (
+                "the cut-off workers outlived the lease"
+            )
             time.sleep(0.05)
     deadline = time.monotonic() + budget(120)
     while job.top_step() < top + 10:  # the majority trains on without it
