@@ -24,7 +24,8 @@ def test_the_store_does_not_grow_with_steps(tmp_path, steps):
     # (600 steps: 100-400 against 430 on; the leak this caught grew 4 keys a step).
     early = statistics.median(k for step, k in counts if 0.08 * steps <= step < 0.4 * steps)
     late = statistics.median(k for step, k in counts if step >= 0.72 * steps)
-    assert counts[-1][0] >= 0.8 * steps, counts
+    # (step events are sampled by time: what the late window needs is one sample in it)
+    assert counts[-1][0] >= 0.72 * steps, counts
     assert late <= early * 1.1, counts  # before: about 4 keys more every step
 
 
