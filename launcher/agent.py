@@ -72,7 +72,7 @@ from launcher.store import (
     serve_store,
 )
 from launcher.supervisor import Action, Failure, FailureKind
-from launcher.warm import ForkServer, server_env
+from launcher.warm import ForkServer, runs_folder, server_env
 from launcher.watch import Timeouts as WatchTimeouts
 from launcher.worker_store import WorkerStoreView
 from launcher.workers import Console, Reaper
@@ -119,12 +119,7 @@ class Agent:
             token = secrets.token_hex(16)
         self.token = token
         self.seal = Seal(token, self.run_id, on_refused=self._refused)
-        base = (
-            Path(args.log_dir)
-            if args.log_dir
-            else Path(os.environ.get("TMPDIR", "/tmp")) / "chameleon"
-        )
-        self.run_dir = base / f"{self.run_id}_{uuid.uuid4().hex[:6]}"
+        self.run_dir = runs_folder(args.log_dir) / f"{self.run_id}_{uuid.uuid4().hex[:6]}"
         events_path = Path(args.events) if args.events else self.run_dir / "events.jsonl"
         self.events = EventLog(events_path)
         if events_listener is not None:

@@ -291,7 +291,7 @@ def _exit_code(exc: SystemExit) -> int:
 # (Python's teardown would close them as it freed them). By exact type: a test of each
 # of ~200,000 objects with isinstance would take as long as the teardown it replaces,
 # and some of torch's objects warn when asked their class.
-_BUFFERED = (io.TextIOWrapper, io.BufferedWriter, io.BufferedRandom, io.BufferedRWPair)
+_BUFFERED = frozenset({io.TextIOWrapper, io.BufferedWriter, io.BufferedRandom, io.BufferedRWPair})
 
 
 def _end(code: int, interrupted: bool = False) -> NoReturn:
@@ -314,9 +314,8 @@ def _end(code: int, interrupted: bool = False) -> NoReturn:
     with contextlib.suppress(Exception):
         threading._shutdown()  # type: ignore[attr-defined]  # as Py_FinalizeEx does first
     atexit._run_exitfuncs()  # prints what a handler raises, as Python does
-    kinds = set(_BUFFERED)
     for obj in gc.get_objects():
-        if type(obj) in kinds:
+        if type(obj) in _BUFFERED:
             with contextlib.suppress(Exception):
                 if not obj.closed:
                     obj.flush()

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import psutil
+from tests.launcher.helpers import running
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -42,13 +42,6 @@ def test_fails_with_a_log(tmp_path):
 """
 
 
-def _gone(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
-
-
 def test_a_leaked_process_fails_its_test_and_is_gone_after_it(pytester, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", str(ROOT))
     monkeypatch.setenv("CHAMELEON_TEST_SLACK", "0.25")  # half a second's grace to exit
@@ -61,7 +54,7 @@ def test_a_leaked_process_fails_its_test_and_is_gone_after_it(pytester, monkeypa
     assert "leak-child" in out and "leak-orphan" in out and "no-leak" not in out
     for name in ("child.pid", "orphan.pid"):
         pid = int((pytester.path / name).read_text())
-        assert _gone(pid), f"{name}: {pid} still running"
+        assert not running(pid), f"{name}: {pid} still running"
     # the failed test's log, in its report and again in the run's last lines
     assert "job log of the test: " in out and "job.log (tail)" in out
     assert "\nthe job's last words\n" in out

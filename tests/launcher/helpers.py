@@ -84,6 +84,17 @@ def start(*args: str, cwd: Path, log: Path, env: dict[str, str] | None = None) -
     )  # fmt: skip
 
 
+def running(pid: int) -> bool:
+    """Whether ``pid`` still runs (a zombie has ended): a process can end between any two
+    questions about it."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def leftovers(folder: Path) -> list:
     """Processes whose command line names ``folder``: a run's workers still alive."""
     import psutil

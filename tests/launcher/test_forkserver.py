@@ -8,12 +8,12 @@ import signal
 import sys
 import time
 
-import psutil
 import pytest
 
 from launcher.forkserver import PRELOAD, eligible
 from launcher.preload import modules_for
 from launcher.warm import ForkServer
+from tests.launcher.helpers import running
 
 # real processes, seconds each: the full suite (CI) runs them, the fast tier does not
 pytestmark = pytest.mark.slow
@@ -183,10 +183,8 @@ def test_children_die_with_the_server(tmp_path):
     os.kill(fs.pid, signal.SIGKILL)
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
-        try:  # (an orphan's zombie is pytest's to reap: tests/conftest.py is its subreaper)
-            if psutil.Process(proc.pid).status() == psutil.STATUS_ZOMBIE:
-                break
-        except psutil.NoSuchProcess:
+        # (an orphan's zombie is pytest's to reap: tests/conftest.py is its subreaper)
+        if not running(proc.pid):
             break
         time.sleep(0.05)
     else:

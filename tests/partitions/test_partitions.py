@@ -19,7 +19,14 @@ import pytest
 
 from tests import references
 from tests.clock import budget, slack
-from tests.launcher.helpers import chameleon_cmd, env, events, leftovers, wait_for_event
+from tests.launcher.helpers import (
+    chameleon_cmd,
+    env,
+    events,
+    leftovers,
+    running,
+    wait_for_event,
+)
 from tests.runtime.test_liveness import MLP
 from tests.runtime.test_recovery import dumps
 
@@ -121,14 +128,6 @@ def why(evs: list[dict]) -> str:
         for e in evs
         if e["event"] in kinds
     )
-
-
-def running(pid: int) -> bool:
-    """Whether ``pid`` still runs: a process can end between any two questions about it."""
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 def partition(
