@@ -17,8 +17,13 @@ def main() -> None:
     while argv[:1] and argv[0] in ROOT_FLAGS:
         argv = argv[1:]
     if argv[:1] == ["run"]:
-        from launcher import early
+        import faulthandler
 
+        from launcher import early
+        from launcher.forkserver import STACKS_SIGNAL
+
+        # the launcher's stacks on demand, as its workers' (a hung run's log says where)
+        faulthandler.register(STACKS_SIGNAL, all_threads=True)
         early.start(argv[1:])
     from chameleon_cli.app import entry
 

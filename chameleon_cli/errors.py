@@ -14,8 +14,7 @@ from dataclasses import dataclass
 import typer
 
 from launcher.exitcodes import JOB_FAILED, OK  # noqa: F401 - the run's codes, one table
-from planner.job.errors import ConfigError
-from planner.plans.layout import LayoutError
+from planner.job.errors import ConfigError, LayoutError
 
 USER_ERROR = 1
 USAGE = 2

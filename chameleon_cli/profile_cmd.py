@@ -15,9 +15,6 @@ import typer
 from chameleon_cli.errors import JobFailed, UsageError, UserError, check_script, writable_dir
 from chameleon_cli.output import Fields, Output, Table, choose_mode, error
 from chameleon_cli.units import fmt_bytes, fmt_s
-from launcher.agent import Agent, JobError
-from launcher.args import ArgsError, parse_run_args
-from launcher.workers import Console
 
 CONTEXT = {"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []}
 HELP = """usage: chameleon profile --out TABLE.json [--nproc-per-node N] [--plain] SCRIPT [SCRIPT_ARGS...]
@@ -49,6 +46,10 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 
 def profile(ctx: typer.Context) -> None:
     """Measure a chameleon_runtime script into a cost table for the planner."""
+    from launcher.agent import Agent, JobError  # here: other commands start without it
+    from launcher.args import ArgsError, parse_run_args
+    from launcher.workers import Console
+
     argv = list(ctx.args)
     if argv[:1] in (["-h"], ["--help"]):
         sys.stdout.write(HELP)

@@ -7,21 +7,25 @@ import os
 import sys
 
 import typer
-from rich.console import Console as RichConsole
 
 from chameleon_cli.errors import UsageError, UserError, check_script, writable_dir
-from chameleon_cli.live_view import LiveView
 from chameleon_cli.output import Mode, Output, choose_mode, error
-from chameleon_cli.run_view import outcome_blocks
-from launcher.agent import Agent, JobError
-from launcher.args import ArgsError, parse_run_args, run_help
-from launcher.workers import Console
 
 CONTEXT = {"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []}
 
 
 def run(ctx: typer.Context) -> None:
     """Launch and supervise a training job (torchrun-compatible flags; see chameleon run --help)."""
+    # The launcher is imported here, not at the top: every other command (plan, simulate,
+    # timeline) starts without it
+    from rich.console import Console as RichConsole
+
+    from chameleon_cli.live_view import LiveView
+    from chameleon_cli.run_view import outcome_blocks
+    from launcher.agent import Agent, JobError
+    from launcher.args import ArgsError, parse_run_args, run_help
+    from launcher.workers import Console
+
     argv = list(ctx.args)
     if argv[:1] in (["-h"], ["--help"]):
         sys.stdout.write(run_help())

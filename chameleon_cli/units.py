@@ -6,14 +6,11 @@ import re
 
 import typer
 
-from launcher.args import parse_duration_s
-
 __all__ = [
     "duration_flag",
     "fmt_bytes",
     "fmt_ranges",
     "fmt_s",
-    "parse_duration_s",
     "parse_int_list",
 ]
 
@@ -22,6 +19,8 @@ def duration_flag(value: str | None, flag: str) -> float | None:
     """A flag's positive duration (None when not given); a usage error names the flag."""
     if value is None:
         return None
+    from launcher.args import parse_duration_s  # one grammar for durations, the launcher's
+
     try:
         seconds = parse_duration_s(value)
     except ValueError as exc:

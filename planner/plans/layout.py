@@ -11,13 +11,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from planner.job.cost import CostModel
+from planner.job.errors import LayoutError
 from planner.job.workload import Job, RankOrder
 from planner.plans.partition import Partitioner
 from planner.plans.plan import Plan, pipelines_plan, split_evenly
-
-
-class LayoutError(ValueError):
-    """A layout that cannot run at all (wrong size, or no split that fits in memory)."""
 
 
 def pipeline_workers(job: Job) -> list[list[int]]:
