@@ -546,6 +546,18 @@ class Coordinator:
         self._statuses = self.view.statuses(sorted(self.state.live))
         return self._statuses
 
+    def finish(self) -> None:
+        """Every worker finished: the job's last step as a step event, whenever the last
+        one was (step events are sampled at most once a second; a reader of the events,
+        such as a test of what stayed bounded to the end, should see the end)."""
+        if self.state is None or not self.state.live:
+            return
+        statuses = self._snapshot(time.monotonic())
+        done = [s.step - 1 for s in statuses.values() if s.phase == "done"]
+        self._top_step = max([self._top_step, *done])
+        if self._top_step > self._last_step_event[0]:
+            self._tell_step(statuses, time.monotonic(), force=True)
+
     def _note_progress(self, statuses: dict[int, WorkerStatus]) -> None:
         # (a survivor whose collective failed with its peer reports "ready" at once, its
         # step still the last it did: the leader's look at a failure must count it)
@@ -663,13 +675,16 @@ class Coordinator:
         if move is not None:
             self._apply(move)
 
-    def _tell_step(self, statuses: dict[int, WorkerStatus], now: float) -> None:
-        """A step event at most once a second (and the first of a generation at once)."""
+    def _tell_step(
+        self, statuses: dict[int, WorkerStatus], now: float, force: bool = False
+    ) -> None:
+        """A step event at most once a second (the first of a generation, and the job's
+        last, at once)."""
         state = self.state
         assert state is not None
         top = self._top_step
         last, at = self._last_step_event
-        if top > last and (now - at >= 1.0 or last < self._gen_start):
+        if top > last and (force or now - at >= 1.0 or last < self._gen_start):
             chief = statuses.get(min(state.live)) if state.live else None
             peaks = [
                 (s.peak_bytes, r)

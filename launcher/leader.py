@@ -7,6 +7,7 @@ route its kill requests to the node that runs the rank, and take the round's dec
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import time
 from dataclasses import replace
@@ -123,6 +124,11 @@ class Leader:
             decision = replace(decision, reason=f"{restart_reason}; {decision.reason}")
         if decision.action is Action.CONTINUE:
             return
+        if decision.action is Action.FINISH and self.coordinator is not None:
+            # the job's last step event: an event only, never in the way of the job's end
+            # (a store or etcd gone with the workers)
+            with contextlib.suppress(Exception):
+                self.coordinator.finish()
         self.agent.record(failures)
         cause = root_cause(failures)
         if decision.counts_as_restart:
