@@ -61,3 +61,44 @@ def test_a_leaked_process_fails_its_test_and_is_gone_after_it(pytester, monkeypa
     tail = out[out.index("job logs of the failed tests") :]
     assert "FAILED test_leaks.py::test_fails_with_a_log" in tail
     assert "\n    the job's last words\n" in tail
+
+
+def test_a_run_killed_past_its_budget_writes_its_stacks_first(tmp_path):
+    """tests/launcher/helpers.ask_for_stacks: what registered the stacks signal writes
+    every thread's stack; a process that did not is left running (the signal's default
+    action would have killed it, before the test could read anything)."""
+    import subprocess
+    import sys
+    import time
+
+    from tests.launcher.helpers import ask_for_stacks
+
+    parent_code = (
+        "import faulthandler, subprocess, sys, time\n"
+        "from launcher.forkserver import STACKS_SIGNAL\n"
+        "faulthandler.register(STACKS_SIGNAL, all_threads=True)\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        "print(child.pid, flush=True)\n"
+        "def waiting_here(): time.sleep(60)\n"
+        "waiting_here()\n"
+    )
+    err = tmp_path / "err"
+    with open(err, "w") as stderr:
+        parent = subprocess.Popen(
+            [sys.executable, "-c", parent_code], cwd=ROOT, stdout=subprocess.PIPE,
+            stderr=stderr, text=True,
+        )  # fmt: skip
+    child = None
+    try:
+        child = int(parent.stdout.readline())
+        ask_for_stacks(parent.pid, grace_s=0.5)
+        deadline = time.monotonic() + 10
+        while "waiting_here" not in err.read_text() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "waiting_here" in err.read_text(), err.read_text()
+        assert running(parent.pid) and running(child)
+    finally:
+        parent.kill()
+        parent.wait()
+        if child is not None:
+            subprocess.run(["kill", "-9", str(child)], capture_output=True)

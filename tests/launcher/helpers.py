@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -66,6 +67,7 @@ def run(
         try:
             code = proc.wait(timeout=limit)
         except subprocess.TimeoutExpired:
+            ask_for_stacks(proc.pid)
             proc.kill()
             proc.wait()
             tail = (out_path.read_text()[-3000:], err_path.read_text()[-3000:])
@@ -82,6 +84,41 @@ def start(*args: str, cwd: Path, log: Path, env: dict[str, str] | None = None) -
         chameleon_cmd(*args), cwd=cwd, env={**_env(), **(env or {})}, stdout=out,
         stderr=subprocess.STDOUT,
     )  # fmt: skip
+
+
+def _catches(pid: int, signum: int) -> bool:
+    """Whether ``pid`` has a handler for ``signum`` (Linux: SigCgt in /proc/PID/status)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    caught = next(
+        (line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")), "0"
+    )
+    return bool(int(caught, 16) >> (signum - 1) & 1)
+
+
+def ask_for_stacks(pid: int, grace_s: float = 1.0) -> None:
+    """Before a run past its budget is killed: every process of it that registered the
+    stacks signal (the launcher, its workers: faulthandler) writes each thread's Python
+    stack to its stderr, so the failure's log says where each one waited. A process
+    without the handler is skipped (the signal's default action would kill it)."""
+    import psutil
+
+    from launcher.forkserver import STACKS_SIGNAL
+
+    try:
+        procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    except psutil.Error:
+        return
+    asked = 0
+    for p in procs:
+        if _catches(p.pid, STACKS_SIGNAL):
+            with contextlib.suppress(psutil.Error):
+                p.send_signal(STACKS_SIGNAL)
+                asked += 1
+    if asked:
+        time.sleep(grace_s)
 
 
 def running(pid: int) -> bool:
