@@ -9,8 +9,9 @@ end within, and, when it fails, the tail of its job's logs where CI's last lines
   sent SIGCONT (a test that froze a node may leave it stopped) and SIGKILL, and the test
   fails naming each process. A test that already failed gets the kill and a note instead
   of a second failure.
-- **Network namespaces and bridges** (tests/netns.py names them ``ch*``; checked for the
-  tests that use its ``net`` fixture) and **etcd data folders** (tests/etcd/cluster.py
+- **Network namespaces and bridges** (tests/netns.py names them ``ch*`` with the making
+  pytest process's id, so that pytest-xdist's workers each check their own; checked for
+  the tests that use its ``net`` fixture) and **etcd data folders** (tests/etcd/cluster.py
   puts them on tmpfs) left by a test are removed, and the test fails naming them.
 - **The budget.** tests/clock.py learns when the test's pytest timeout fires, so that the
   helpers' waits end first and a job that ran out fails with its log.
@@ -34,7 +35,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests import clock, references
+from tests import clock, netns, references
 
 pytest_plugins = ("pytester",)  # tests/test_conftest.py runs the suite's rules in a pytest
 
@@ -57,7 +58,13 @@ def pytest_configure(config: pytest.Config) -> None:
 
 @pytest.fixture(scope="session", autouse=True)
 def _reference_folder(tmp_path_factory: pytest.TempPathFactory) -> None:
-    references.set_root(tmp_path_factory.mktemp("references"))
+    # Under pytest-xdist each worker's base folder is popen-gwN inside the run's: the
+    # references live beside them, one set for the whole run (tests/references.py)
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    folder = shared / "references"
+    folder.mkdir(exist_ok=True)
+    references.set_root(folder)
 
 
 # -- what a test leaves behind -------------------------------------------------------------
@@ -126,7 +133,7 @@ def _namespaces() -> set[str]:
         for line in done.stdout.splitlines():
             words = line.replace(":", " ").split()
             name = words[0] if args[0] == "netns" else (words[1] if len(words) > 1 else "")
-            if name.startswith("ch"):
+            if netns.mine(name):  # (another xdist worker's are its own business)
                 found.add(("netns " if args[0] == "netns" else "link ") + name)
     return found
 

@@ -41,9 +41,19 @@ def _ip(*args: str, ns: str | None = None) -> None:
         raise RuntimeError(f"{' '.join(cmd)}: {done.stderr.strip()}")
 
 
+# Whose a name is: this process's, as 4 hex digits after "chX" (pytest-xdist's workers
+# run side by side; tests/conftest.py counts only its own process's names as a test's)
+OWNER = f"{os.getpid() % 0x10000:04x}"
+
+
+def mine(name: str) -> bool:
+    """Whether a namespace or link name was made by this process (a ``Net`` of it)."""
+    return name.startswith("ch") and name[3:7] == OWNER
+
+
 class Net:
     def __init__(self, nodes: int) -> None:
-        tag = secrets.token_hex(2)
+        tag = OWNER + secrets.token_hex(1)
         self.subnet = f"10.{200 + secrets.randbelow(50)}.{secrets.randbelow(256)}"
         self.bridge = f"chb{tag}"
         self.namespaces = [f"chn{tag}{i}" for i in range(nodes)]

@@ -2,12 +2,18 @@
 that compares against it (keyed by script, workers, steps and arguments): a reference is
 a real job of seconds, and a dozen tests compare with the same one.
 
-tests/conftest.py gives the cache its folder (a session's temporary folder); a
-reference's own run is checked as any job is (exit 0, nothing left running).
+tests/conftest.py gives the cache its folder (the run's temporary folder, which the
+pytest-xdist workers of one run share): the first worker to need a reference trains it
+under a lock, the others wait and read its file. A reference's own run is checked as any
+job is (exit 0, nothing left running).
 """
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
+import json
+import os
 from pathlib import Path
 
 _root: list[Path] = []
@@ -23,11 +29,36 @@ def mlp(*, workers: int, steps: int, args: tuple[str, ...] = ("--stages", "1")) 
     ``workers`` workers, without a failure."""
     key = ("mlp", workers, steps, tuple(args))
     if key not in _made:
-        from tests.runtime.test_liveness import run_mlp
+        digest = hashlib.sha256(repr(key).encode()).hexdigest()[:12]
+        name = f"mlp-{workers}w-{steps}s-{digest}"
+        with _locked(_root[0] / f"{name}.lock"):
+            saved = _root[0] / f"{name}.json"
+            if saved.exists():
+                checks = {int(k): v for k, v in json.loads(saved.read_text()).items()}
+            else:
+                from tests.runtime.test_liveness import run_mlp
 
-        name = f"mlp-{workers}w-{steps}s-{len(_made)}"
-        result, _evs, checks = run_mlp(_root[0], name, workers=workers, steps=steps, args=args)
-        assert result.returncode == 0, result.stderr[-3000:]
-        assert checks, "the reference run wrote no checksums"
+                result, _evs, checks = run_mlp(
+                    _root[0], name, workers=workers, steps=steps, args=args
+                )
+                assert result.returncode == 0, result.stderr[-3000:]
+                assert checks, "the reference run wrote no checksums"
+                partial = saved.with_suffix(".partial")
+                partial.write_text(json.dumps(checks))
+                os.replace(partial, saved)  # whole or absent, for the next reader
         _made[key] = checks
     return _made[key]
+
+
+class _locked:
+    """An exclusive lock on ``path`` (flock: released when its holder dies, too)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __enter__(self) -> None:
+        self._fd = os.open(self.path, os.O_CREAT | os.O_RDWR, 0o600)
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
+
+    def __exit__(self, *_exc: object) -> None:
+        os.close(self._fd)
