@@ -24,11 +24,13 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import fcntl
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -54,6 +56,60 @@ ETCD_PREFIX = "chameleon-etcd-"
 def pytest_configure(config: pytest.Config) -> None:
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    if not os.environ.get("PYTEST_XDIST_WORKER") and LOCKS_ENV not in os.environ:
+        # the controller (or a plain run): the lock files its xdist workers share
+        folder = tempfile.mkdtemp(prefix="chameleon-test-locks-")
+        os.environ[LOCKS_ENV] = folder
+        config._chameleon_locks = folder  # type: ignore[attr-defined]
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    folder = getattr(config, "_chameleon_locks", None)
+    if folder is not None:
+        shutil.rmtree(folder, ignore_errors=True)
+        os.environ.pop(LOCKS_ENV, None)
+
+
+# -- tests that need the machine to themselves ----------------------------------------------
+#
+# The suite runs on pytest-xdist's workers, two tests at once: most tests wait on
+# timeouts and heartbeats as much as they compute, and share the cores well. A test
+# marked ``solo`` asserts what relative speed decides (a slowed worker found and planned
+# around within so many steps, steps as fast after a slowdown as before): another test's
+# load on the same cores would decide it instead. It runs when no other test does, and
+# no other test starts until it ends.
+
+LOCKS_ENV = "CHAMELEON_TEST_LOCKS"
+
+
+@contextlib.contextmanager
+def _turn(folder: str, solo: bool):
+    """The room: shared by ordinary tests, exclusive for a solo one. The gate before it
+    keeps a waiting solo test from being overtaken forever (a worker that ends a test
+    takes the room again at once otherwise)."""
+    gate = os.open(os.path.join(folder, "gate"), os.O_CREAT | os.O_RDWR, 0o600)
+    room = os.open(os.path.join(folder, "room"), os.O_CREAT | os.O_RDWR, 0o600)
+    try:
+        fcntl.flock(gate, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(room, fcntl.LOCK_EX if solo else fcntl.LOCK_SH)
+        finally:
+            fcntl.flock(gate, fcntl.LOCK_UN)
+        yield
+    finally:
+        os.close(room)  # (closing releases the flock)
+        os.close(gate)
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    # tryfirst: outside pytest-timeout's wrapper, so that the wait for the room is not
+    # counted against the test's timeout
+    folder = os.environ.get(LOCKS_ENV)
+    if not folder or not os.environ.get("PYTEST_XDIST_WORKER"):
+        return (yield)
+    with _turn(folder, item.get_closest_marker("solo") is not None):
+        return (yield)
 
 
 @pytest.fixture(scope="session", autouse=True)

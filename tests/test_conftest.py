@@ -102,3 +102,54 @@ def test_a_run_killed_past_its_budget_writes_its_stacks_first(tmp_path):
         parent.wait()
         if child is not None:
             subprocess.run(["kill", "-9", str(child)], capture_output=True)
+
+
+SOLO = """
+import json, os, time
+import pytest
+
+def spell(name):
+    began = time.time()
+    time.sleep(0.6)
+    with open(os.path.join(os.environ["SPELLS"], name), "w") as f:
+        json.dump([began, time.time()], f)
+
+@pytest.mark.parametrize("n", range(4))
+def test_ordinary(n):
+    spell(f"ordinary-{n}")
+
+@pytest.mark.solo
+@pytest.mark.parametrize("n", range(2))
+def test_alone(n):
+    spell(f"solo-{n}")
+"""
+
+
+def test_a_solo_test_runs_while_no_other_test_does(pytester, monkeypatch, tmp_path):
+    """Under pytest-xdist, a test marked ``solo`` has the machine to itself: no other
+    test's time overlaps its own; the ordinary ones do overlap one another."""
+    import json
+
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    monkeypatch.setenv("SPELLS", str(tmp_path))
+    # the inner run is a run of its own, even inside an xdist worker of this one
+    for name in ("CHAMELEON_TEST_LOCKS", "PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT"):
+        monkeypatch.delenv(name, raising=False)
+    pytester.makeini("[pytest]\nmarkers =\n    solo: alone\n")
+    pytester.makepyfile(test_solo=SOLO)
+    result = pytester.runpytest_subprocess(
+        "-p", "tests.conftest", "-p", "no:cacheprovider", "-n", "2", "--dist", "load"
+    )  # fmt: skip
+    result.assert_outcomes(passed=6)
+    spans = {f.name: json.loads(f.read_text()) for f in tmp_path.iterdir()}
+    assert len(spans) == 6
+
+    def overlap(a, b):
+        return a[0] < b[1] and b[0] < a[1]
+
+    for name, span in spans.items():
+        if name.startswith("solo"):
+            others = [n for n in spans if n != name and overlap(span, spans[n])]
+            assert others == [], (name, others, spans)
+    ordinary = [spans[n] for n in spans if n.startswith("ordinary")]
+    assert any(overlap(a, b) for i, a in enumerate(ordinary) for b in ordinary[i + 1 :]), spans

@@ -167,9 +167,12 @@ def test_an_etcd_member_killed_mid_run_and_then_the_first_node(tmp_path, etcd):
 @pytest.mark.timeout(90)  # 22 s measured
 def test_a_node_joining_late_grows_the_job(tmp_path, etcd):
     reference = references.mlp(workers=4, steps=STEPS)
-    procs = agents(tmp_path, etcd, 2)
+    # (the job's last 50 steps last 12 s at least, which the late agent's start, import
+    # and rendezvous must fit in: at 0.1 s a step, a loaded host's took longer)
+    slower = {"MLP_STEP_SLEEP_S": "0.25"}
+    procs = agents(tmp_path, etcd, 2, env=slower)
     wait_step(tmp_path, procs, 10)
-    procs += agents_from(tmp_path, etcd, 2)
+    procs += agents_from(tmp_path, etcd, 2, env=slower)
     codes = finish(procs, tmp_path)
     assert codes == [0, 0, 0], [(tmp_path / f"n{i}.log").read_text()[-2500:] for i in range(3)]
     started = [e for e in events(tmp_path / "n2.jsonl") if e["event"] == "workers_started"]

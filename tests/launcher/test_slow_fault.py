@@ -25,6 +25,7 @@ def step_times(tmp_path, rank: int) -> dict[int, float]:
     return {int(step): float(t) for _pid, step, t in (ln.split() for ln in lines if ln)}
 
 
+@pytest.mark.solo  # (steps after the slowdown as fast as before it)
 @pytest.mark.timeout(60)  # 9 s measured
 def test_a_slowed_worker_slows_the_job_for_the_slowdown_and_no_longer(tmp_path):
     done = run(

@@ -55,6 +55,7 @@ def moves(log: list[dict]) -> list[dict]:
 
 
 @pytest.mark.slow
+@pytest.mark.solo  # (the slowed worker's speed against its peer's)
 @pytest.mark.timeout(60)  # 16 s measured
 def test_a_slowed_worker_is_dealt_fewer_micro_batches_and_the_weights_do_not_change(tmp_path):
     _, free = train(tmp_path, "free")
@@ -91,6 +92,7 @@ def test_a_slowed_worker_is_dealt_fewer_micro_batches_and_the_weights_do_not_cha
 
 
 @pytest.mark.slow
+@pytest.mark.solo  # (the slowed worker's speed against its peer's)
 @pytest.mark.timeout(90)  # 27 s measured
 def test_a_slowed_pipeline_stage_is_dealt_fewer_micro_batches_by_the_trainer(tmp_path):
     """The Trainer (tests/runtime/mlp.py, passes bound by their compute): two pipelines of
@@ -132,6 +134,7 @@ def test_a_slowed_pipeline_stage_is_dealt_fewer_micro_batches_by_the_trainer(tmp
 
 
 @pytest.mark.slow
+@pytest.mark.solo  # (the slowed worker's speed against its peer's)
 @pytest.mark.timeout(60)  # 9 s measured
 def test_with_stragglers_off_a_slowed_worker_is_told_not_planned_around(tmp_path):
     log, _ = train(
@@ -143,6 +146,7 @@ def test_with_stragglers_off_a_slowed_worker_is_told_not_planned_around(tmp_path
 
 
 @pytest.mark.slow
+@pytest.mark.solo  # (the slowed worker's speed against its peer's)
 @pytest.mark.timeout(60)  # 8 s measured
 def test_slowdowns_briefer_than_a_move_pays_for_move_nothing(tmp_path):
     """A worker slowed again and again, for two or three steps each time: the job never
