@@ -4,4 +4,5 @@
 # resolving any change that touches recovery:  bash scripts/soak.sh [pytest args]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-exec python3 -m pytest -q -m soak "$@"
+# one at a time (-n 0): simulate-against-real compares a measured throughput
+exec python3 -m pytest -q -n 0 -m soak "$@"
