@@ -78,6 +78,9 @@ class Finished(Exception):  # noqa: N818 - an outcome, not an error
 
 # What the key naming the plan after a generation holds when none follows: training ended.
 END_MARK = "end:"
+# How often a worker waiting for the next plan also looks at the newest (Control.
+# _wait_for_plan): the key it waits on can be deleted under it.
+PLAN_LOOK_S = 1.0
 
 
 class Agreed(NamedTuple):
@@ -246,18 +249,37 @@ class Control:
         latest_now = self.get_signed(self.keys.latest)
         if latest_now is None or int(latest_now) <= after:
             with self.status.waiting("plan"):
-                self._wait_for_plan(self.keys.next(after))
+                self._wait_for_plan(after)
         latest = int(self.wait_signed(self.keys.latest))
         return self._plan(latest)
 
-    def _wait_for_plan(self, key: str) -> None:
-        """Until ``key`` says which plan follows, or that training ended (``Finished``):
-        a worker that did the last step while the others waited for a recovery's plan (an
-        abort it heard too late) marks its generation's successor key so (``end``); no
-        plan follows, and waiting forever kept the job from ending."""
-        body = self.wait_signed(key)
-        if body.startswith(END_MARK):
-            raise Finished(int(body[len(END_MARK) :]))
+    def _wait_for_plan(self, after: int) -> None:
+        """Until the successor key of generation ``after`` says which plan follows, or that
+        training ended (``Finished``): a worker that did the last step while the others
+        waited for a recovery's plan (an abort it heard too late) marks its generation's
+        successor key so (``end``); no plan follows, and waiting forever kept the job from
+        ending. The newest plan is looked at every ``PLAN_LOOK_S`` too: once a later
+        generation is confirmed, the keys of ``after`` are deleted (launcher/coordinator.py
+        ``_forget``), and a worker the plan left out (a spare: the plan's members alone
+        confirm it) may not have read its key by then; waiting on it alone waited forever
+        (seen in CI: two spares of a 1x1 plan, and the job never ended)."""
+        key = self.keys.next(after)
+        while True:
+            try:
+                with self.stop_signals.blocked("the launcher"):
+                    self.store.wait([key], timedelta(seconds=PLAN_LOOK_S))
+            except dist.DistStoreError:  # not there yet, or deleted: has the plan moved on?
+                latest = self.get_signed(self.keys.latest)  # (a store really lost raises here)
+                if latest is not None and int(latest) > after:
+                    return
+                continue
+            body = self.seal.open(self.store.get(key), key)
+            if body is None:  # forged: the real one overwrites it
+                time.sleep(0.05)
+                continue
+            if body.startswith(END_MARK):
+                raise Finished(int(body[len(END_MARK) :]))
+            return
 
     def end(self, generation: int, step: int) -> None:
         """Training is over at ``step``: workers waiting for the plan after ``generation``

@@ -1,0 +1,75 @@
+"""A worker waiting for the plan after its generation (chameleon_runtime/control.py
+``Control._wait_for_plan``), on a real TCPStore: the key it waits on may be deleted
+under it once a later generation is confirmed without it (a spare, left out of the
+plan); it follows the newest plan instead of waiting forever."""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from chameleon_runtime.control import END_MARK, PLAN_LOOK_S, Control, Finished
+from chameleon_runtime.protocol.messages import Keys
+from chameleon_runtime.protocol.seal import Seal
+from chameleon_runtime.stopsignals import StopSignals
+
+
+@pytest.fixture
+def setup():
+    server = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=30))
+    client = dist.TCPStore("127.0.0.1", server.port, 1, False, timeout=timedelta(seconds=30))
+    seal = Seal("token", "run")
+    control = Control.__new__(Control)  # its store, keys and seal only: no threads
+    control.store, control.keys, control.seal = client, Keys(0), seal
+    control.stop_signals = StopSignals(0)
+    return server, control, seal
+
+
+def waiting(control: Control, after: int) -> tuple[threading.Thread, list]:
+    """``_wait_for_plan(after)`` on a thread: what it returned or raised lands in the list."""
+    out: list = []
+
+    def wait() -> None:
+        try:
+            control._wait_for_plan(after)
+            out.append("returned")
+        except Finished as done:
+            out.append(done)
+
+    thread = threading.Thread(target=wait, daemon=True)
+    thread.start()
+    return thread, out
+
+
+def test_a_successor_key_deleted_under_its_waiter_is_followed_by_the_newest_plan(setup):
+    server, control, seal = setup
+    thread, out = waiting(control, after=0)
+    time.sleep(0.2)  # (waiting on generation 0's successor key, which never comes)
+    # Generation 1 was published and confirmed by its members; generation 0's keys went.
+    server.set(control.keys.latest, seal.seal("1"))
+    thread.join(timeout=PLAN_LOOK_S * 10)
+    assert out == ["returned"]
+
+
+def test_the_successor_key_itself_wakes_its_waiter_and_a_forged_one_does_not(setup):
+    server, control, seal = setup
+    thread, out = waiting(control, after=0)
+    server.set(control.keys.next(0), "forged")
+    time.sleep(0.3)
+    assert out == []  # (a forged key: the real one is waited for)
+    server.set(control.keys.next(0), seal.seal("1"))
+    thread.join(timeout=PLAN_LOOK_S * 10)
+    assert out == ["returned"]
+
+
+def test_the_end_of_training_in_the_successor_key_is_finished(setup):
+    server, control, seal = setup
+    thread, out = waiting(control, after=2)
+    server.set(control.keys.latest, seal.seal("2"))  # (not newer than the one left)
+    server.set(control.keys.next(2), seal.seal(f"{END_MARK}41"))
+    thread.join(timeout=PLAN_LOOK_S * 10)
+    assert len(out) == 1 and isinstance(out[0], Finished) and out[0].step == 41
