@@ -273,13 +273,29 @@ class Control:
                 if latest is not None and int(latest) > after:
                     return
                 continue
-            body = self.seal.open(self.store.get(key), key)
+            raw = self._get_within(key, PLAN_LOOK_S)
+            if raw is None:  # deleted after the wait saw it: look at the newest plan again
+                continue
+            body = self.seal.open(raw, key)
             if body is None:  # forged: the real one overwrites it
                 time.sleep(0.05)
                 continue
             if body.startswith(END_MARK):
                 raise Finished(int(body[len(END_MARK) :]))
             return
+
+    def _get_within(self, key: str, seconds: float) -> bytes | None:
+        """``key``'s value, or None when it is not there within ``seconds``: a get of a
+        key waits for it (for the store's whole timeout), and a key a wait saw can be
+        deleted before the get (seen on a busy host: a spare descheduled between the two
+        while the next generation was confirmed, then blocked for 300 s)."""
+        self.store.set_timeout(timedelta(seconds=seconds))
+        try:
+            return self.store.get(key)
+        except dist.DistStoreError:
+            return None
+        finally:
+            self.store.set_timeout(self._timeout)
 
     def end(self, generation: int, step: int) -> None:
         """Training is over at ``step``: workers waiting for the plan after ``generation``

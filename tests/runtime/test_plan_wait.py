@@ -26,6 +26,7 @@ def setup():
     control = Control.__new__(Control)  # its store, keys and seal only: no threads
     control.store, control.keys, control.seal = client, Keys(0), seal
     control.stop_signals = StopSignals(0)
+    control._timeout = timedelta(seconds=30)
     return server, control, seal
 
 
@@ -53,6 +54,17 @@ def test_a_successor_key_deleted_under_its_waiter_is_followed_by_the_newest_plan
     server.set(control.keys.latest, seal.seal("1"))
     thread.join(timeout=PLAN_LOOK_S * 10)
     assert out == ["returned"]
+
+
+def test_a_key_deleted_between_the_wait_and_the_read_is_not_waited_for(setup):
+    """The wait saw the key; it is gone before the read (the next generation confirmed
+    meanwhile): the read gives up within PLAN_LOOK_S, not the store's whole timeout."""
+    server, control, seal = setup
+    server.set(control.keys.latest, seal.seal("1"))
+    began = time.monotonic()
+    assert control._get_within(control.keys.next(0), PLAN_LOOK_S) is None
+    assert time.monotonic() - began < PLAN_LOOK_S * 5
+    assert control.store.timeout == timedelta(seconds=30)  # (the store's own, back)
 
 
 def test_the_successor_key_itself_wakes_its_waiter_and_a_forged_one_does_not(setup):
