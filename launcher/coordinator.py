@@ -552,11 +552,11 @@ class Coordinator:
         such as a test of what stayed bounded to the end, should see the end)."""
         if self.state is None or not self.state.live:
             return
-        statuses = self._snapshot(time.monotonic())
+        now = time.monotonic()
+        statuses = self._snapshot(now)
         done = [s.step - 1 for s in statuses.values() if s.phase == "done"]
         self._top_step = max([self._top_step, *done])
-        if self._top_step > self._last_step_event[0]:
-            self._tell_step(statuses, time.monotonic(), force=True)
+        self._tell_step(statuses, now, force=True)  # (told only when past the last told)
 
     def _note_progress(self, statuses: dict[int, WorkerStatus]) -> None:
         # (a survivor whose collective failed with its peer reports "ready" at once, its

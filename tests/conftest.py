@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import fcntl
 import os
 import shutil
 import signal
@@ -38,6 +37,7 @@ import psutil
 import pytest
 
 from tests import clock, netns, references
+from tests.locks import locked
 
 pytest_plugins = ("pytester",)  # tests/test_conftest.py runs the suite's rules in a pytest
 
@@ -87,18 +87,10 @@ def _turn(folder: str, solo: bool):
     """The room: shared by ordinary tests, exclusive for a solo one. The gate before it
     keeps a waiting solo test from being overtaken forever (a worker that ends a test
     takes the room again at once otherwise)."""
-    gate = os.open(os.path.join(folder, "gate"), os.O_CREAT | os.O_RDWR, 0o600)
-    room = os.open(os.path.join(folder, "room"), os.O_CREAT | os.O_RDWR, 0o600)
-    try:
-        fcntl.flock(gate, fcntl.LOCK_EX)
-        try:
-            fcntl.flock(room, fcntl.LOCK_EX if solo else fcntl.LOCK_SH)
-        finally:
-            fcntl.flock(gate, fcntl.LOCK_UN)
+    with contextlib.ExitStack() as room:
+        with locked(os.path.join(folder, "gate")):
+            room.enter_context(locked(os.path.join(folder, "room"), shared=not solo))
         yield
-    finally:
-        os.close(room)  # (closing releases the flock)
-        os.close(gate)
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)

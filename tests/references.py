@@ -10,11 +10,12 @@ job is (exit 0, nothing left running).
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
 from pathlib import Path
+
+from tests.locks import locked
 
 _root: list[Path] = []
 _made: dict[tuple, dict] = {}
@@ -31,7 +32,7 @@ def mlp(*, workers: int, steps: int, args: tuple[str, ...] = ("--stages", "1")) 
     if key not in _made:
         digest = hashlib.sha256(repr(key).encode()).hexdigest()[:12]
         name = f"mlp-{workers}w-{steps}s-{digest}"
-        with _locked(_root[0] / f"{name}.lock"):
+        with locked(_root[0] / f"{name}.lock"):
             saved = _root[0] / f"{name}.json"
             if saved.exists():
                 checks = {int(k): v for k, v in json.loads(saved.read_text()).items()}
@@ -48,17 +49,3 @@ def mlp(*, workers: int, steps: int, args: tuple[str, ...] = ("--stages", "1")) 
                 os.replace(partial, saved)  # whole or absent, for the next reader
         _made[key] = checks
     return _made[key]
-
-
-class _locked:
-    """An exclusive lock on ``path`` (flock: released when its holder dies, too)."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-    def __enter__(self) -> None:
-        self._fd = os.open(self.path, os.O_CREAT | os.O_RDWR, 0o600)
-        fcntl.flock(self._fd, fcntl.LOCK_EX)
-
-    def __exit__(self, *_exc: object) -> None:
-        os.close(self._fd)
