@@ -78,8 +78,11 @@ def test_a_run_killed_past_its_budget_writes_its_stacks_first(tmp_path):
         "from launcher.forkserver import STACKS_SIGNAL\n"
         "faulthandler.register(STACKS_SIGNAL, all_threads=True)\n"
         "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
-        "print(child.pid, flush=True)\n"
-        "def waiting_here(): time.sleep(60)\n"
+        # The pid is printed from inside waiting_here, so the stacks asked for once it
+        # is read show that frame (printed before the call, the dump could land first).
+        "def waiting_here():\n"
+        "    print(child.pid, flush=True)\n"
+        "    time.sleep(60)\n"
         "waiting_here()\n"
     )
     err = tmp_path / "err"
