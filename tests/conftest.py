@@ -70,6 +70,33 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         os.environ.pop(LOCKS_ENV, None)
 
 
+# -- the order files are handed out in -------------------------------------------------------
+#
+# pytest-xdist's ``--dist loadfile`` hands whole files to its two workers in collection
+# order, each to the first worker free. With the heaviest files last (tests/runtime
+# collects after tests/etcd and tests/launcher) one worker ran the last of them alone
+# for minutes while the other had nothing left. Files go out heaviest first: a file's
+# weight is the sum of its tests' timeout markers (each about 3x the test's measured
+# time, so proportional to it), ties kept in collection order. Within a file the order
+# is the file's own.
+
+
+def _weight(item: pytest.Item) -> float:
+    marker = item.get_closest_marker("timeout")
+    if marker is not None and marker.args:
+        return float(marker.args[0])
+    return 0.0
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    files: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        files.setdefault(item.nodeid.split("::", 1)[0], []).append(item)
+    weight = {name: sum(_weight(i) for i in group) for name, group in files.items()}
+    order = sorted(files, key=lambda name: -weight[name])  # (stable: ties keep their order)
+    items[:] = [item for name in order for item in files[name]]
+
+
 # -- tests that need the machine to themselves ----------------------------------------------
 #
 # The suite runs on pytest-xdist's workers, two tests at once: most tests wait on

@@ -118,11 +118,8 @@ def test_a_replacement_on_another_agent_rejoins(tmp_path, long_reference):
     )
 
 
-# The example's own model (hidden 64, 4 blocks), where two workers are faster than one:
-# on the tests' tinier one a lone worker is, and the replacement is rightly not taken in.
-PAIR = ("--blocks", "4", "--hidden", "64", "--heads", "4", "--seq-len", "64",
-        "--global-batch", "32", "--pipeline-stages", "1")  # fmt: skip
 PAIR_STEPS = 120
+PAIR = ("--pipeline-stages", "1")  # (two data-parallel replicas: one survives a kill)
 
 
 @pytest.mark.timeout(60)  # 20 s measured
@@ -131,10 +128,15 @@ def test_a_pair_that_lost_one_ends_with_exit_0_when_the_replacement_rejoins(tmp_
     # alone; when the replacement is taken in, the survivor must hear the abort between
     # steps (alone, it waits on no peer, the only place it listened before): it trained on
     # to the end while the launcher waited 60 s for its answer, then the run exited 137.
+    # Planned as if each worker had a device of its own (devices_config): two workers are
+    # then faster than one and the replacement is taken in whatever this host's cores
+    # measure (on the shared cores a lone tiny worker can be the faster, and on a busy
+    # host it was: the replacement was rightly left out, and this path not run).
     reference = train(tmp_path, "ref", workers=2, steps=PAIR_STEPS, script_flags=PAIR)[:2]
+    config = devices_config(tmp_path)
     checks, losses, evs = train(
         tmp_path, "pair", "--max-restarts", "0", "--inject-fault", "kill:rank=1,step=4",
-        workers=2, steps=PAIR_STEPS, script_flags=PAIR,
+        "--config", str(config), workers=2, steps=PAIR_STEPS, script_flags=PAIR,
     )  # fmt: skip
     assert_same_training(
         reference, checks, losses, steps=PAIR_STEPS, weights_tolerance=WEIGHTS_TOLERANCE

@@ -16,6 +16,7 @@ import pytest
 
 from launcher.recovery_events import Replan
 from launcher.stragglers import SpeedWatch
+from tests.clock import slack
 from tests.launcher.helpers import events, leftovers, run
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -85,8 +86,12 @@ def test_a_slowed_worker_is_dealt_fewer_micro_batches_and_the_weights_do_not_cha
         f"slowed at step {slow_from}, dealt unevenly from {there['resume_step']}; "
         f"back to speed at {slow_to}, dealt evenly from {back['resume_step']}"
     )
-    assert there["resume_step"] - slow_from <= 20
-    assert back["resume_step"] - slow_to <= 20
+    # Planned around while the worker is still slow, and dealt evenly again after; how
+    # soon is the product's figure (20 steps; 7 and 9 on an idle machine) with the
+    # suite's margin for a shared core (tests/clock.py: 31 steps seen with one core busy).
+    assert slow_from < there["resume_step"] < slow_to < back["resume_step"]
+    assert there["resume_step"] - slow_from <= slack(20)
+    assert back["resume_step"] - slow_to <= slack(20)
     for rank in (0, 1):
         assert relative(free[0], slowed[rank]) <= TOLERANCE
 
