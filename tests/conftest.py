@@ -73,12 +73,13 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 # -- the order files are handed out in -------------------------------------------------------
 #
 # pytest-xdist's ``--dist loadfile`` hands whole files to its two workers in collection
-# order, each to the first worker free. With the heaviest files last (tests/runtime
-# collects after tests/etcd and tests/launcher) one worker ran the last of them alone
-# for minutes while the other had nothing left. Files go out heaviest first: a file's
-# weight is the sum of its tests' timeout markers (each about 3x the test's measured
-# time, so proportional to it), ties kept in collection order. Within a file the order
-# is the file's own.
+# order, each to the first worker free. In collection order the heaviest files come
+# last (tests/runtime after tests/etcd and tests/launcher), so the run could end with one
+# worker on a heavy file while the other had nothing left. Files go out heaviest first:
+# a file's weight is the sum of its tests' timeout markers (each about 3x the test's
+# measured time, so proportional to it), ties kept in collection order. Within a file
+# the order is the file's own. (Measured once with it, 21:11 for `bash .ci/run`, within
+# the 17:15-20:03 this host gave without it: what it buys is below the host's spread.)
 
 
 def _weight(item: pytest.Item) -> float:
