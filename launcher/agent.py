@@ -463,6 +463,7 @@ class Agent:
                 pid=server.pid,
                 waited_s=round(time.monotonic() - waited, 3),
                 early=self._server_early,
+                forked=server.forked,
             )
 
     def _start_forkserver(self) -> None:

@@ -66,6 +66,11 @@ PRELOAD = (
     "torch.distributed.fsdp",
     "torch.distributed.checkpoint",
 )
+# The launcher's own packages: a worker forked from the server drops them, so that a
+# script's own ``launcher`` imports as in a fresh interpreter; chameleon_runtime and the
+# planner stay, and may be preloaded (what they read from the environment, they read
+# per worker).
+OURS = frozenset({"chameleon_cli", "launcher"})
 
 
 def die_with_parent(parent_pid: int) -> None:
@@ -187,15 +192,14 @@ def _become(spec: ChildSpec) -> None:
     )
     import faulthandler
 
-    import torch
-
     faulthandler.register(STACKS_SIGNAL, file=sys.stderr, all_threads=True)
     threads = spec.env.get("OMP_NUM_THREADS", "")
-    if threads.isdigit() and int(threads) > 0:
+    torch = sys.modules.get("torch")  # a server for a script of the standard library has none
+    if torch is not None and threads.isdigit() and int(threads) > 0:
         torch.set_num_threads(int(threads))
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed()
-    for name in [n for n in sys.modules if n == "launcher" or n.startswith("launcher.")]:
+    for name in [n for n in sys.modules if n.split(".", 1)[0] in OURS]:
         del sys.modules[name]
     try:  # ps shows the worker's command, not the server's (a fork does not exec)
         import setproctitle
@@ -255,7 +259,40 @@ def eligible(argv: list[str]) -> bool:
 def main() -> None:
     sock = socket.socket(fileno=int(sys.argv[1]))
     die_with_parent(int(sys.argv[2]))
-    spec = serve(sock, json.loads(sys.argv[3]) if len(sys.argv) > 3 else list(PRELOAD))
+    _run(sock, json.loads(sys.argv[3]) if len(sys.argv) > 3 else list(PRELOAD))
+
+
+def forked_main(
+    sock: socket.socket, parent: int, env: dict[str, str], log_file: os.PathLike, modules: list[str]
+) -> NoReturn:
+    """The server as a fork of the launcher (launcher/warm.py ``fork=True``), made what
+    ``python -m launcher.forkserver`` would be: its own session, the server's environment,
+    stdin from /dev/null, output to its log, no descriptor of the launcher's but the
+    socket, no exit handler of the launcher's, and the launcher's modules dropped where a
+    child runs a script (``_become``)."""
+    import atexit
+
+    os.setsid()
+    die_with_parent(parent)
+    atexit._clear()
+    with contextlib.suppress(ImportError):  # before the environment changes (see serve)
+        import setproctitle
+
+        setproctitle.setproctitle(f"{sys.executable} -m launcher.forkserver")
+    os.environ.clear()
+    os.environ.update(env)
+    null = os.open(os.devnull, os.O_RDONLY)
+    log = os.open(log_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    for source, target in ((null, 0), (log, 1), (log, 2)):
+        os.dup2(source, target)
+    keep = sock.fileno()
+    os.closerange(3, keep)
+    os.closerange(keep + 1, os.sysconf("SC_OPEN_MAX"))
+    _run(sock, modules)
+
+
+def _run(sock: socket.socket, modules: list[str]) -> NoReturn:
+    spec = serve(sock, modules)
     if spec is None:
         # The launcher is done with us. An interpreter that imported torch, dynamo and
         # FSDP takes about half a second to tear down, and the launcher waits for it at

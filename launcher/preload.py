@@ -20,12 +20,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
-from launcher.forkserver import PRELOAD
-
-# The launcher's own packages (a worker forked from the server drops them: a script's
-# own ``launcher`` must import as in a fresh interpreter); chameleon_runtime and the
-# planner may be preloaded (what they read from the environment, they read per worker).
-OURS = frozenset({"chameleon_cli", "launcher"})
+from launcher.forkserver import OURS, PRELOAD
 
 
 def script_imports(script: Path) -> list[str]:

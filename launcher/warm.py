@@ -16,10 +16,11 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from launcher.forkserver import MAX_MESSAGE, PRELOAD, eligible, send
+from launcher.forkserver import MAX_MESSAGE, PRELOAD, eligible, forked_main, send
 
 
 class ForkedProcess:
@@ -56,6 +57,61 @@ class ForkedProcess:
                 os.kill(self.pid, signum)
 
 
+class ForkedServer:
+    """The fork server as a fork of the launcher: the parts of ``subprocess.Popen`` that
+    ``ForkServer`` uses (pid, wait, kill) for a child that is not a ``Popen``."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+
+    @classmethod
+    def start(
+        cls,
+        theirs: socket.socket,
+        ours: socket.socket,
+        env: dict[str, str],
+        log_file: Path,
+        preload: list[str],
+    ) -> ForkedServer:
+        for stream in (sys.stdout, sys.stderr):  # or the child writes our buffer again
+            with contextlib.suppress(Exception):
+                stream.flush()
+        parent = os.getpid()
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child never returns (coverage cannot see it)
+            try:
+                ours.close()
+                forked_main(theirs, parent, env, log_file, preload)
+            finally:
+                os._exit(1)
+        return cls(pid)
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:  # reaped elsewhere: gone all the same
+                self.returncode = -signal.SIGKILL
+            else:
+                if pid:
+                    self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout or 0)
+            time.sleep(0.01)
+        return self.returncode  # type: ignore[return-value]
+
+    def kill(self) -> None:
+        if self.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
+
+
 def server_env(environ: Mapping[str, str], nproc_per_node: int) -> dict[str, str]:
     """The environment a node's server runs with: the launcher's, with the workers'
     thread count (launcher/environment.py), which libraries read as they load."""
@@ -74,31 +130,44 @@ class ForkServer:
     """The launcher's handle on its fork server: start it, spawn through it, close it."""
 
     def __init__(
-        self, env: dict[str, str], log_file: Path, preload: Sequence[str] = PRELOAD
+        self,
+        env: dict[str, str],
+        log_file: Path,
+        preload: Sequence[str] = PRELOAD,
+        *,
+        fork: bool = False,
     ) -> None:
+        """``fork``: the server is a fork of this process, which must have no thread but
+        its main one (launcher/early.py: what this process imported, torch first, the
+        server need not import again); else a fresh ``python -m launcher.forkserver``."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         log_file.parent.mkdir(parents=True, exist_ok=True)
         self.log_file = log_file
         self.env = env
         self.preload = list(preload)
-        with open(log_file, "ab") as log:
-            self._proc = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "launcher.forkserver",
-                    str(theirs.fileno()),
-                    str(os.getpid()),
-                    json.dumps(list(preload)),
-                ],
-                env=env,
-                cwd=str(Path(__file__).resolve().parent.parent),  # where `launcher` imports
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=log,
-                pass_fds=[theirs.fileno()],
-                start_new_session=True,
+        if fork and threading.active_count() == 1:
+            self._proc: subprocess.Popen | ForkedServer = ForkedServer.start(
+                theirs, ours, env, log_file, self.preload
             )
+        else:
+            with open(log_file, "ab") as log:
+                self._proc = subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        "launcher.forkserver",
+                        str(theirs.fileno()),
+                        str(os.getpid()),
+                        json.dumps(list(preload)),
+                    ],
+                    env=env,
+                    cwd=str(Path(__file__).resolve().parent.parent),  # where `launcher` imports
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=log,
+                    pass_fds=[theirs.fileno()],
+                    start_new_session=True,
+                )
         theirs.close()
         self._sock = ours
         self._lock = threading.Lock()  # one spawn at a time
@@ -114,6 +183,11 @@ class ForkServer:
     @property
     def pid(self) -> int:
         return self._proc.pid
+
+    @property
+    def forked(self) -> bool:
+        """A fork of the launcher (it inherited the launcher's torch), not a fresh process."""
+        return isinstance(self._proc, ForkedServer)
 
     @property
     def alive(self) -> bool:

@@ -32,6 +32,46 @@ PROBE = """
 """
 
 
+SERVER_PROBE = """
+    import json, os, sys
+    import torch
+    server = os.getppid()
+    fds = {fd: os.readlink(f"/proc/{server}/fd/{fd}") for fd in os.listdir(f"/proc/{server}/fd")}
+    stat = open(f"/proc/{server}/stat").read().rsplit(")", 1)[1].split()
+    with open(f"server_{os.environ['RANK']}.json", "w") as f:
+        json.dump({"server": server, "parent": int(stat[1]), "session": int(stat[3]),
+                   "fds": fds, "cmdline": open(f"/proc/{server}/cmdline").read()}, f)
+"""
+
+
+@pytest.mark.timeout(60)  # 3 s measured
+def test_the_warm_server_is_a_fork_of_the_launcher_that_holds_nothing_of_it(tmp_path):
+    # (launcher/early.py: forked once the launcher has imported torch, so as not to import
+    # it twice.) What a fresh `python -m launcher.forkserver` would be: its own session,
+    # stdin from /dev/null, output to its log, no descriptor of the launcher's (its
+    # stdout, its listening sockets) but the socket to it, and named for what it is.
+    write(tmp_path / "probe.py", SERVER_PROBE)
+    proc = start(
+        "run", "--standalone", "--nproc-per-node", "2", "--log-dir", str(tmp_path / "runs"),
+        "probe.py", cwd=tmp_path, log=tmp_path / "launcher.log",
+    )  # fmt: skip
+    assert proc.wait(timeout=budget(60)) == 0, (tmp_path / "launcher.log").read_text()
+    facts = [json.loads((tmp_path / f"server_{r}.json").read_text()) for r in (0, 1)]
+    assert facts[0]["server"] == facts[1]["server"]  # one server for both
+    server = facts[0]
+    assert server["parent"] == proc.pid
+    assert server["session"] == server["server"]
+    assert "launcher.forkserver" in server["cmdline"]
+    fds = server["fds"]
+    assert fds["0"] == "/dev/null"
+    assert fds["1"] == fds["2"] and fds["1"].endswith("/forkserver.log"), fds
+    others = {fd: target for fd, target in fds.items() if fd not in ("0", "1", "2")}
+    assert [t for t in others.values() if t.startswith("socket:")] and all(
+        t.startswith(("socket:", "pipe:", "anon_inode:")) for t in others.values()
+    ), fds
+    assert len([t for t in others.values() if t.startswith("socket:")]) == 1, fds
+
+
 @pytest.mark.timeout(60)  # 8 s measured
 def test_workers_are_forks_of_the_warm_server_and_see_what_fresh_ones_see(tmp_path):
     script = write(tmp_path / "probe.py", PROBE)
@@ -50,6 +90,8 @@ def test_workers_are_forks_of_the_warm_server_and_see_what_fresh_ones_see(tmp_pa
         # started before the launcher imported itself (launcher/early.py), its log moved
         # into the run's folder
         assert [e["early"] for e in ready] == [True] * len(ready)
+        # ... as a fork of the launcher once it had imported torch (not a second import)
+        assert [e["forked"] for e in ready] == [True] * len(ready)
         assert sorted(p.name for p in (tmp_path / how).glob("*/forkserver.log")) == (
             ["forkserver.log"] if how == "warm" else []
         )
