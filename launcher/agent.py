@@ -43,7 +43,7 @@ from chameleon_runtime.protocol.messages import StoreAddress
 from chameleon_runtime.protocol.seal import TOKEN_ENV, Seal
 from launcher import early
 from launcher.args import RunArgs
-from launcher.etcd import Fenced
+from launcher.etcd import Fenced, JobEnded
 from launcher.events import EventLog
 from launcher.exitcodes import JOB_FAILED, REQUEUE
 from launcher.faults import FaultLedger
@@ -141,6 +141,7 @@ class Agent:
         self._stop_heartbeat = threading.Event()
         self._group: LocalGroup | None = None  # this round's workers, for the fence
         self._ended = False  # the run's outcome is decided (_finish)
+        self._outcome: tuple[int, str] = (0, "")  # (exit code, reason), once _ended
         self._joined: set[int] = set()  # the rounds this agent has joined
         # Through etcd's outages, and fenced once its lease is known lost (launcher/outage.py).
         self.link = ControlLink(args.control_outage_timeout_s, self.events.emit, console.say)
@@ -316,6 +317,8 @@ class Agent:
                 if isinstance(result, Outcome):
                     return result
                 attempt = result
+        except JobEnded as exc:  # found while joining a round or following its leader
+            return self._job_ended(exc)
         finally:
             self._stop_heartbeat.set()
             # Joined, not left to die: a daemon thread inside a store call at interpreter
@@ -324,7 +327,12 @@ class Agent:
                 beating.join(timeout=5.0)
             if self.control is not None:
                 # (a fenced leader's job goes on under another leader: its keys stay)
-                self.control.close(last=self.control.is_leader and self.link.fenced is None)
+                code, reason = self._outcome
+                self.control.close(
+                    last=self.control.is_leader and self.link.fenced is None,
+                    exit_code=code,
+                    reason=reason,
+                )
             if self.forkserver is not None:
                 self.forkserver.close()
             if self.health is not None:
@@ -343,6 +351,8 @@ class Agent:
             try:
                 control.join(attempt, node_rank=my_rank, nproc=a.nproc_per_node, host=host)
             except (StoreError, RuntimeError) as exc:
+                if isinstance(exc, JobEnded):
+                    return self._job_ended(exc)
                 if self.link.fenced is not None:
                     return self._finish(JOB_FAILED, f"fenced: {self.link.fenced}")
                 detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
@@ -533,6 +543,9 @@ class Agent:
                         group.kill_hung(rank, reason, silent_s)
                 decision = control.decision(world.attempt)
                 self.link.answered()
+            except JobEnded as exc:  # its decision was read by the others, not by us
+                group.stop(grace_s=self.args.shutdown_timeout_s)
+                return self._job_ended(exc)
             except Fenced as exc:
                 return self._fence(group, str(exc))
             except (StoreError, RuntimeError) as exc:
@@ -570,7 +583,8 @@ class Agent:
             if decision is None:
                 continue
             if not control.is_leader:
-                control.acknowledge(world.attempt)
+                with contextlib.suppress(JobEnded):  # (read, and the leader left already)
+                    control.acknowledge(world.attempt)
                 # Kept by the followers too: one of them may lead the next round.
                 self.restarts_used = decision.get("restarts_used", self.restarts_used)
                 self.earlier_causes = decision.get("earlier_causes", self.earlier_causes)
@@ -597,6 +611,16 @@ class Agent:
                     )
             return outcome
 
+    def _job_ended(self, exc: JobEnded) -> Outcome:
+        """The job this agent joined ended without it reading the end (launcher/etcd.py,
+        JobEnded). A node the job never took in leaves with 0, as torchrun's agent leaves
+        a closed rendezvous: it had no work and lost none. A member leaves with the
+        job's exit code, as it would had it read the leader's decision in time."""
+        if self._group is None:
+            self.console.say("chameleon: the job ended before this node was taken in")
+            return self._finish(0, "the job ended before this node was taken in")
+        return self._finish(exc.exit_code, f"the job ended: {exc.reason}")
+
     def _fence(self, group: LocalGroup, why: str) -> Outcome:
         """The job counted this node lost (its lease ran out): kill its workers now,
         before they act on a generation the others have left, and write nothing more."""
@@ -617,6 +641,7 @@ class Agent:
 
     def _finish(self, code: int, reason: str) -> Outcome:
         self._ended = True
+        self._outcome = (code, reason)
         self.events.emit("exit", exit_code=code, reason=reason)
         self.events.close()
         return Outcome(exit_code=code, reason=reason, failures=self.failures, run_dir=self.run_dir)

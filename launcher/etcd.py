@@ -15,8 +15,10 @@ item, popped by their single reader.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import TypeVar
 
@@ -28,6 +30,30 @@ T = TypeVar("T")
 class Fenced(StoreError):
     """etcd refused a write because this agent's lease is gone: the job has counted this
     node lost and gone on without it, so anything it would write is stale."""
+
+
+class JobEnded(Fenced):
+    """etcd refused a write because the job this agent joined has ended: its last leader
+    removed the incarnation's keys, the guard among them, while this agent's lease still
+    held (a node that joined as the job finished, or a follower slow to leave). Not a
+    fence: the node was not counted lost, it has nothing left to do. A Fenced, so that
+    code that knows only the fence still writes nothing more."""
+
+    def __init__(self, exit_code: int, reason: str) -> None:
+        super().__init__(f"the job ended (exit code {exit_code}: {reason})")
+        self.exit_code = exit_code
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class EndMark:
+    """Where this agent's job says it ended (launcher/etcd_control.py ``close``): a key
+    outside the incarnation's prefix, naming the incarnation; with the lease that holds
+    the agent's guard, to tell the end of the job from the end of the lease."""
+
+    key: str
+    incarnation: str
+    lease: int
 
 
 # One request to one member: a live member answers in milliseconds; waiting longer only
@@ -87,15 +113,18 @@ class EtcdStore:
         # holds only while it exists, so an agent the job has counted lost (its lease ran
         # out while it was cut off or frozen) cannot write stale state when it comes back.
         self.guard = guard
+        self.end_mark: EndMark | None = None
         # Once no member answered, each call tries every member once (not for
         # unreachable_after_s): the caller rides out the outage on its own clock.
         self._unreachable = False
 
     def clone(self) -> EtcdStore:
         """A connection of its own, for another thread (sessions are not shared)."""
-        return EtcdStore(
+        twin = EtcdStore(
             self.endpoints, unreachable_after_s=self.unreachable_after_s, guard=self.guard
         )
+        twin.end_mark = self.end_mark
+        return twin
 
     @property
     def where(self) -> str:
@@ -163,11 +192,14 @@ class EtcdStore:
         answer = done.get("responses", [{}])[0].get("response_delete_range", {})
         return int(answer.get("deleted", 0)) > 0
 
-    def delete_prefix(self, prefix: str) -> None:
+    def delete_prefix(self, prefix: str, *, put: tuple[str, str] | None = None) -> None:
+        """Delete every key under ``prefix``; ``put``: and set this (key, value), outside
+        the prefix, in the same transaction."""
         from etcd3gw.utils import _increment_last_byte
 
         erase = {"key": _b64(prefix), "range_end": _b64(_increment_last_byte(prefix))}
-        if not self._txn([], [{"request_delete_range": erase}]):
+        also = [] if put is None else [put_request(*put)]
+        if not self._txn([], [*also, {"request_delete_range": erase}]):
             raise self._fenced()
 
     def keys(self, prefix: str) -> list[str]:
@@ -218,10 +250,29 @@ class EtcdStore:
         return self._call(lambda c: c.transaction(txn))
 
     def _fenced(self) -> Fenced:
+        """Why the guard failed: the job ended (JobEnded), else the lease ran out."""
+        ended = self._ended()
+        if ended is not None:
+            return ended
         return Fenced(
             "this agent's etcd lease ran out (it was cut off or stopped for longer than "
             "--heartbeat-timeout): the job counted this node lost and went on without it"
         )
+
+    def _ended(self) -> JobEnded | None:
+        """JobEnded when the end mark names this agent's incarnation and the agent's lease
+        still holds (a lease that ran out is a fence, whatever the job did after)."""
+        mark = self.end_mark
+        if mark is None:
+            return None
+        try:
+            found = self._get(mark.key)
+            value = json.loads(found[0]) if found is not None else {}
+            if str(value.get("incarnation")) != mark.incarnation or not self.keepalive(mark.lease):
+                return None
+            return JobEnded(int(value.get("exit_code", 0)), str(value.get("reason", "")))
+        except (StoreError, ValueError, TypeError, AttributeError):
+            return None
 
     # -- queues (one reader each) -----------------------------------------------------
 

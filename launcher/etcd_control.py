@@ -11,23 +11,32 @@ Layout, under ``chameleon/<run_id>/``:
   sees a node lost (etcd's clock, no skew between hosts);
 - ``<n>/leader``: the elected leader's agent key, bound to its lease: created by one
   transaction (the election) and gone when that agent dies, when the others campaign;
-- ``<n>/r<a>/...``: the rounds, as on the TCPStore.
+- ``<n>/r<a>/...``: the rounds, as on the TCPStore;
+- ``ended``: ``{"incarnation": n, "exit_code", "reason"}``, written by the last leader as
+  it removes ``<n>/`` (no lease: an agent of n that writes after that learns the job
+  ended, not that it was fenced).
 The leader still hosts each round's worker store; its node lost, the new leader takes the
 round's decision (launcher/agent.py).
 """
 
 from __future__ import annotations
 
+import json
 import math
 import time
 
 from chameleon_runtime.protocol.seal import Seal
-from launcher.etcd import EtcdStore, _absent, _unchanged, parse_endpoints, put_request
+from launcher.etcd import EndMark, EtcdStore, _absent, _unchanged, parse_endpoints, put_request
 from launcher.rendezvous import ControlPlane, RendezvousError, node_key
 from launcher.store import StoreError
 
 # etcd refuses leases shorter than about 1.5 election timeouts; 2 s is safe at defaults.
 MIN_TTL_S = 2
+
+
+def end_key(run_id: str) -> str:
+    """Where the last leader of an incarnation says that it ended (``close``)."""
+    return f"chameleon/{run_id}/ended"
 
 
 class EtcdControlPlane(ControlPlane):
@@ -53,6 +62,10 @@ class EtcdControlPlane(ControlPlane):
         self._worker_host = worker_host
         # Every write from here on holds only while this agent's lease does (the fence).
         store.guard = self._k(f"alive/{key}")
+        # ...or until the job ends: the last leader's close removes the guard with the
+        # rest of the incarnation, and says so here (``close``), so that an agent still
+        # joining or leaving then reads the end of the job, not a fence.
+        store.end_mark = EndMark(end_key(run_id), namespace.rsplit("/", 1)[-1], lease)
 
     @property
     def worker_host(self) -> str:
@@ -156,12 +169,19 @@ class EtcdControlPlane(ControlPlane):
             self.is_leader = True
         return self.is_leader
 
-    def close(self, *, last: bool) -> None:
+    def close(self, *, last: bool, exit_code: int = 0, reason: str = "") -> None:
         """Leave: the lease goes (our keys with it); the last leader removes the job,
-        first (a delete is guarded by the lease, launcher/etcd.py)."""
+        first (a delete is guarded by the lease, launcher/etcd.py), and in the same
+        transaction writes the end mark: the incarnation that ended and how. One key per
+        run id, overwritten by the next incarnation's end: a requeue of the same run id
+        starts incarnation n + 1, and only an agent of n reads n's end in it."""
+        mark = {"incarnation": self.store.end_mark.incarnation if self.store.end_mark else "",
+                "exit_code": exit_code, "reason": reason[:200]}  # fmt: skip
         try:
             if last:
-                self.store.delete_prefix(f"{self.namespace}/")
+                self.store.delete_prefix(
+                    f"{self.namespace}/", put=(end_key(self.run_id), json.dumps(mark))
+                )
             self.store.revoke(self.lease)
         except StoreError:
             pass

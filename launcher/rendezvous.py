@@ -177,8 +177,9 @@ class ControlPlane:
             seal=self.seal,
         )  # fmt: skip
 
-    def close(self, *, last: bool) -> None:
-        """Nothing to release: the store ends with its host."""
+    def close(self, *, last: bool, exit_code: int = 0, reason: str = "") -> None:
+        """Nothing to release: the store ends with its host. (``exit_code``, ``reason``:
+        how the job ended, when ``last``: etcd keeps it, launcher/etcd_control.py.)"""
 
     # -- setup -------------------------------------------------------------------------
 

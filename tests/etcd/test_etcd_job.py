@@ -167,16 +167,51 @@ def test_an_etcd_member_killed_mid_run_and_then_the_first_node(tmp_path, etcd):
 @pytest.mark.timeout(90)  # 22 s measured
 def test_a_node_joining_late_grows_the_job(tmp_path, etcd):
     reference = references.mlp(workers=4, steps=STEPS)
-    # (the job's last 50 steps last 12 s at least, which the late agent's start, import
-    # and rendezvous must fit in: at 0.1 s a step, a loaded host's took longer)
-    slower = {"MLP_STEP_SLEEP_S": "0.25"}
-    procs = agents(tmp_path, etcd, 2, env=slower)
+    # The job holds before step 15 until its leader has decided to grow: the late agent's
+    # start, imports and rendezvous take what the host gives them (seconds; twice that
+    # with a core busy, when the job had ended first), and the test is of the growth.
+    go = tmp_path / "go"
+    held = {"MLP_HOLD": f"15:{go}"}
+    procs = agents(tmp_path, etcd, 2, env=held)
     wait_step(tmp_path, procs, 10)
-    procs += agents_from(tmp_path, etcd, 2, env=slower)
+    procs += agents_from(tmp_path, etcd, 2, env=held)
+    try:
+        wait_for_event(tmp_path / f"n{leader_of(tmp_path, procs)}.jsonl", "decision",
+                       timeout=60, action="restart")  # fmt: skip
+    finally:
+        go.touch()
     codes = finish(procs, tmp_path)
     assert codes == [0, 0, 0], [(tmp_path / f"n{i}.log").read_text()[-2500:] for i in range(3)]
     started = [e for e in events(tmp_path / "n2.jsonl") if e["event"] == "workers_started"]
     assert started and started[0]["attempt"] >= 1  # it joined a later round of the job
+    assert_failure_free(tmp_path, reference)
+
+
+@pytest.mark.timeout(90)  # 18 s measured
+def test_a_node_that_joins_a_full_job_leaves_cleanly_when_the_job_ends(tmp_path, etcd):
+    # The job has all the nodes it takes (--nnodes 2:2): a third agent joins its
+    # incarnation and waits for a round that will take it. The job ends; its last leader
+    # removes the incarnation's keys, the late agent's guard among them. The late agent
+    # then leaves with 0 and says why, as torchrun's agent leaves a closed rendezvous,
+    # not with 3 as though it had been fenced (its lease held throughout).
+    reference = references.mlp(workers=4, steps=STEPS)
+    go = tmp_path / "go"
+    held = {"MLP_HOLD": f"15:{go}"}
+    procs = agents(tmp_path, etcd, 2, nnodes="2:2", env=held)
+    wait_step(tmp_path, procs, 10)
+    procs += agents_from(tmp_path, etcd, 2, nnodes="2:2", env=held)
+    try:
+        wait_for_event(tmp_path / "n2.jsonl", "waiting", timeout=60)
+    finally:
+        go.touch()
+    codes = finish(procs, tmp_path)
+    logs = [(tmp_path / f"n{i}.log").read_text()[-2500:] for i in range(3)]
+    assert codes == [0, 0, 0], logs
+    late = events(tmp_path / "n2.jsonl")
+    assert [e for e in late if e["event"] == "workers_started"] == []
+    (exit_event,) = [e for e in late if e["event"] == "exit"]
+    assert exit_event["reason"] == "the job ended before this node was taken in", logs[2]
+    assert "the job ended before this node was taken in" in logs[2]
     assert_failure_free(tmp_path, reference)
 
 

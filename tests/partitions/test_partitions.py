@@ -34,14 +34,22 @@ pytestmark = pytest.mark.slow
 
 STEPS = 150
 LEASE_S = 3.0  # --heartbeat-timeout
+# Job(hold=True): the step the workers wait at until the node started again has its
+# worker up; 50 steps (5 s at least) from the end are left for taking it in (a
+# replacement's take-in needs the members training: it aborts their generation)
+HOLD_STEP = 100
 
 
 class Job:
     """Agents of one job in the namespaces of ``net``; agent ``i`` logs to n<i>.*."""
 
-    def __init__(self, tmp: Path, net, flags: list[str]) -> None:
+    def __init__(self, tmp: Path, net, flags: list[str], *, hold: bool = False) -> None:
         self.tmp, self.net, self.flags = tmp, net, flags
         self.procs: dict[str, subprocess.Popen] = {}
+        # hold: the workers wait before step HOLD_STEP until ``go`` exists (``partition``:
+        # the node started again after the heal must be taken in, and with a core busy
+        # the job had ended before its agent was up)
+        self.go = tmp / "go" if hold else None
 
     def start(self, node: int, name: str) -> subprocess.Popen:
         argv = chameleon_cmd(
@@ -61,6 +69,8 @@ class Job:
             "MLP_STEP_LOG": str(self.tmp / "steps"),
             "GLOO_SOCKET_IFNAME": "eth0",  # the namespace's own link
         }
+        if self.go is not None:
+            extra["MLP_HOLD"] = f"{HOLD_STEP}:{self.go}"
         self.procs[name] = subprocess.Popen(
             self.net.command(node, argv), cwd=self.tmp, env={**env(), **extra},
             stdout=out, stderr=subprocess.STDOUT,
@@ -161,6 +171,11 @@ def partition(
     # The cut-off side wrote nothing once its lease (counted from the cut) was over.
     assert last_writes(tmp_path, cut_pids) < cut_at + LEASE_S
     again = job.start(cut, "again")
+    if job.go is not None:
+        try:
+            wait_for_event(job.tmp / "again.jsonl", "worker_respawned", timeout=60)
+        finally:
+            job.go.touch()
     codes = [job.procs[n].wait(timeout=budget(180)) for n in others] + [
         again.wait(timeout=budget(60))
     ]
@@ -189,6 +204,7 @@ def test_a_node_cut_off_from_the_c10d_store_fences_itself_and_the_rest_go_on(tmp
         tmp_path, n,
         ["--nnodes", "2:3", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{n.ip(0)}:{port}",
          "--rdzv-id", "part"],
+        hold=True,
     )  # fmt: skip
     try:
         job.start_all(3)
@@ -214,6 +230,7 @@ def etcd_partition(tmp_path, net, cut: int) -> Job:
         tmp_path, n,
         ["--nnodes", "2:3", "--rdzv-backend", "etcd", "--rdzv-endpoint", etcd.endpoints,
          "--rdzv-id", "part"],
+        hold=True,
     )  # fmt: skip
     try:
         job.start_all(3)

@@ -16,6 +16,9 @@ Behaviour the tests need, from the environment (nothing of it is a product featu
     MLP_STEP_LOG          PREFIX: every step done, this process appends "pid step time" to
                           PREFIX.rank<R> (what a script writes as it trains: the
                           partition tests read when each side last wrote)
+    MLP_HOLD              STEP:PATH: every rank waits before that step until PATH exists
+                          (the test lets the job go on once what it waits for happened,
+                          instead of betting on how many steps that takes)
     MLP_IN_COMMIT         RANK:STEP: that rank sends itself SIGKILL once it has passed its
                           commit decision of that step to its first child (delivered), so
                           that its other children never learn it
@@ -42,6 +45,7 @@ STALL = (int(os.environ.get("MLP_STALL_RANK", "-1")), int(os.environ.get("MLP_ST
 RANK = int(os.environ.get("RANK", "0"))
 IN_ALLREDUCE = os.environ.get("MLP_IN_ALLREDUCE", "")
 IN_COMMIT = os.environ.get("MLP_IN_COMMIT", "")
+HOLD_STEP, _, HOLD_PATH = os.environ.get("MLP_HOLD", "-1:").partition(":")
 SENT: list[int] = []  # bytes this worker sent, per step (StepInfo.sent_bytes)
 STEP = [-1]  # the step running now (lr_at is called once per step, before it)
 
@@ -133,6 +137,9 @@ def main() -> None:
         STEP[0] = step
         if (RANK, step) == STALL:
             time.sleep(10**6)
+        if step == int(HOLD_STEP):
+            while not os.path.exists(HOLD_PATH):
+                time.sleep(0.05)
         if SLEEP_S:
             time.sleep(SLEEP_S)
         return LR
