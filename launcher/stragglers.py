@@ -14,7 +14,7 @@ collectives, where the peers a slow worker holds up spend theirs.
 - a straggler: its factor at least ``SLOW_FACTOR`` on ``CONFIRM_LOOKS`` looks in a row,
   each with steps it ran since the last (the median over the pace window already needs
   half its steps slow: a garbage collection or a checkpoint write does not count);
-  recovered once its factor is under ``RECOVERED_FACTOR`` as many looks;
+  recovered once its factor is under ``RECOVERED_FACTOR`` on ``RECOVER_LOOKS`` looks;
 - a worker whose passes are under ``MIN_SHARE`` of its step is not judged (nor compared
   with): its speed hardly moves the step;
 - a slow step: every worker slower alike, so no factor moves: nothing to find (and
@@ -48,7 +48,12 @@ from launcher.recovery_events import Replan
 
 SLOW_FACTOR = 1.5  # a worker this much slower than the others' median is a straggler
 RECOVERED_FACTOR = 1.2  # ... until it is back under this (hysteresis: no flapping)
-CONFIRM_LOOKS = 1  # looks in a row, each with new steps, before either is said
+CONFIRM_LOOKS = 1  # looks in a row, each with new steps, before a straggler is said
+# ... and before one is said back to speed: more, since a deal undone while the worker is
+# still slow costs two moves (seen on a host with a core busy: one look's factor under
+# the bar mid-slowdown, an even deal, and an uneven one again three steps later), where
+# one said back a look late costs the steps of that look at the uneven deal.
+RECOVER_LOOKS = 2
 # A worker whose passes take less of its step than this is not judged: however slow they
 # get they hardly move the step, and passes of a fraction of a millisecond (a cheap
 # pipeline stage) vary by more than a slowdown's bar from one step to the next.
@@ -117,6 +122,7 @@ class Stragglers:
     slow: float = SLOW_FACTOR
     recovered: float = RECOVERED_FACTOR
     confirm: int = CONFIRM_LOOKS
+    confirm_recovered: int = RECOVER_LOOKS
     found: dict[int, float] = field(default_factory=dict)  # straggler -> its last factor
     worst: dict[int, float] = field(default_factory=dict)  # straggler -> its largest factor
     _streak: dict[int, int] = field(default_factory=dict)  # looks in a row past the bar
@@ -141,7 +147,7 @@ class Stragglers:
             if slow_now:
                 self.found[rank] = factor
                 self.worst[rank] = max(self.worst.get(rank, factor), factor)
-            if self._streak[rank] >= self.confirm:
+            if self._streak[rank] >= (self.confirm_recovered if slow_now else self.confirm):
                 self._streak[rank] = 0
                 if slow_now:
                     del self.found[rank]
@@ -282,7 +288,11 @@ class SpeedWatch:
                 self.moved, self._redeals = (), 0
                 return Replan(slow=(), horizon_s=0.0)
             made_at = dict(self.moved)  # (drift is counted from the deal's factors)
-            if self._redeals >= MAX_REDEALS or not _drifted(made_at, found):
+            # A straggler whose last factor is under the recovered bar may be back to
+            # speed (said after RECOVER_LOOKS such looks) or dipping: neither is a factor
+            # to deal at (seen: dealt 4 of 8, "uneven", a look before it was said back).
+            returning = any(f < self.stragglers.recovered for f in found.values())
+            if self._redeals >= MAX_REDEALS or returning or not _drifted(made_at, found):
                 return None
             # Dealt again if the planner prefers the deal at today's factors to the
             # running one at them (choose weighs the running plan as it is); asked at

@@ -45,6 +45,10 @@ def test_a_slow_worker_is_found_once_and_recovered_once_with_hysteresis():
     # between the bars: still a straggler (no flapping around one threshold)
     assert watch.look({0: 1.0, 1: 1.0, 2: 1.0, 3: 1.2}, everyone) == []
     assert watch.found == {3: 1.2}
+    # one look under the bar is not yet back to speed (a dip mid-slowdown), two are
+    assert watch.look({0: 1.0, 1: 1.0, 2: 1.0, 3: 1.05}, everyone) == []
+    assert watch.look({0: 1.0, 1: 1.0, 2: 1.0, 3: 1.5}, everyone) == []  # the dip ended
+    assert watch.look({0: 1.0, 1: 1.0, 2: 1.0, 3: 1.1}, everyone) == []
     (back,) = watch.look({0: 1.0, 1: 1.0, 2: 1.0, 3: 1.05}, everyone)
     assert (back.rank, back.recovered) == (3, True) and watch.found == {}
     assert back.worst == 2.1  # the largest factor while slow, not the one it was found at
