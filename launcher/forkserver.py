@@ -268,13 +268,13 @@ def forked_main(
     """The server as a fork of the launcher (launcher/warm.py ``fork=True``), made what
     ``python -m launcher.forkserver`` would be: its own session, the server's environment,
     stdin from /dev/null, output to its log, no descriptor of the launcher's but the
-    socket, no exit handler of the launcher's, and the launcher's modules dropped where a
-    child runs a script (``_become``)."""
-    import atexit
-
+    socket, and the launcher's modules dropped where a child runs a script (``_become``).
+    The exit handlers registered so far stay: they are those of the modules imported
+    (logging, multiprocessing, weakref.finalize for torch's), which a fresh server would
+    have registered too and which its children run as they end (``_end``); the launcher
+    registers none of its own before this fork."""
     os.setsid()
     die_with_parent(parent)
-    atexit._clear()
     with contextlib.suppress(ImportError):  # before the environment changes (see serve)
         import setproctitle
 

@@ -9,6 +9,7 @@ of ``subprocess.Popen`` the launcher uses, so launcher/workers.py treats both al
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
 import signal
@@ -77,6 +78,8 @@ class ForkedServer:
         for stream in (sys.stdout, sys.stderr):  # or the child writes our buffer again
             with contextlib.suppress(Exception):
                 stream.flush()
+        with contextlib.suppress(Exception):  # (C's stdio too: torch's import may print)
+            ctypes.CDLL(None).fflush(None)
         parent = os.getpid()
         pid = os.fork()
         if pid == 0:  # pragma: no cover - the child never returns (coverage cannot see it)
