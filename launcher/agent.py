@@ -141,7 +141,9 @@ class Agent:
         self._stop_heartbeat = threading.Event()
         self._group: LocalGroup | None = None  # this round's workers, for the fence
         self._ended = False  # the run's outcome is decided (_finish)
-        self._outcome: tuple[int, str] = (0, "")  # (exit code, reason), once _ended
+        # (exit code, reason), once _ended; until then what the end mark says of a run
+        # that ended by an exception (launcher/etcd_control.py close)
+        self._outcome: tuple[int, str] = (JOB_FAILED, "the leader's agent ended without a decision")
         self._joined: set[int] = set()  # the rounds this agent has joined
         # Through etcd's outages, and fenced once its lease is known lost (launcher/outage.py).
         self.link = ControlLink(args.control_outage_timeout_s, self.events.emit, console.say)

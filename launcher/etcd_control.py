@@ -26,7 +26,15 @@ import math
 import time
 
 from chameleon_runtime.protocol.seal import Seal
-from launcher.etcd import EndMark, EtcdStore, _absent, _unchanged, parse_endpoints, put_request
+from launcher.etcd import (
+    EndMark,
+    EtcdStore,
+    _absent,
+    _present,
+    _unchanged,
+    parse_endpoints,
+    put_request,
+)
 from launcher.rendezvous import ControlPlane, RendezvousError, node_key
 from launcher.store import StoreError
 
@@ -116,8 +124,17 @@ class EtcdControlPlane(ControlPlane):
                 if why is not None:
                     store.revoke(lease)
                     raise RendezvousError(f"run {run_id!r} on etcd {store.where} {why}: refused")
-                store.set(f"{namespace}/alive/{key}", "1", lease=lease)
-                return make(False, namespace)
+                # Joined only while the incarnation is live: its last leader's close may
+                # come between the look above and this write, and a plain put would bring
+                # the ended incarnation back to life with this agent in it (which would
+                # then campaign, win and lead it). ``auth`` has no lease; only the end of
+                # the incarnation removes it.
+                if store._txn(
+                    [_present(f"{namespace}/auth"), _unchanged(f"{base}/incarnation", found[1])],
+                    [put_request(f"{namespace}/alive/{key}", "1", lease)],
+                ):
+                    return make(False, namespace)
+                continue  # it ended: look again (the next incarnation, as a requeue's)
             # Nobody lives in incarnation n: start n + 1 and lead it, in one transaction
             # (two agents starting together: one wins, the other joins it).
             fresh = f"{base}/{n + 1}"

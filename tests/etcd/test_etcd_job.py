@@ -172,9 +172,10 @@ def test_a_node_joining_late_grows_the_job(tmp_path, etcd):
     # with a core busy, when the job had ended first), and the test is of the growth.
     go = tmp_path / "go"
     held = {"MLP_HOLD": f"15:{go}"}
-    procs = agents(tmp_path, etcd, 2, env=held)
+    patient = ("--step-timeout", "300")  # (a held step is not a hang)
+    procs = agents(tmp_path, etcd, 2, *patient, env=held)
     wait_step(tmp_path, procs, 10)
-    procs += agents_from(tmp_path, etcd, 2, env=held)
+    procs += agents_from(tmp_path, etcd, 2, 1, *patient, env=held)
     try:
         wait_for_event(tmp_path / f"n{leader_of(tmp_path, procs)}.jsonl", "decision",
                        timeout=60, action="restart")  # fmt: skip
@@ -197,9 +198,10 @@ def test_a_node_that_joins_a_full_job_leaves_cleanly_when_the_job_ends(tmp_path,
     reference = references.mlp(workers=4, steps=STEPS)
     go = tmp_path / "go"
     held = {"MLP_HOLD": f"15:{go}"}
-    procs = agents(tmp_path, etcd, 2, nnodes="2:2", env=held)
+    patient = ("--step-timeout", "300")  # (a held step is not a hang)
+    procs = agents(tmp_path, etcd, 2, *patient, nnodes="2:2", env=held)
     wait_step(tmp_path, procs, 10)
-    procs += agents_from(tmp_path, etcd, 2, nnodes="2:2", env=held)
+    procs += agents_from(tmp_path, etcd, 2, 1, *patient, nnodes="2:2", env=held)
     try:
         wait_for_event(tmp_path / "n2.jsonl", "waiting", timeout=60)
     finally:
