@@ -283,16 +283,19 @@ class SpeedWatch:
             self.moved = tuple(sorted(found.items())) or ((-1, 1.0),)
         if not self.plan_around:
             return None
+        if self.moved and not any(rank in found for rank, _ in self.moved):
+            self.moved, self._redeals = (), 0
+            return Replan(slow=(), horizon_s=0.0)
+        # A straggler whose last factor is under the recovered bar may be back to speed
+        # (said after RECOVER_LOOKS such looks) or dipping: neither is a factor to deal
+        # at, first or again (seen: dealt 4 of 8, "uneven", a look before it was said
+        # back). A factor that keeps swinging across the bar is never said back: it
+        # is not back, and the deal made stays.
+        if any(f < self.stragglers.recovered for f in found.values()):
+            return None
         if self.moved:
-            if not any(rank in found for rank, _ in self.moved):
-                self.moved, self._redeals = (), 0
-                return Replan(slow=(), horizon_s=0.0)
             made_at = dict(self.moved)  # (drift is counted from the deal's factors)
-            # A straggler whose last factor is under the recovered bar may be back to
-            # speed (said after RECOVER_LOOKS such looks) or dipping: neither is a factor
-            # to deal at (seen: dealt 4 of 8, "uneven", a look before it was said back).
-            returning = any(f < self.stragglers.recovered for f in found.values())
-            if self._redeals >= MAX_REDEALS or returning or not _drifted(made_at, found):
+            if self._redeals >= MAX_REDEALS or not _drifted(made_at, found):
                 return None
             # Dealt again if the planner prefers the deal at today's factors to the
             # running one at them (choose weighs the running plan as it is); asked at
