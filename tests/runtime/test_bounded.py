@@ -36,7 +36,12 @@ def test_the_store_does_not_grow_with_steps(tmp_path, steps):
     early = [k for step, k in counts if 0.08 * steps <= step < 0.4 * steps]
     assert early, f"no step event between steps {0.08 * steps:.0f} and {0.4 * steps:.0f}: {counts}"
     late = statistics.median(k for step, k in counts if step >= 0.8 * steps)
-    assert late <= statistics.median(early) * 1.1, counts  # before: about 4 keys more every step
+    # Growth with steps, not a key or two written once: the end marks of the workers that
+    # finished first (chameleon_runtime/control.py end), one per injected failpoint, and
+    # once (a loaded host, a stage found slow and back twice) 17 keys to 19 at step 275.
+    # Between the windows lie 0.4 of the steps (120 here): a leak of one key per 40 steps
+    # is past this bar; the leak this caught grew 4 keys every step.
+    assert late - statistics.median(early) <= 2, counts
 
 
 @pytest.mark.timeout(60)  # 10 s measured
