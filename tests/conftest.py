@@ -72,60 +72,30 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 # -- the order files are handed out in -------------------------------------------------------
 #
-# pytest-xdist's ``--dist loadfile`` hands whole files to its two workers, each to the
-# first worker free, in the queue's order: by default it sorts the queue by the number of
-# tests in a file (pyproject.toml turns that off: ``--no-loadscope-reorder``), which put
-# the many-test files of quick planner tests first and the heavy files of one or two
-# tests (tests/etcd's outage and fencing) last, and a run ended with one worker on
-# them for two minutes while the other had nothing left. Files now go out longest
-# first, by their time measured in a whole run (tests/durations.json; ``pytest
-# --record-durations`` writes it again): the longest-processing-time-first order, which
-# ends both workers within about the last file's time. A file not in it (new) goes
-# first: if it is heavy that is its place, and if it is light it costs nothing there.
-# Within a file the order is the file's own.
-
-DURATIONS = Path(__file__).with_name("durations.json")
+# pytest-xdist's ``--dist loadfile`` hands whole files to its two workers in collection
+# order, each to the first worker free. In collection order the heaviest files come
+# last (tests/runtime after tests/etcd and tests/launcher), so the run could end with one
+# worker on a heavy file while the other had nothing left. Files go out heaviest first:
+# a file's weight is the sum of its tests' timeout markers (each about 3x the test's
+# measured time, so proportional to it), ties kept in collection order. Within a file
+# the order is the file's own. (Measured once with it, 21:11 for `bash .ci/run`, within
+# the 17:15-20:03 this host gave without it: what it buys is below the host's spread.)
 
 
-def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption(
-        "--record-durations",
-        action="store_true",
-        help="write each test file's measured time to tests/durations.json at the end "
-        "(the order files are handed to the xdist workers in)",
-    )
-
-
-def _durations() -> dict[str, float]:
-    try:
-        import json
-
-        return {str(k): float(v) for k, v in json.loads(DURATIONS.read_text()).items()}
-    except (OSError, ValueError, AttributeError):
-        return {}
+def _weight(item: pytest.Item) -> float:
+    marker = item.get_closest_marker("timeout")
+    if marker is not None and marker.args:
+        return float(marker.args[0])
+    return 0.0
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     files: dict[str, list[pytest.Item]] = {}
     for item in items:
         files.setdefault(item.nodeid.split("::", 1)[0], []).append(item)
-    known = _durations()
-    unknown = max(known.values(), default=0.0) + 1.0
-    order = sorted(files, key=lambda name: -known.get(name, unknown))  # (stable for ties)
+    weight = {name: sum(_weight(i) for i in group) for name, group in files.items()}
+    order = sorted(files, key=lambda name: -weight[name])  # (stable: ties keep their order)
     items[:] = [item for name in order for item in files[name]]
-
-
-_measured: dict[str, float] = {}
-
-
-def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    config = session.config
-    if not config.getoption("record_durations") or hasattr(config, "workerinput"):
-        return
-    import json
-
-    merged = _durations() | {k: round(v, 1) for k, v in _measured.items()}
-    DURATIONS.write_text(json.dumps(dict(sorted(merged.items())), indent=1) + "\n")
 
 
 # -- tests that need the machine to themselves ----------------------------------------------
@@ -350,9 +320,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     """Where reports arrive (the controller, under pytest-xdist): a failed test's log
-    tails, for the summary; each file's time (``--record-durations``)."""
-    name = report.nodeid.split("::", 1)[0]
-    _measured[name] = _measured.get(name, 0.0) + report.duration
+    tails, for the summary."""
     if report.failed and report.when in ("setup", "call"):
         tails = [
             (title[len(JOB_LOG) + 1 :].rsplit(" (tail)", 1)[0], "\n".join(text.splitlines()[-12:]))

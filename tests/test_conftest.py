@@ -156,25 +156,3 @@ def test_a_solo_test_runs_while_no_other_test_does(pytester, monkeypatch, tmp_pa
             assert others == [], (name, others, spans)
     ordinary = [spans[n] for n in spans if n.startswith("ordinary")]
     assert any(overlap(a, b) for i, a in enumerate(ordinary) for b in ordinary[i + 1 :]), spans
-
-
-def test_files_go_to_the_workers_longest_first_and_a_new_file_before_them():
-    # (tests/conftest.py: the order pytest-xdist hands files out in, by tests/durations.json)
-    from types import SimpleNamespace
-
-    from tests import conftest
-
-    known = conftest._durations()
-    assert known, "tests/durations.json is missing or empty"
-    light, heavy = sorted(known, key=known.get)[0], max(known, key=known.get)
-    items = [
-        SimpleNamespace(nodeid=f"{light}::a"),
-        SimpleNamespace(nodeid=f"{heavy}::a"),
-        SimpleNamespace(nodeid="tests/new_file.py::a"),
-        SimpleNamespace(nodeid=f"{light}::b"),
-        SimpleNamespace(nodeid=f"{heavy}::b"),
-    ]
-    conftest.pytest_collection_modifyitems(None, items)
-    assert [i.nodeid for i in items] == [
-        "tests/new_file.py::a", f"{heavy}::a", f"{heavy}::b", f"{light}::a", f"{light}::b",
-    ]  # fmt: skip
