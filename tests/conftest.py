@@ -72,30 +72,13 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 # -- the order files are handed out in -------------------------------------------------------
 #
-# pytest-xdist's ``--dist loadfile`` hands whole files to its two workers in collection
-# order, each to the first worker free. In collection order the heaviest files come
-# last (tests/runtime after tests/etcd and tests/launcher), so the run could end with one
-# worker on a heavy file while the other had nothing left. Files go out heaviest first:
-# a file's weight is the sum of its tests' timeout markers (each about 3x the test's
-# measured time, so proportional to it), ties kept in collection order. Within a file
-# the order is the file's own. (Measured once with it, 21:11 for `bash .ci/run`, within
-# the 17:15-20:03 this host gave without it: what it buys is below the host's spread.)
-
-
-def _weight(item: pytest.Item) -> float:
-    marker = item.get_closest_marker("timeout")
-    if marker is not None and marker.args:
-        return float(marker.args[0])
-    return 0.0
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    files: dict[str, list[pytest.Item]] = {}
-    for item in items:
-        files.setdefault(item.nodeid.split("::", 1)[0], []).append(item)
-    weight = {name: sum(_weight(i) for i in group) for name, group in files.items()}
-    order = sorted(files, key=lambda name: -weight[name])  # (stable: ties keep their order)
-    items[:] = [item for name in order for item in files[name]]
+# pytest-xdist's ``--dist loadfile`` hands whole files to its two workers, each to the
+# first worker free, most tests first (its default reorder: a collection order set here
+# is not kept). Tried on 2026-12-02 and measured: files longest first by their measured
+# time (``--no-loadscope-reorder``), which ran the heaviest jobs against each other
+# (two 4-worker jobs on 2 cores: a fork server 5.3 s to be ready, a clock-timed kill
+# before the first step): `bash .ci/run` 23:03 against 21:56 with xdist's own order the
+# same day. Reverted; what is worth more is less work per test.
 
 
 # -- tests that need the machine to themselves ----------------------------------------------
