@@ -83,6 +83,19 @@ def wait_step(tmp_path, procs, step, timeout=120):
         time.sleep(0.05)
 
 
+def two_and_a_late_one(tmp_path, etcd, nnodes="2:3"):
+    """Two agents, and a third started at step 10; every worker waits before step 15
+    until ``go`` exists, which the test creates once what it waits for has happened.
+    (agents, go)"""
+    go = tmp_path / "go"
+    held = {"MLP_HOLD": f"15:{go}"}
+    patient = ("--step-timeout", "300")  # (a held step is not a hang)
+    procs = agents(tmp_path, etcd, 2, *patient, nnodes=nnodes, env=held)
+    wait_step(tmp_path, procs, 10)
+    procs += agents_from(tmp_path, etcd, 2, 1, *patient, nnodes=nnodes, env=held)
+    return procs, go
+
+
 def finish(procs, tmp_path, timeout=120):
     try:
         return [p.wait(timeout=budget(timeout)) for p in procs]
@@ -170,12 +183,7 @@ def test_a_node_joining_late_grows_the_job(tmp_path, etcd):
     # The job holds before step 15 until its leader has decided to grow: the late agent's
     # start, imports and rendezvous take what the host gives them (seconds; twice that
     # with a core busy, when the job had ended first), and the test is of the growth.
-    go = tmp_path / "go"
-    held = {"MLP_HOLD": f"15:{go}"}
-    patient = ("--step-timeout", "300")  # (a held step is not a hang)
-    procs = agents(tmp_path, etcd, 2, *patient, env=held)
-    wait_step(tmp_path, procs, 10)
-    procs += agents_from(tmp_path, etcd, 2, 1, *patient, env=held)
+    procs, go = two_and_a_late_one(tmp_path, etcd)
     try:
         wait_for_event(tmp_path / f"n{leader_of(tmp_path, procs)}.jsonl", "decision",
                        timeout=60, action="restart")  # fmt: skip
@@ -196,12 +204,7 @@ def test_a_node_that_joins_a_full_job_leaves_cleanly_when_the_job_ends(tmp_path,
     # then leaves with 0 and says why, as torchrun's agent leaves a closed rendezvous,
     # not with 3 as though it had been fenced (its lease held throughout).
     reference = references.mlp(workers=4, steps=STEPS)
-    go = tmp_path / "go"
-    held = {"MLP_HOLD": f"15:{go}"}
-    patient = ("--step-timeout", "300")  # (a held step is not a hang)
-    procs = agents(tmp_path, etcd, 2, *patient, nnodes="2:2", env=held)
-    wait_step(tmp_path, procs, 10)
-    procs += agents_from(tmp_path, etcd, 2, 1, *patient, nnodes="2:2", env=held)
+    procs, go = two_and_a_late_one(tmp_path, etcd, nnodes="2:2")
     try:
         wait_for_event(tmp_path / "n2.jsonl", "waiting", timeout=60)
     finally:
