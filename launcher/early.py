@@ -7,7 +7,9 @@ began after the first of those. ``python -m chameleon_cli`` (the ``chameleon`` c
 reads the flags once, as the launcher will, with the standard library alone, and starts
 the server before anything else, so that it imports on another core meanwhile. The agent
 takes it where it would start its own (launcher/agent.py), only if it is the server it
-would have started: the same environment and the same imports.
+would have started: the same environment and the same imports. Otherwise, or when this
+first reading cannot tell (a flag it cannot parse: the launcher's own parse then says
+what is wrong), the agent closes it and starts its own, as before.
 
 The launcher needs torch itself (its stores are torch's TCPStore), so when the server is
 to import torch, the launcher imports it first and the server is a fork of the launcher
@@ -15,9 +17,7 @@ made then (no thread yet but the main one): the server inherits torch instead of
 importing it a second time, and goes on with the rest of its imports (dynamo, FSDP, the
 script's packages) while the launcher imports itself. That was 1.7 s of CPU per launch,
 the most of any one part of a test's launch on 2 cores; the server is ready no later for
-it (torch came first in its own imports too). Otherwise, or when this
-first reading cannot tell (a flag it cannot parse: the launcher's own parse then says
-what is wrong), the agent closes it and starts its own, as before.
+it (torch came first in its own imports too).
 
 Until the agent takes it, the server's log is a hidden file in the folder the run's own
 folder will be made in (the same file system: it is moved, not copied, into the run's

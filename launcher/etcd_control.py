@@ -192,10 +192,10 @@ class EtcdControlPlane(ControlPlane):
         transaction writes the end mark: the incarnation that ended and how. One key per
         run id, overwritten by the next incarnation's end: a requeue of the same run id
         starts incarnation n + 1, and only an agent of n reads n's end in it."""
-        mark = {"incarnation": self.store.end_mark.incarnation if self.store.end_mark else "",
-                "exit_code": exit_code, "reason": reason[:200]}  # fmt: skip
         try:
             if last:
+                incarnation = self.namespace.rsplit("/", 1)[-1]
+                mark = {"incarnation": incarnation, "exit_code": exit_code, "reason": reason[:200]}
                 self.store.delete_prefix(
                     f"{self.namespace}/", put=(end_key(self.run_id), json.dumps(mark))
                 )
