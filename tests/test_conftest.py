@@ -5,6 +5,7 @@ test's report and the run's last lines carry its job's log."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from tests.launcher.helpers import running
@@ -105,6 +106,29 @@ def test_a_run_killed_past_its_budget_writes_its_stacks_first(tmp_path):
         parent.wait()
         if child is not None:
             subprocess.run(["kill", "-9", str(child)], capture_output=True)
+
+
+def test_a_run_killed_past_its_budget_says_its_last_events(tmp_path):
+    """tests/launcher/helpers._timeline: the events of a run cut short, one line each with
+    its time since the first, in the failure's message (a CI machine's files go with it);
+    a line the kill cut short is skipped, not the whole timeline."""
+    from tests.launcher.helpers import _timeline
+
+    log = tmp_path / "events.jsonl"
+    lines = [
+        {"t": 100.0, "event": "start"},
+        {"t": 101.5, "event": "failure", "rank": 5, "exit_code": -9, "pid": 7},
+        {"t": 101.75, "event": "plan_chosen", "generation": 1, "label": "4x1 stages"},
+    ]
+    log.write_text("".join(json.dumps(e) + "\n" for e in lines) + '{"t": 102.0, "ev')
+    said = _timeline(("run", "--events", "events.jsonl", "x.py"), tmp_path)
+    assert said.splitlines() == [
+        "its last 3 of 3 events:",
+        "    0.000 s  start ",
+        "    1.500 s  failure rank=5 exit_code=-9",
+        "    1.750 s  plan_chosen generation=1 label=4x1 stages",
+    ]
+    assert _timeline(("run", "x.py"), tmp_path) == ""
 
 
 SOLO = """

@@ -73,9 +73,36 @@ def run(
             tail = (out_path.read_text()[-3000:], err_path.read_text()[-3000:])
             raise AssertionError(
                 f"chameleon {' '.join(args)} still running after {limit:.0f} s, killed;\n"
-                f"stdout: ...{tail[0]}\nstderr: ...{tail[1]}"
+                f"{_timeline(args, cwd)}stdout: ...{tail[0]}\nstderr: ...{tail[1]}"
             ) from None
     return subprocess.CompletedProcess(proc.args, code, out_path.read_text(), err_path.read_text())
+
+
+# What a run's timeline line keeps of an event: enough to say which phase it stood in.
+_TIMELINE_FIELDS = (
+    "rank", "ranks", "generation", "phase", "recovery_phase", "worker_phase", "action",
+    "label", "reason", "detail", "exit_code",
+)  # fmt: skip
+
+
+def _timeline(args: tuple[str, ...], cwd: Path, last: int = 30) -> str:
+    """The last events of a run killed past its budget (``--events`` of ``args``), one line
+    each: on a CI machine its files are gone with it, and its stacks say where each
+    process waited but not what the launcher had decided."""
+    if "--events" not in args:
+        return ""
+    path = Path(args[args.index("--events") + 1])
+    path = path if path.is_absolute() else cwd / path
+    evs = []
+    with contextlib.suppress(OSError):
+        for line in path.read_text().splitlines():
+            with contextlib.suppress(ValueError):  # (a line cut short by the kill)
+                evs.append(json.loads(line))
+    lines, t0 = [], evs[0].get("t", 0.0) if evs else 0.0
+    for e in evs[-last:]:
+        fields = " ".join(f"{k}={e[k]}" for k in _TIMELINE_FIELDS if e.get(k) is not None)
+        lines.append(f"  {e.get('t', t0) - t0:7.3f} s  {e.get('event')} {fields}"[:240])
+    return f"its last {len(lines)} of {len(evs)} events:\n" + "\n".join(lines) + "\n"
 
 
 def start(*args: str, cwd: Path, log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
