@@ -36,6 +36,7 @@ from chameleon_runtime.protocol.messages import (
     Finish,
     Keys,
     Save,
+    Settled,
     Stop,
     WaitingOn,
     WorkerStatus,
@@ -185,16 +186,24 @@ class Interrupts:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._events: set[tuple[int, threading.Event]] = set()
+        self._settle_waits: set[threading.Event] = set()
         self.aborted_upto = -1  # every generation up to this one is aborted
+        self.settled_upto = -1  # the newest generation every member applied (``Settled``)
         self.finished: int | None = None
         # A preemption notice came (the launcher's Save): this member asks the others to
         # stop at the step they commit next (chameleon_runtime.preemption).
         self.preempt_signal: int | None = None
 
     @contextlib.contextmanager
-    def watch(self, generation: int, event: threading.Event) -> Iterator[None]:
+    def watch(
+        self, generation: int, event: threading.Event, *, settled: bool = False
+    ) -> Iterator[None]:
+        """``event`` set when ``generation`` is aborted or training ends; with ``settled``,
+        also when a ``Settled`` comes (a spare's wait only: it ends no other)."""
         with self._lock:
             self._events.add((generation, event))
+            if settled:
+                self._settle_waits.add(event)
             if self.aborted_upto >= generation or self.finished is not None:
                 event.set()
         try:
@@ -202,6 +211,7 @@ class Interrupts:
         finally:
             with self._lock:
                 self._events.discard((generation, event))
+                self._settle_waits.discard(event)
 
     def aborted(self, generation: int) -> bool:
         return self.aborted_upto >= generation
@@ -213,6 +223,13 @@ class Interrupts:
                 if gen <= generation:
                     event.set()
 
+    def _settle(self, generation: int) -> None:
+        """Wake a spare's wait (it drops its reserve: chameleon_runtime.membership)."""
+        with self._lock:
+            self.settled_upto = max(self.settled_upto, generation)
+            for event in self._settle_waits:
+                event.set()
+
     def _finish(self, step: int) -> None:
         with self._lock:
             self.finished = step
@@ -223,8 +240,8 @@ class Interrupts:
 class Watcher:
     """Pops this worker's mailbox and acts: ``Abort`` wakes the generation's waits and
     calls ``on_abort`` (which poisons a pending agreement), ``Exit`` ends the process,
-    ``Finish`` wakes a spare, ``Save`` notes a preemption notice, ``Stop`` ends the
-    thread."""
+    ``Finish`` wakes a spare, ``Save`` notes a preemption notice, ``Settled`` wakes a
+    spare to drop its reserve, ``Stop`` ends the thread."""
 
     def __init__(
         self,
@@ -280,6 +297,8 @@ class Watcher:
                 self._interrupts._finish(message.step)
             elif isinstance(message, Save):
                 self._interrupts.preempt_signal = message.signal
+            elif isinstance(message, Settled):
+                self._interrupts._settle(message.generation)
             elif isinstance(message, Stop) and message.pid == me:
                 return
 

@@ -149,6 +149,10 @@ class Membership:
         # whose commit this worker voted for without learning the decision.
         self.committed: tuple[float, float, float] | None = None
         self.pending: int | None = None
+        # The generation of a plan that left this worker out while it held layers: it
+        # keeps them until every member applied that plan (``Settled``), since a failure
+        # before then is planned from the layout before it, in which they count.
+        self.reserve_for: int | None = None
 
     # -- generations ---------------------------------------------------------------------
 
@@ -259,6 +263,10 @@ class Membership:
             self.reducer = Reducer(self.shard, self.part, self.gen)
         return self.reducer
 
+    def _drop_reserve(self) -> None:
+        self.reserve_for = None
+        self.shard.keep_only(0, 0)
+
     # -- recovery ------------------------------------------------------------------------
 
     def recover(self, reason: str, *, pending: int | None = None) -> None:
@@ -350,14 +358,23 @@ class Membership:
         members = sorted(set(plan.workers) | {t.src for t in message.transfers})
         if self.rank not in members:  # neither used nor needed: a spare from now on
             self.generation, self.plan, self.part = message.generation, plan, None
-            # What it held is not needed by this plan and goes stale with its next step:
-            # give the memory back. (Should this plan be abandoned, the launcher sees
-            # that this worker no longer holds its old stage and plans accordingly.)
-            self.shard.keep_only(0, 0)
+            # What it held is not needed by this plan, and goes stale with the plan's
+            # first step. Until every member has applied it, though, a failure is planned
+            # from the layout before it, and there these layers may be the last copy of
+            # a stage (a 1x1 plan's source lost while it sends: every other holder had
+            # let go, and the job fell back to its checkpoint). So they are kept until
+            # the plan settles (``idle``), and reported meanwhile.
+            if self.shard.held() and message.resume_step == self.step:
+                self.reserve_for = message.generation
+            else:
+                self._drop_reserve()
             self.let_go_of_collectives()
             self.step = message.resume_step
             self.control.status.update(phase="spare", generation=message.generation)
             return
+        if self.reserve_for is not None and message.resume_step != self.step:
+            self._drop_reserve()  # the plan it was kept for settled, and training went on
+        self.reserve_for = None
         if self.shard.held() and message.resume_step != self.step:
             raise RuntimeError(
                 f"plan resumes at step {message.resume_step}, this worker is at {self.step}"
@@ -443,11 +460,19 @@ class Membership:
 
     def idle(self, steps: int) -> None:
         """A live worker the plan does not use: wait, heartbeating, until a new plan is
-        coming (an abort of this generation) or training is over."""
-        event = threading.Event()
-        with self.control.interrupts.watch(self.generation, event):
-            event.wait()
-        if self.control.interrupts.finished is not None:
+        coming (an abort of this generation) or training is over. A reserve it keeps
+        (``reserve_for``) is dropped meanwhile, once its plan has settled."""
+        interrupts = self.control.interrupts
+        while True:
+            if self.reserve_for is not None and interrupts.settled_upto >= self.reserve_for:
+                self._drop_reserve()
+            event = threading.Event()
+            with interrupts.watch(self.generation, event, settled=self.reserve_for is not None):
+                event.wait()
+            if interrupts.finished is not None or interrupts.aborted(self.generation):
+                break
+            # (else woken by ``Settled``: drop the reserve, and wait on)
+        if interrupts.finished is not None:
             self.step = max(steps, self.control.interrupts.finished + 1)
         else:
             self.recover("a new plan")

@@ -50,6 +50,7 @@ from chameleon_runtime.protocol.messages import (
     Keys,
     Ready,
     RecoveryPhase,
+    Settled,
     WorkerStatus,
     encode,
 )
@@ -479,6 +480,7 @@ class Coordinator:
         }
         self._settled_generation = action.generation
         self._mirror_due = self.on_settled is not None
+        self._release_reserves(action.generation, set(message.plan.to_plan().workers))
         if action.joined:
             self.emit("rejoined", ranks=list(action.joined), taken_in=True, **fields)
         else:
@@ -487,6 +489,15 @@ class Coordinator:
         self._gen_start = action.resume_step
         self._last_step_event = (action.resume_step - 1, 0.0)
         self._first_step_pending = True
+
+    def _release_reserves(self, generation: int, workers: set[int]) -> None:
+        """The live workers ``generation`` leaves out kept the layers they held, in case a
+        failure ended it before every member applied it (chameleon_runtime.membership):
+        it is applied, so they let them go."""
+        assert self.state is not None
+        message = self.seal.seal(encode(Settled(generation=generation)))
+        for rank in sorted(self.state.live - workers):
+            self.store.queue_push(self.keys.mailbox(rank), message)
 
     def _measured_parts(self, generation: int) -> dict:
         """The workers' measured share of the transition (slowest worker per part), to

@@ -195,6 +195,14 @@ class Save(_Message):
     signal: int
 
 
+class Settled(_Message):
+    """Every member applied ``generation``: a worker that plan left out drops the layers it
+    kept in reserve for a failure during it (chameleon_runtime.membership)."""
+
+    kind: Literal["settled"] = "settled"
+    generation: int
+
+
 class Stop(_Message):
     """From a worker to its own watcher: stop listening (the worker is closing)."""
 
@@ -216,7 +224,9 @@ class RecoveryPhase(_Message):
 
 
 InboxMessage = Annotated[Ready | Applied | Joined, Field(discriminator="kind")]
-MailboxMessage = Annotated[Abort | Exit | Finish | Save | Stop, Field(discriminator="kind")]
+MailboxMessage = Annotated[
+    Abort | Exit | Finish | Save | Settled | Stop, Field(discriminator="kind")
+]
 INBOX = TypeAdapter(InboxMessage)
 MAILBOX = TypeAdapter(MailboxMessage)
 

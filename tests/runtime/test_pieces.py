@@ -217,3 +217,25 @@ def test_an_agreement_holds_for_all_or_for_none_and_an_abort_ends_the_wait():
         assert not control.agree(1, "commit/9", 2).held
     finally:
         control.close()
+
+
+def test_a_settled_generation_wakes_only_a_spares_wait():
+    # chameleon_runtime.liveness.Interrupts: ``Settled`` (a plan every member applied) wakes
+    # the wait of a spare keeping a reserve, and no other: a step's wait woken by it would
+    # read as an abort of a generation that is running.
+    import threading
+
+    from chameleon_runtime.liveness import Interrupts
+
+    interrupts = Interrupts()
+    spare, step = threading.Event(), threading.Event()
+    with interrupts.watch(3, spare, settled=True), interrupts.watch(3, step):
+        interrupts._settle(3)
+        assert spare.is_set() and not step.is_set()
+        assert interrupts.settled_upto == 3 and not interrupts.aborted(3)
+        interrupts._abort(3)
+        assert step.is_set()
+    late = threading.Event()
+    with interrupts.watch(4, late, settled=True):
+        interrupts._settle(2)  # (an older one, late: it lowers nothing)
+        assert interrupts.settled_upto == 3 and late.is_set()

@@ -259,6 +259,43 @@ def test_a_second_failure_in_any_phase_of_a_recovery_is_recovered_in_place(
     assert recovered["steps_lost"] == recovered["reached_step"] - recovered["resume_step"] == 0
 
 
+def slow_links_config(tmp: Path) -> Path:
+    """The CPU test bed's config with links a thousand times slower: the planner then
+    prefers one worker holding every layer (a 1x1 plan) to any layout that communicates,
+    and leaves the other survivors out."""
+    config = tmp / "slow-links.toml"
+    testbed = (ROOT / "configs" / "cpu_testbed.toml").read_text()
+    slowed = testbed.replace("node_latency_us = 100\n", "node_latency_us = 100000\n")
+    assert slowed.count("node_latency_us = 100000") == 2, "cpu_testbed.toml changed"
+    config.write_text(slowed)
+    return config
+
+
+@pytest.mark.timeout(60)  # 7 s measured
+def test_workers_a_plan_leaves_out_keep_their_layers_until_it_is_applied(tmp_path, exact_reference):
+    # A 1x1 plan after rank 5's loss: rank 0 takes every layer, rank 1 sends it layers
+    # 2..3, and the plan leaves ranks 2, 3 and 4 out. Rank 1 dies before the plan is
+    # applied: the next plan starts from the layout before it, where rank 3 is the last
+    # holder of layers 2..3. It had let go of them on reading the plan, and the job fell
+    # back to its checkpoint (exit 137 here, with no restarts allowed). Kept until the plan
+    # settles, they are the next plan's source; dropped once it has, or the dump would
+    # show a stale holder.
+    checks, losses, evs = train(
+        tmp_path, "reserve", "--policy", "reparallelize", "--max-restarts", "0",
+        "--config", str(slow_links_config(tmp_path)),
+        "--inject-fault", "kill:rank=5,step=3", "--inject-fault", "kill:rank=1,phase=confirm",
+        workers=6, script_flags=("--exact",),
+    )  # fmt: skip
+    plans = [e for e in evs if e["event"] == "plan_chosen"]
+    assert [p["label"] for p in plans] == ["1x1 stages", "1x1 stages"], "the config's plan"
+    assert [len(p["plan"]["stages"]) for p in plans] == [1, 1]
+    assert_same_bits(exact_reference, checks, losses)
+    assert [len(v) for v in checks.values()] == [1] * 4  # no reserve outlived its plan
+    assert [e["attempt"] for e in evs if e["event"] == "workers_started"] == [0]
+    (recovered,) = recoveries(evs)
+    assert recovered["steps_lost"] == 0
+
+
 @pytest.mark.timeout(60)  # 5 s measured
 def test_exit_fault_on_a_runtime_worker_uses_its_code(tmp_path, reference):
     _checks, _losses, evs = train(
