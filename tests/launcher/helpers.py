@@ -67,13 +67,15 @@ def run(
         try:
             code = proc.wait(timeout=limit)
         except subprocess.TimeoutExpired:
+            before = err_path.stat().st_size
             ask_for_stacks(proc.pid)
             proc.kill()
             proc.wait()
             tail = (out_path.read_text()[-3000:], err_path.read_text()[-3000:])
             raise AssertionError(
                 f"chameleon {' '.join(args)} still running after {limit:.0f} s, killed;\n"
-                f"{_timeline(args, cwd)}stdout: ...{tail[0]}\nstderr: ...{tail[1]}"
+                f"{_timeline(args, cwd)}{_launcher_stack(err_path, before)}"
+                f"stdout: ...{tail[0]}\nstderr: ...{tail[1]}"
             ) from None
     return subprocess.CompletedProcess(proc.args, code, out_path.read_text(), err_path.read_text())
 
@@ -103,6 +105,17 @@ def _timeline(args: tuple[str, ...], cwd: Path, last: int = 30) -> str:
         fields = " ".join(f"{k}={e[k]}" for k in _TIMELINE_FIELDS if e.get(k) is not None)
         lines.append(f"  {e.get('t', t0) - t0:7.3f} s  {e.get('event')} {fields}"[:240])
     return f"its last {len(lines)} of {len(evs)} events:\n" + "\n".join(lines) + "\n"
+
+
+def _launcher_stack(err: Path, since: int) -> str:
+    """The launcher's own thread stacks of those ``ask_for_stacks`` had written to ``err``
+    from byte ``since``: the lines no ``[rank N]`` prefix marks as a worker's. The log's
+    tail holds the last workers' stacks; the launcher's say what it waited on."""
+    with open(err, "rb") as f:
+        f.seek(since)
+        said = f.read().decode(errors="replace").splitlines()
+    own = [line for line in said if not line.startswith("[rank")]
+    return "the launcher's stacks:\n" + "\n".join(own)[:4000] + "\n" if own else ""
 
 
 def start(*args: str, cwd: Path, log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
