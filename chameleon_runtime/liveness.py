@@ -285,7 +285,10 @@ class Watcher:
             body = self._seal.open(raw, self._key)
             if body is None:  # unsigned, or another token's: not the launcher's
                 continue
-            message = MAILBOX.validate_json(body)
+            try:
+                message = MAILBOX.validate_json(body)
+            except ValueError:  # a launcher of a newer protocol: skip what it added
+                continue
             if isinstance(message, Abort):
                 self._interrupts._abort(message.generation)
                 self._on_abort(self._store, message.generation)

@@ -150,8 +150,9 @@ class Membership:
         self.committed: tuple[float, float, float] | None = None
         self.pending: int | None = None
         # The generation of a plan that left this worker out while it held layers: it
-        # keeps them until every member applied that plan (``Settled``), since a failure
-        # before then is planned from the layout before it, in which they count.
+        # keeps them until every member applied that plan (``Settled``) or training ends:
+        # a failure before its members agree their transfers completed is planned from
+        # the layout before it, in which they count.
         self.reserve_for: int | None = None
 
     # -- generations ---------------------------------------------------------------------
@@ -264,8 +265,9 @@ class Membership:
         return self.reducer
 
     def _drop_reserve(self) -> None:
-        self.reserve_for = None
-        self.shard.keep_only(0, 0)
+        if self.reserve_for is not None:
+            self.reserve_for = None
+            self.shard.keep_only(0, 0)
 
     # -- recovery ------------------------------------------------------------------------
 
@@ -289,7 +291,9 @@ class Membership:
                         after=left,
                         applied=self.applied,
                         # A worker holding nothing (a spare, a replacement) ran no step:
-                        # its step is stale. Whoever holds layers holds them as of its step.
+                        # its step is stale. Whoever holds layers holds them as of its step
+                        # (a spare's reserve too: the launcher counts it only while the
+                        # layout it belongs to is the newest any survivor applied).
                         step=self.step if self.shard.held() else None,
                         held=self.shard.held(),
                         reason=reason[:200],
@@ -299,6 +303,8 @@ class Membership:
                 )
                 message = self.control.next_plan(left)
             except Finished as end:  # training ended meanwhile: nothing more to do
+                if self.reserve_for is not None:  # (stale: its plan's members trained on)
+                    self._drop_reserve()
                 self.control.interrupts._finish(end.step)  # the loop's idle ends at once
                 self.step = max(self.step, end.step + 1)
                 self.generation, self.part = left, None
@@ -363,11 +369,14 @@ class Membership:
             # from the layout before it, and there these layers may be the last copy of
             # a stage (a 1x1 plan's source lost while it sends: every other holder had
             # let go, and the job fell back to its checkpoint). So they are kept until
-            # the plan settles (``idle``), and reported meanwhile.
+            # the plan settles (``idle``), and reported meanwhile. (Until the plan's
+            # ``migrated`` agreement, that is: after it its members report it applied,
+            # and the launcher plans from its layout, in which they do not count.)
             if self.shard.held() and message.resume_step == self.step:
                 self.reserve_for = message.generation
             else:
-                self._drop_reserve()
+                self.reserve_for = None
+                self.shard.keep_only(0, 0)
             self.let_go_of_collectives()
             self.step = message.resume_step
             self.control.status.update(phase="spare", generation=message.generation)
@@ -472,6 +481,12 @@ class Membership:
             if interrupts.finished is not None or interrupts.aborted(self.generation):
                 break
             # (else woken by ``Settled``: drop the reserve, and wait on)
+        # The plan may have settled as it ended, both messages read before this looked:
+        # a settled plan's reserve is stale (the next plan must not find it held), and so
+        # is any once training is over (the dump would show a stale holder).
+        settled = self.reserve_for is not None and interrupts.settled_upto >= self.reserve_for
+        if settled or interrupts.finished is not None:
+            self._drop_reserve()
         if interrupts.finished is not None:
             self.step = max(steps, self.control.interrupts.finished + 1)
         else:
