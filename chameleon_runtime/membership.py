@@ -303,8 +303,7 @@ class Membership:
                 )
                 message = self.control.next_plan(left)
             except Finished as end:  # training ended meanwhile: nothing more to do
-                if self.reserve_for is not None:  # (stale: its plan's members trained on)
-                    self._drop_reserve()
+                self._drop_reserve()  # (stale: its plan's members trained on)
                 self.control.interrupts._finish(end.step)  # the loop's idle ends at once
                 self.step = max(self.step, end.step + 1)
                 self.generation, self.part = left, None
@@ -381,9 +380,9 @@ class Membership:
             self.step = message.resume_step
             self.control.status.update(phase="spare", generation=message.generation)
             return
-        if self.reserve_for is not None and message.resume_step != self.step:
+        if message.resume_step != self.step:
             self._drop_reserve()  # the plan it was kept for settled, and training went on
-        self.reserve_for = None
+        self.reserve_for = None  # (a reserve at this step is the plan's to use or drop)
         if self.shard.held() and message.resume_step != self.step:
             raise RuntimeError(
                 f"plan resumes at step {message.resume_step}, this worker is at {self.step}"
@@ -473,21 +472,18 @@ class Membership:
         (``reserve_for``) is dropped meanwhile, once its plan has settled."""
         interrupts = self.control.interrupts
         while True:
+            # Looked at after every wake, the last included: a plan may settle as the wait
+            # ends (both messages read before this looks), and a settled plan's reserve
+            # is stale; the next plan must not find it held.
             if self.reserve_for is not None and interrupts.settled_upto >= self.reserve_for:
                 self._drop_reserve()
+            if interrupts.finished is not None or interrupts.aborted(self.generation):
+                break
             event = threading.Event()
             with interrupts.watch(self.generation, event, settled=self.reserve_for is not None):
                 event.wait()
-            if interrupts.finished is not None or interrupts.aborted(self.generation):
-                break
-            # (else woken by ``Settled``: drop the reserve, and wait on)
-        # The plan may have settled as it ended, both messages read before this looked:
-        # a settled plan's reserve is stale (the next plan must not find it held), and so
-        # is any once training is over (the dump would show a stale holder).
-        settled = self.reserve_for is not None and interrupts.settled_upto >= self.reserve_for
-        if settled or interrupts.finished is not None:
-            self._drop_reserve()
         if interrupts.finished is not None:
-            self.step = max(steps, self.control.interrupts.finished + 1)
+            self._drop_reserve()  # (any reserve: the dump would show a stale holder)
+            self.step = max(steps, interrupts.finished + 1)
         else:
             self.recover("a new plan")

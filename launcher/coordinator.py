@@ -480,7 +480,7 @@ class Coordinator:
         }
         self._settled_generation = action.generation
         self._mirror_due = self.on_settled is not None
-        self._release_reserves(action.generation, set(message.plan.to_plan().workers))
+        self._release_reserves(action.generation)
         if action.joined:
             self.emit("rejoined", ranks=list(action.joined), taken_in=True, **fields)
         else:
@@ -490,13 +490,14 @@ class Coordinator:
         self._last_step_event = (action.resume_step - 1, 0.0)
         self._first_step_pending = True
 
-    def _release_reserves(self, generation: int, workers: set[int]) -> None:
+    def _release_reserves(self, generation: int) -> None:
         """The live workers ``generation`` leaves out kept the layers they held, in case a
         failure ended it before every member applied it (chameleon_runtime.membership):
-        it is applied, so they let them go."""
+        it is applied, so they let them go. (Its members, once it is recovered, are the
+        workers of its layout: rc._applied.)"""
         assert self.state is not None
         message = self.seal.seal(encode(Settled(generation=generation)))
-        for rank in sorted(self.state.live - workers):
+        for rank in sorted(self.state.live - self.state.members):
             self.store.queue_push(self.keys.mailbox(rank), message)
 
     def _measured_parts(self, generation: int) -> dict:
