@@ -15,6 +15,11 @@ end within, and, when it fails, the tail of its job's logs where CI's last lines
   puts them on tmpfs) left by a test are removed, and the test fails naming them.
 - **The budget.** tests/clock.py learns when the test's pytest timeout fires, so that the
   helpers' waits end first and a job that ran out fails with its log.
+- **Temporary files.** A run's folder goes to ``$TMPDIR/chameleon`` unless ``--log-dir``
+  says otherwise, and torchrun's to ``$TMPDIR/torchelastic_*``: the suite points
+  ``TMPDIR`` at a folder of its own for everything it starts and removes it when the
+  suite passed (a failed suite's stays, for its workers' logs, until the next suite
+  starts), so that runs of the suite do not pile up folders in /tmp.
 - **Logs.** A failed test's report carries the tails of the newest logs in its
   ``tmp_path`` (launcher output, event logs); the run's summary repeats them just before
   pytest's short summary, the last lines CI prints.
@@ -51,6 +56,7 @@ JOB_LOG = "job log of the test:"  # a report section's title: "job log of the te
 _failed_logs: list[tuple[str, list[tuple[str, str]]]] = []  # (test, [(log, tail)])
 ETCD_TMPFS = Path("/dev/shm")
 ETCD_PREFIX = "chameleon-etcd-"
+SCRATCH_PREFIX = "chameleon-test-tmp-"  # TMPDIR of what the suite starts: tempdir/<this><pid>-*
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -61,6 +67,25 @@ def pytest_configure(config: pytest.Config) -> None:
         folder = tempfile.mkdtemp(prefix="chameleon-test-locks-")
         os.environ[LOCKS_ENV] = folder
         config._chameleon_locks = folder  # type: ignore[attr-defined]
+        # (after mkdtemp: this process's own tempdir, pytest's basetemp with it, stays
+        # where it was; its workers get their basetemp from it, and the rest inherit this)
+        _remove_old_scratch()
+        scratch = tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-")
+        config._chameleon_scratch = (scratch, os.environ.get("TMPDIR"))  # type: ignore[attr-defined]
+        os.environ["TMPDIR"] = scratch
+
+
+def _remove_old_scratch() -> None:
+    """The folders of earlier suites that failed (kept for their logs), once the suite
+    that made each is gone."""
+    for folder in Path(tempfile.gettempdir()).glob(f"{SCRATCH_PREFIX}*-*"):
+        pid = folder.name[len(SCRATCH_PREFIX) :].split("-")[0]
+        if pid.isdigit() and not psutil.pid_exists(int(pid)):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    session.config._chameleon_passed = exitstatus == 0  # type: ignore[attr-defined]
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -68,6 +93,16 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     if folder is not None:
         shutil.rmtree(folder, ignore_errors=True)
         os.environ.pop(LOCKS_ENV, None)
+    scratch = getattr(config, "_chameleon_scratch", None)
+    if scratch is not None:
+        if getattr(config, "_chameleon_passed", False):
+            shutil.rmtree(scratch[0], ignore_errors=True)
+        else:  # (the failed runs' worker logs: until the next suite starts)
+            print(f"runs' folders (worker logs) kept in {scratch[0]}", file=sys.stderr)
+        if scratch[1] is None:
+            os.environ.pop("TMPDIR", None)
+        else:
+            os.environ["TMPDIR"] = scratch[1]
 
 
 # -- the order files are handed out in -------------------------------------------------------

@@ -18,7 +18,7 @@ import psutil
 import pytest
 
 from tests import references
-from tests.clock import budget, slack
+from tests.clock import budget
 from tests.launcher.helpers import (
     chameleon_cmd,
     env,
@@ -153,12 +153,19 @@ def partition(
     job.net.cut(cut)
     cut_at = time.time()
     top = job.top_step()
+    stopped_in = None
     if fenced_by_clock:  # (c10d: its own clock; etcd: once etcd answers, after the heal)
+        # Stopped while still cut off: by its own clock, not by anything the heal brings.
+        # How soon is a load figure (seen: 2.5 s idle, 9 s in a loaded CI run), so it is
+        # printed, not bounded; what the lease promises is asserted below: nothing
+        # written past it.
+        deadline = time.monotonic() + budget(60)
         while any(running(p) for p in cut_pids):
-            assert time.time() - cut_at < LEASE_S + slack(2), (
-                "the cut-off workers outlived the lease"
+            assert time.monotonic() < deadline, (
+                "the cut-off workers were not stopped while cut off" + why(job.events(names[cut]))
             )
             time.sleep(0.05)
+        stopped_in = time.time() - cut_at
     deadline = time.monotonic() + budget(120)
     while job.top_step() < top + 10:  # the majority trains on without it
         assert time.monotonic() < deadline, "the majority did not go on"
@@ -194,7 +201,8 @@ def partition(
     for layer, values in reference.items():
         assert checks[layer] and all(v == pytest.approx(values[0], rel=1e-5) for v in checks[layer])
     assert [p for p in leftovers(tmp_path) if p.name() != "etcd"] == []
-    print(f"node {cut} cut: its agent gone {gone_after:.1f} s later (lease {LEASE_S:g} s)")
+    stopped = "" if stopped_in is None else f"its workers stopped {stopped_in:.1f} s, "
+    print(f"node {cut} cut: {stopped}its agent gone {gone_after:.1f} s later (lease {LEASE_S:g} s)")
 
 
 @pytest.mark.timeout(120)  # 30 s measured
