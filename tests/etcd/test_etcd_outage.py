@@ -1,4 +1,4 @@
-"""The control plane's own outage: every etcd member stopped for 20 s (six leases of 3 s)
+"""The control plane's own outage: every etcd member stopped for 15 s (five leases of 3 s)
 while a job trains,
 then started again. The job trains on meanwhile, a worker killed during the outage is
 recovered in place once etcd answers, and the run ends with the failure-free weights."""
@@ -24,7 +24,7 @@ from tests.launcher.helpers import events
 
 pytestmark = pytest.mark.slow
 
-OUTAGE_S = 20.0
+OUTAGE_S = 15.0
 STEPS = 200
 
 

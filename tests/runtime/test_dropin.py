@@ -118,7 +118,9 @@ def test_a_hung_worker_is_recovered_in_place(tmp_path, reference):
     assert [e["attempt"] for e in named(evs, "workers_started")] == [0]
 
 
-@pytest.mark.parametrize("at", ["4.3", "4.6"])
+@pytest.mark.parametrize(
+    "at", [pytest.param("4.3", marks=pytest.mark.soak), "4.6"], ids=["4.3-soak", "4.6"]
+)  # (one moment in CI: scripts/soak.sh runs the other)
 @pytest.mark.timeout(60)  # 10 s measured
 def test_a_kill_at_a_moment_not_a_step_boundary(tmp_path, reference, at):
     # Killed by the clock: wherever the step is (often inside the all-reduce). Before the

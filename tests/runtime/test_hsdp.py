@@ -175,6 +175,7 @@ def test_a_kill_re_shards_the_group_then_grows_it_back_whole(tmp_path, free_run)
 
 
 @pytest.mark.slow
+@pytest.mark.soak  # (scripts/soak.sh: a re-shard over survivors is in CI, groups of 2)
 @pytest.mark.timeout(60)  # 15 s measured
 def test_a_group_of_three_re_shards_over_two_survivors(tmp_path, free_run):
     """6 workers, 2 groups of 3 shards, 12 micro-batches; kill -9 of rank 1: ranks 0 and 2
@@ -233,6 +234,7 @@ def test_a_dropped_group_is_taken_back_healed_shard_by_shard(tmp_path, free_run)
 
 
 @pytest.mark.slow
+@pytest.mark.soak  # (scripts/soak.sh: a kill mid-migration is in CI, test_recovery and test_dropin)
 @pytest.mark.timeout(90)  # 30 s measured
 def test_a_replacement_killed_while_it_is_healed(tmp_path, free_run):
     """The second kill lands in the recovery that grows group 0 (re-sharded over rank 0
@@ -281,6 +283,7 @@ def test_a_drifted_shard_is_healed_from_its_column(tmp_path, free_run):
 
 
 @pytest.mark.slow
+@pytest.mark.soak  # (scripts/soak.sh: a lost node is in CI, test_dropin; a dropped group too)
 @pytest.mark.timeout(90)  # 25 s measured
 def test_a_lost_node_takes_its_replica_group_and_the_job_goes_on(tmp_path, free_run):
     """Two agents on 127.0.0.1, two workers each: node 1 holds replica group 1 (ranks 2,
@@ -305,13 +308,14 @@ def test_a_lost_node_takes_its_replica_group_and_the_job_goes_on(tmp_path, free_
 @pytest.mark.timeout(120)  # 33 s measured
 def test_every_holder_of_a_shard_lost_restarts_from_the_checkpoint_and_says_so(tmp_path):
     """examples/train_hf.py --shards 2 (GPT-2, float64) saving with
-    torch.distributed.checkpoint every 5 steps; ranks 1 and 3 (shard 1 of both groups)
-    killed at step 7: nothing in place can go on, the launcher restarts, the job resumes
-    from step 5's checkpoint and ends with the failure-free weights. And rank 1 alone
-    killed, --policy reparallelize: re-sharded in place, the failure-free weights."""
+    torch.distributed.checkpoint every 3 steps; ranks 1 and 3 (shard 1 of both groups)
+    killed at step 4: nothing in place can go on, the launcher restarts, the job resumes
+    from step 3's checkpoint and ends with the failure-free weights. And rank 1 alone
+    killed, --policy reparallelize: re-sharded in place, the failure-free weights.
+    (Sequences of 32 and 8 steps: the same paths, less work.)"""
     pytest.importorskip("transformers")
-    common = ["--shards", "2", "--float64", "--steps", "12", "--global-batch", "64"]
-    common += ["--micro-batch", "8", "--checkpoint-every", "5"]
+    common = ["--shards", "2", "--float64", "--steps", "8", "--global-batch", "64"]
+    common += ["--micro-batch", "8", "--seq-len", "32", "--checkpoint-every", "3"]
 
     def train(name: str, *launch: str):
         return run(
@@ -325,10 +329,10 @@ def test_every_holder_of_a_shard_lost_restarts_from_the_checkpoint_and_says_so(t
     assert done.returncode == 0, done.stderr[-3000:]
     done = train(
         "lost", "--max-restarts", "1",
-        "--inject-fault", "kill:rank=1,step=7", "--inject-fault", "kill:rank=3,step=7",
+        "--inject-fault", "kill:rank=1,step=4", "--inject-fault", "kill:rank=3,step=4",
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "resumed from step 5" in done.stdout
+    assert "resumed from step 3" in done.stdout
     log = events(tmp_path / "lost.events")
     (restart,) = [e for e in log if e["event"] == "decision" and e["action"] == "restart"]
     assert "shard(s) [1] of the model have no live copy" in restart["reason"], restart

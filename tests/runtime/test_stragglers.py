@@ -97,6 +97,7 @@ def test_a_slowed_worker_is_dealt_fewer_micro_batches_and_the_weights_do_not_cha
 
 
 @pytest.mark.slow
+@pytest.mark.soak  # (scripts/soak.sh: the drop-in's uneven deal is in CI; this is the Trainer's)
 @pytest.mark.solo  # (the slowed worker's speed against its peer's)
 @pytest.mark.timeout(90)  # 27 s measured
 def test_a_slowed_pipeline_stage_is_dealt_fewer_micro_batches_by_the_trainer(tmp_path):
