@@ -35,7 +35,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
 import torch
 
@@ -316,10 +316,23 @@ class Membership:
                     # applies the step too and its loop ends as theirs did.
                     self.generation = left
                     return done.step + 1, True
+                if held and self.joined and step == done.step + 1:
+                    # A replacement whose loop went on past the job's last step, on a
+                    # count of its own (an epoch loop resumed from its own, older
+                    # snapshot; or one that started at 0): it was healed to the job's
+                    # state and stepped with the others to the end, so its weights are
+                    # the job's. It ends as a spare does, said, without the script's
+                    # code after its loop (the others run theirs).
+                    self._end(
+                        f"rank {self.rank}'s loop went on after the job's last step "
+                        f"({done.step}), on a count of its own (an older snapshot's, or "
+                        "from 0); its weights are the job's"
+                    )
                 if held and step > done.step:
                     # The others left their loops after the job's last step; this one's
-                    # loop went on: it ends on a count of its own, which a replacement
-                    # starts at 0. Said, not trained on alone.
+                    # loop went on: a member's count that is not the job's (a replacement
+                    # ahead of the job's next step is not one trained in step with it).
+                    # Said, not trained on alone.
                     raise RuntimeError(
                         f"chameleon: the other members ended training after step "
                         f"{done.step}, but rank {self.rank}'s loop went on to step {step}: "
@@ -492,15 +505,17 @@ class Membership:
         while self.collectives:
             self.collectives.popitem()[1].let_go(self.transport, COLLECTIVE_RELEASE)
 
-    def _end(self) -> None:
+    def _end(self, why: str | None = None) -> NoReturn:
         """Training ended while this worker waited as a spare: it holds no trained state
         (never taken in, or left out by a plan and stale since), so the script's code
-        after its loop (a final save, an evaluation) must not run here. Said, then exit 0."""
+        after its loop (a final save, an evaluation) must not run here. Or ``why``: a
+        replacement's loop went on past the job's end (its weights are the job's, and
+        the others run that code). Said, then exit 0."""
         self.control.status.update(phase="done")
         self.close()
+        said = why or f"rank {self.rank} waited as a spare when training ended"
         print(
-            f"chameleon_runtime: rank {self.rank} waited as a spare when training ended; it "
-            "exits here without running the script's code after its loop",
+            f"chameleon_runtime: {said}; it exits without running the script's code after its loop",
             file=sys.stderr,
             flush=True,
         )
