@@ -21,7 +21,7 @@ def run(ctx: typer.Context) -> None:
     from rich.console import Console as RichConsole
 
     from chameleon_cli.live_view import LiveView
-    from chameleon_cli.run_view import outcome_blocks
+    from chameleon_cli.run_view import outcome_blocks, outcome_model
     from launcher.agent import Agent, JobError
     from launcher.args import ArgsError, parse_run_args, run_help
     from launcher.workers import Console
@@ -43,7 +43,7 @@ def run(ctx: typer.Context) -> None:
     if args.events:
         writable_dir("--events", os.path.dirname(os.path.abspath(args.events)))
     console = Console()
-    mode = choose_mode(json=False, plain=args.plain, stream=sys.stderr)
+    mode = choose_mode(json=args.json, plain=args.plain, stream=sys.stderr)
     live = LiveView(RichConsole(file=sys.stderr)) if mode is Mode.RICH else None
     agent = Agent(args, console=console, events_listener=live.on_event if live else None)
     error(f"chameleon: run {agent.run_id}: logs in {agent.run_dir}, events in {agent.events.path}")
@@ -58,14 +58,15 @@ def run(ctx: typer.Context) -> None:
                 outcome = agent.run()
     except JobError as exc:
         raise UserError(str(exc)) from None
-    Output(mode, stream=sys.stderr).show(
-        outcome_blocks(
-            exit_code=outcome.exit_code,
-            reason=outcome.reason,
-            failures=outcome.failures,
-            events=agent.events.records,
-            run_dir=str(outcome.run_dir),
-            events_path=str(agent.events.path),
-        )
+    ended = {
+        "exit_code": outcome.exit_code,
+        "reason": outcome.reason,
+        "failures": outcome.failures,
+        "events": agent.events.records,
+        "run_dir": str(outcome.run_dir),
+        "events_path": str(agent.events.path),
+    }
+    Output(mode, stream=sys.stdout if mode is Mode.JSON else sys.stderr).show(
+        outcome_blocks(**ended), outcome_model(**ended)
     )
     raise typer.Exit(outcome.exit_code)

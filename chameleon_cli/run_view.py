@@ -3,6 +3,8 @@ recovery timeline, as blocks for the output layer."""
 
 from __future__ import annotations
 
+from pydantic import BaseModel
+
 from chameleon_cli.output import Block, Fields, Table
 from chameleon_cli.units import fmt_s
 from launcher.events import Record
@@ -205,6 +207,49 @@ def stragglers_table(events: list[Record]) -> Table | None:
     )
 
 
+def faults_not_fired(events: list[Record]) -> list[str]:
+    """The --inject-fault faults this node watched for and never fired."""
+    return [f for e in events if e["event"] == "faults_not_fired" for f in e["faults"]]
+
+
+class RunOutcome(BaseModel):
+    """``chameleon run --json``: how the run ended, on stdout."""
+
+    exit_code: int
+    reason: str
+    logs: str
+    events: str
+    failures: list[dict]
+    faults_not_fired: list[str]
+    recovered_in_place: int
+
+
+def outcome_model(
+    *, exit_code: int, reason: str, failures: list[Failure], events: list[Record],
+    run_dir: str, events_path: str,
+) -> RunOutcome:  # fmt: skip
+    return RunOutcome(
+        exit_code=exit_code,
+        reason=reason,
+        logs=run_dir,
+        events=events_path,
+        failures=[
+            {
+                "rank": f.rank,
+                "node": f.node,
+                "attempt": f.attempt,
+                "what": describe(f),
+                "cause": f.cause.value,
+                "message": f.message,
+                "exit_code": f.exit_code,
+            }  # fmt: skip
+            for f in sorted(failures, key=lambda f: (f.failed_at, f.detected_at, f.rank))
+        ],
+        faults_not_fired=faults_not_fired(events),
+        recovered_in_place=sum(1 for e in events if e["event"] == "recovered"),
+    )
+
+
 def outcome_blocks(
     *,
     exit_code: int,
@@ -238,6 +283,15 @@ def outcome_blocks(
     slow = stragglers_table(events)
     if slow is not None:
         blocks.append(slow)
+    never = faults_not_fired(events)
+    if never:
+        blocks.append(
+            Table(
+                "Faults asked for that never fired (--inject-fault)",
+                ["fault"],
+                [[f] for f in never],
+            )
+        )
     hint = next((e for e in events if e["event"] == "layout_hint"), None)
     if hint is not None:
         blocks.append(

@@ -45,13 +45,13 @@ from launcher import early
 from launcher.args import RunArgs
 from launcher.etcd import Fenced, JobEnded
 from launcher.events import EventLog
-from launcher.exitcodes import JOB_FAILED, REQUEUE
-from launcher.faults import FaultLedger
+from launcher.exitcodes import FAULTS_NOT_FIRED, JOB_FAILED, REQUEUE
+from launcher.faults import FaultLedger, unreported
 from launcher.health import HealthCheck
 from launcher.leader import Leader, lost_with
 from launcher.local import LocalGroup
 from launcher.outage import ControlLink
-from launcher.preload import modules_for
+from launcher.preload import modules_for, script_imports
 from launcher.rendezvous import (
     RUN_ID_KEY,
     ControlPlane,
@@ -271,6 +271,7 @@ class Agent:
         self._install_signals()
         self.reaper = Reaper()
         beating: threading.Thread | None = None
+        self._say_unreported_faults()
         try:
             if a.warm_start:
                 self._start_forkserver()  # its imports overlap ours and the rendezvous
@@ -641,7 +642,29 @@ class Agent:
             self.console.say(line)
         return self._finish(128 + signum, f"stopped by signal {signum}")
 
+    def _say_unreported_faults(self) -> None:
+        """A step or recovery fault on a script that may report neither never fires: said
+        at the start, one line each, with what fires instead."""
+        a = self.args
+        if a.module or a.no_python or not a.faults:
+            return
+        for fault in unreported(a.faults, script_imports(Path(a.script))):
+            self.console.say(
+                f"chameleon: --inject-fault {fault.describe()}: steps and recoveries are those "
+                "that workers report, through chameleon_runtime's API or, from a plain "
+                "script, chameleon_runtime.heartbeat() once a step; this script imports no "
+                "chameleon_runtime, so it may never fire: at=SECONDS fires by the clock"
+            )
+
     def _finish(self, code: int, reason: str) -> Outcome:
+        never = self.fault_ledger.never_fired(self.args.faults)
+        if never:
+            self.events.emit("faults_not_fired", faults=[f.describe() for f in never])
+            if code == 0 and self.args.require_faults and not self.fault_ledger.fired:
+                code, reason = (
+                    FAULTS_NOT_FIRED,
+                    f"{reason}, but no fault fired (--require-faults)",
+                )
         self._ended = True
         self._outcome = (code, reason)
         self.events.emit("exit", exit_code=code, reason=reason)

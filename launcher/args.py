@@ -67,12 +67,14 @@ class RunArgs:
     max_rejoins: int
     events: str | None
     faults: tuple[FaultSpec, ...]
+    require_faults: bool
     config: str | None
     policy: str
     migration_schedule: str
     stragglers: str  # --stragglers auto|on|off (launcher/stragglers.py)
     mtbf_s: float | None  # None: learned (planner.job.failures)
     plain: bool
+    json: bool
     warm_start: bool
     preload: str  # --preload (launcher/preload.py)
     script: str
@@ -361,12 +363,14 @@ def _parse(p: Parser, argv: list[str], taken: list[str], requeue: int) -> RunArg
         max_rejoins=ns.max_rejoins,
         events=ns.events,
         faults=faults,
+        require_faults=ns.require_faults,
         config=ns.config,
         policy=ns.policy,
         migration_schedule=ns.migration_schedule,
         stragglers=ns.stragglers,
         mtbf_s=mtbf_s,
         plain=ns.plain,
+        json=ns.json,
         warm_start=ns.warm_start,
         preload=ns.preload,
         script=ns.training_script,

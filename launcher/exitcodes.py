@@ -7,6 +7,9 @@
     3       the job cannot go on here: the control plane was lost (the leader's node;
             etcd past --control-outage-timeout), this node was fenced (counted lost while
             cut off or frozen: the others go on), or it failed --health-check
+    4       FAULTS_NOT_FIRED: under --require-faults, no fault asked for (--inject-fault)
+            fired on this node, while the job otherwise finished (a test of recovery that
+            tested nothing)
     75      REQUEUE: stopped for a preemption notice (--signals-to-handle), after the
             workers saved what they could within --preemption-grace: requeue me
     93      GAVE_UP: do not requeue: the restart budget (--max-restarts > 0) is spent, or
@@ -22,5 +25,6 @@ from __future__ import annotations
 
 OK = 0
 JOB_FAILED = 3  # also a failure with no exit code of its own (a hang, a lost node)
+FAULTS_NOT_FIRED = 4
 REQUEUE = 75  # sysexits' EX_TEMPFAIL: "a temporary failure; retry later"
 GAVE_UP = 93

@@ -172,6 +172,12 @@ def parser(environ: Mapping[str, str] | None = None) -> Parser:
         "slow:rank=R,factor=F,at=SECONDS|step=N[,for=SECONDS] (repeatable)",
     )
     add(
+        *_both("--require-faults"),
+        action="store_true",
+        help="exit 4 if no --inject-fault fault fired on this node (a run that finished "
+        "without the failure it was to test)",
+    )
+    add(
         *_both("--max-rejoins"),
         type=int,
         default=3,
@@ -257,6 +263,12 @@ def parser(environ: Mapping[str, str] | None = None) -> Parser:
         "replacement starts there; non-zero exit (or no answer in 60 s): not admitted",
     )
     add("--plain", action="store_true", help="plain output even on a terminal")
+    add(
+        "--json",
+        action="store_true",
+        help="at the end, how the run ended as one JSON object on stdout (exit code, "
+        "failures, faults that never fired) instead of the summary",
+    )
     p.add_argument(
         "training_script", metavar="SCRIPT", help="the training script (or module with -m)"
     )

@@ -20,7 +20,12 @@ from typing import Any
 
 import psutil
 
-from chameleon_runtime.protocol.messages import BEAT_RECORD_BYTES, RecoveryPhase, ScriptBeat
+from chameleon_runtime.protocol.messages import (
+    BEAT_RECORD_BYTES,
+    RecoveryPhase,
+    ScriptBeat,
+    WorkerStatus,
+)
 from launcher.environment import WorkerIdentity, worker_env
 from launcher.faults import ANY, FaultLedger, FaultSpec, Injector
 from launcher.health import HealthCheck
@@ -94,18 +99,15 @@ class LocalGroup:
         self._health_checks: dict[int, tuple[int, Any]] = {}  # rank -> (count, its future)
         self._refused: list[Failure] = []  # replacements the check refused, to report
         ranks = list(range(settings.rank_offset, settings.rank_offset + settings.nproc))
-        injector = Injector(
-            [
-                f
-                for f in faults
-                if f.in_attempt(settings.attempt)
-                and id(f) not in ledger.fired
-                and (f.rank == ANY or self._is_local(f.rank))
-            ],
-            ranks,
-            ledger,
-            settings.attempt,
-        )
+        watched = [
+            f
+            for f in faults
+            if f.in_attempt(settings.attempt)
+            and id(f) not in ledger.fired
+            and (f.rank == ANY or self._is_local(f.rank))
+        ]
+        ledger.watched.update(id(f) for f in watched if f.rank != ANY or not settings.rank_offset)
+        injector = Injector(watched, ranks, ledger, settings.attempt)
         self.injection = FaultInjection(injector, settings, emit)
         self._fault_times: dict[int, float] = {}
         # ranks found stalled (here or by the leader) -> why, when (time.time()), and when
@@ -336,9 +338,27 @@ class LocalGroup:
         """Faults due now, on the workers still running; each hit rank's failure is dated
         from now."""
         alive = {r for r in self.workers if r not in self.failed and r not in self.finished}
+        if self.injection.watches_status():
+            statuses = {**self._beat_steps(statuses), **statuses}
         hit = self.injection.fire(now, statuses, workers=self.workers, alive=alive, view=self.view)
         for rank in hit:
             self._fault_times[rank] = now
+
+    def _beat_steps(self, statuses: dict) -> dict[int, WorkerStatus]:
+        """A plain script's steps, for a ``step=N`` fault: its heartbeats
+        (chameleon_runtime.heartbeat, once a step), so that after N + 1 beats it has run
+        step N. Only the injector sees these: the rank is no runtime worker."""
+        out = {}
+        for rank, worker in self.workers.items():
+            if rank in statuses or rank in self._runtime_ranks:
+                continue
+            beat = _read_beat(worker.beat_file)
+            if beat is not None and beat.pid == worker.pid:
+                out[rank] = WorkerStatus(
+                    pid=beat.pid, beat=beat.beats, phase="train", generation=0,
+                    step=beat.beats, progress=beat.beats,
+                )  # fmt: skip
+        return out
 
     def _statuses(self, now: float) -> dict:
         """This node's workers' statuses: for the hang check every quarter second, and at

@@ -8,7 +8,7 @@ import pytest
 from tests.cli import ROOT, chameleon
 
 TESTBED = str(ROOT / "configs" / "cpu_testbed.toml")
-SCRIPT = str(ROOT / "benchmarks" / "ddp_checkpointed.py")
+SCRIPT = str(ROOT / "tests" / "stdlib_script.py")  # (flags are the subject: no torch)
 
 
 def one_line(result, code: int, *needles: str) -> None:

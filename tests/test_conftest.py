@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from tests.launcher.helpers import running
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -152,6 +154,7 @@ def test_alone(n):
 """
 
 
+@pytest.mark.slow  # (an inner pytest of three processes: 6 s of the fast tier)
 def test_a_solo_test_runs_while_no_other_test_does(pytester, monkeypatch, tmp_path):
     """Under pytest-xdist, a test marked ``solo`` has the machine to itself: no other
     test's time overlaps its own; the ordinary ones do overlap one another."""
