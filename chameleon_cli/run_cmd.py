@@ -43,6 +43,7 @@ def run(ctx: typer.Context) -> None:
     if args.events:
         writable_dir("--events", os.path.dirname(os.path.abspath(args.events)))
     console = Console()
+    console.stdout_to_stderr = args.json  # (stdout: the outcome's JSON object alone)
     mode = choose_mode(json=args.json, plain=args.plain, stream=sys.stderr)
     live = LiveView(RichConsole(file=sys.stderr)) if mode is Mode.RICH else None
     agent = Agent(args, console=console, events_listener=live.on_event if live else None)

@@ -653,20 +653,23 @@ class Agent:
                 f"chameleon: --inject-fault {fault.describe()}: steps and recoveries are those "
                 "that workers report, through chameleon_runtime's API or, from a plain "
                 "script, chameleon_runtime.heartbeat() once a step; this script imports no "
-                "chameleon_runtime, so it may never fire: at=SECONDS fires by the clock"
+                "chameleon_runtime, so it may never fire: at=SECONDS of a named rank fires "
+                "by the clock"
             )
 
     def _finish(self, code: int, reason: str) -> Outcome:
-        never = self.fault_ledger.never_fired(self.args.faults)
+        a, ledger = self.args, self.fault_ledger
+        # This node's faults: those its rounds watched for; on one node, every fault
+        # asked for (one of an attempt that never came included)
+        mine = a.faults if a.max_nodes == 1 else [f for f in a.faults if id(f) in ledger.watched]
+        never = [f for f in mine if id(f) not in ledger.fired]
+        # (the job's own end, for the control plane: another node's exit is its own)
+        self._outcome = (code, reason)
         if never:
             self.events.emit("faults_not_fired", faults=[f.describe() for f in never])
-            if code == 0 and self.args.require_faults and not self.fault_ledger.fired:
-                code, reason = (
-                    FAULTS_NOT_FIRED,
-                    f"{reason}, but no fault fired (--require-faults)",
-                )
+        if code == 0 and a.require_faults and mine and not ledger.fired:
+            code, reason = FAULTS_NOT_FIRED, f"{reason}, but no fault fired (--require-faults)"
         self._ended = True
-        self._outcome = (code, reason)
         self.events.emit("exit", exit_code=code, reason=reason)
         self.events.close()
         return Outcome(exit_code=code, reason=reason, failures=self.failures, run_dir=self.run_dir)

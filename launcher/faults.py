@@ -193,22 +193,18 @@ class FaultLedger:
     # only, where the rank is drawn once): those not fired are told at the end
     watched: set[int] = field(default_factory=set)
 
-    def never_fired(self, faults: Sequence[FaultSpec]) -> list[FaultSpec]:
-        """Of ``faults``, those this node watched for and never fired."""
-        return [f for f in faults if id(f) in self.watched and id(f) not in self.fired]
-
     def recoveries_before(self, attempt: int) -> int:
         return sum(n for a, n in self.recoveries.items() if a < attempt)
 
 
 def unreported(faults: Sequence[FaultSpec], imports: Sequence[str]) -> list[FaultSpec]:
     """The faults that wait for what only a worker that reports can tell (a step, a
-    recovery's phase), given the script's top-level imports (launcher.preload): a script
-    that does not import chameleon_runtime may never report one, and the fault would
-    then never fire."""
+    recovery's phase, a working rank for ``rank=any``), given the script's top-level
+    imports (launcher.preload): a script that does not import chameleon_runtime may
+    never report one, and the fault would then never fire."""
     if any(name.split(":", 1)[0].split(".", 1)[0] == "chameleon_runtime" for name in imports):
         return []
-    return [f for f in faults if f.at_s is None]
+    return [f for f in faults if f.at_s is None or f.rank == ANY]
 
 
 class Injector:

@@ -51,8 +51,11 @@ class FaultInjection:
         workers: Mapping[int, Worker],
         alive: Collection[int],
         view: WorkerStoreView | None,
+        beats: Mapping[int, Any] | None = None,
     ) -> list[int]:
-        """Carry out the faults due now; the ranks they hit."""
+        """Carry out the faults due now; the ranks they hit. ``beats``: plain scripts'
+        steps from their heartbeats, for when a step fault is due only (such a rank is
+        no runtime worker: an exit fault is its SIGTERM)."""
         phase = self.phase
         if phase is None and view is not None and self.injector.pending:
             phase = (
@@ -61,8 +64,9 @@ class FaultInjection:
                 else None
             )
         hit = []
+        seen = {**beats, **statuses} if beats else statuses
         for fault in self.injector.due(
-            now, since_start_s=now - self.started_at, status=statuses, phase=phase, alive=alive
+            now, since_start_s=now - self.started_at, status=seen, phase=phase, alive=alive
         ):
             worker = workers.get(fault.rank)
             if worker is None or worker.poll() is not None:

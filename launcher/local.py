@@ -338,9 +338,10 @@ class LocalGroup:
         """Faults due now, on the workers still running; each hit rank's failure is dated
         from now."""
         alive = {r for r in self.workers if r not in self.failed and r not in self.finished}
-        if self.injection.watches_status():
-            statuses = {**self._beat_steps(statuses), **statuses}
-        hit = self.injection.fire(now, statuses, workers=self.workers, alive=alive, view=self.view)
+        beats = self._beat_steps(statuses) if self.injection.watches_status() else None
+        hit = self.injection.fire(
+            now, statuses, workers=self.workers, alive=alive, view=self.view, beats=beats
+        )
         for rank in hit:
             self._fault_times[rank] = now
 

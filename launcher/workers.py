@@ -82,6 +82,8 @@ class Console:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.write: Callable[[str, bool], None] = self._plain
+        # chameleon run --json: stdout carries the outcome object alone
+        self.stdout_to_stderr = False
         # Set while the job is being interrupted: workers' stderr (each one's
         # KeyboardInterrupt traceback) stays in their logs; the agent says one line per rank.
         self.quiet_errors = False
@@ -96,7 +98,7 @@ class Console:
         if is_err and self.quiet_errors:
             return
         with self._lock:
-            self.write(line, is_err)
+            self.write(line, is_err or self.stdout_to_stderr)
 
     def say(self, line: str) -> None:
         """The launcher's own line, on stderr, even while workers' stderr is quiet."""
