@@ -201,6 +201,10 @@ class Agent:
         if self.link.fenced is not None:
             return  # (the heartbeat and the lease watch may both find it)
         self.link.fence(why)
+        # Told at once, from this thread: the main loop's "fenced" may come late or never
+        # (blocked in a store call), and a cut-off node that was not stopped must show
+        # whether it ever found its lease gone.
+        self.events.emit("lease_lost", detail=why, workers=self._group is not None)
         group = self._group
         if group is not None:
             group.kill_now()

@@ -135,6 +135,7 @@ def why(evs: list[dict]) -> str:
     """What a failed assertion on the rounds shows: the recoveries' events, one JSON line
     each (a string, so pytest prints every reason in full instead of eliding them)."""
     kinds = ("failure", "abort", "decision", "restart", "recovered", "straggler", "fenced")
+    kinds += ("workers_started", "lease_lost", "node_lost", "exit")
     return "\n" + "\n".join(
         json.dumps({k: v for k, v in e.items() if k not in ("plan", "pids")}, default=str)
         for e in evs
