@@ -52,10 +52,15 @@ def timeline_table(events: list[Record]) -> Table:
     )
 
 
+def _in_order(failures: list[Failure]) -> list[Failure]:
+    """As they happened: when each failed, then when it was seen, then by rank."""
+    return sorted(failures, key=lambda f: (f.failed_at, f.detected_at, f.rank))
+
+
 def failures_table(failures: list[Failure], t0: float | None) -> Table:
     cause = root_cause(failures)
     rows = []
-    for f in sorted(failures, key=lambda f: (f.failed_at, f.detected_at, f.rank)):
+    for f in _in_order(failures):
         rows.append(
             [
                 ("* " if f is cause else "") + str(f.rank),
@@ -243,7 +248,7 @@ def outcome_model(
                 "message": f.message,
                 "exit_code": f.exit_code,
             }  # fmt: skip
-            for f in sorted(failures, key=lambda f: (f.failed_at, f.detected_at, f.rank))
+            for f in _in_order(failures)
         ],
         faults_not_fired=faults_not_fired(events),
         recovered_in_place=sum(1 for e in events if e["event"] == "recovered"),

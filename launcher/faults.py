@@ -46,6 +46,7 @@ from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
 from chameleon_runtime.protocol.messages import Keys, RecoveryPhase, WorkerStatus
+from launcher.preload import package_of
 
 PHASES = ("collect", "plan", "confirm", "groups", "migrate")
 _WORKER_PHASES = ("groups", "migrate")  # reported by the rank itself, within confirm
@@ -202,7 +203,7 @@ def unreported(faults: Sequence[FaultSpec], imports: Sequence[str]) -> list[Faul
     recovery's phase, a working rank for ``rank=any``), given the script's top-level
     imports (launcher.preload): a script that does not import chameleon_runtime may
     never report one, and the fault would then never fire."""
-    if any(name.split(":", 1)[0].split(".", 1)[0] == "chameleon_runtime" for name in imports):
+    if any(package_of(name) == "chameleon_runtime" for name in imports):
         return []
     return [f for f in faults if f.at_s is None or f.rank == ANY]
 

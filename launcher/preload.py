@@ -53,6 +53,11 @@ def script_imports(script: Path) -> list[str]:
     return list(dict.fromkeys(names))
 
 
+def package_of(name: str) -> str:
+    """The top-level package of an import as ``script_imports`` gives it (``a.b:name``)."""
+    return name.split(":", 1)[0].split(".", 1)[0]
+
+
 def third_party(names: list[str], script_dir: Path) -> list[str]:
     """Of ``names``, the installed packages that are neither the standard library, ours,
     nor the script's own (found in its folder)."""
@@ -62,7 +67,7 @@ def third_party(names: list[str], script_dir: Path) -> list[str]:
         local |= {p.name for p in script_dir.iterdir() if (p / "__init__.py").exists()}
     kept = []
     for name in names:
-        top = name.split(":", 1)[0].split(".", 1)[0]
+        top = package_of(name)
         if top in sys.stdlib_module_names or top in OURS or top in local:
             continue
         try:
@@ -100,4 +105,4 @@ def _stdlib_only(names: list[str]) -> bool:
     """Every one of ``names`` (a script's top-level imports, read from a file that was
     there to read) is the standard library's: the script imports no torch before its
     first line runs, whatever it does later."""
-    return all(n.split(":", 1)[0].split(".", 1)[0] in sys.stdlib_module_names for n in names)
+    return all(package_of(n) in sys.stdlib_module_names for n in names)
