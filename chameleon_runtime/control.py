@@ -60,12 +60,17 @@ def poison(store: dist.Store, count_key: str, done_key: str, members: int) -> No
     "no". A later poison (another member's watcher, or a second abort) finds the
     agreement decided already; writing "no" then overwrote the "yes" of an agreement that
     held (its arrivals were complete) while slower members had yet to read it, and they
-    resumed a step behind the others (the soak's "survivors disagree on the step")."""
+    resumed a step behind the others (the soak's "survivors disagree on the step").
+
+    When the first poison finds every member arrived, the agreement held, and it writes
+    "yes" itself: the last arrival writes it too, but that member may have died between
+    its add and its set (a kill in a recovery's confirm phase, seen in CI), and the
+    others then waited for a "yes" that never came, with the launcher waiting for them."""
     value = store.add(count_key, -POISON)
     arrived = value % POISON  # arrivals < POISON, so this is their number
     poisons = (arrived - value) // POISON
-    if poisons == 1 and arrived < members:
-        store.set(done_key, "no")
+    if poisons == 1:
+        store.set(done_key, "no" if arrived < members else "yes")
 
 
 class Finished(Exception):  # noqa: N818 - an outcome, not an error

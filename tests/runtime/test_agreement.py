@@ -89,3 +89,18 @@ def test_the_first_poison_decides_an_agreement_that_had_not_held():
     assert store.add("count", 1) != MEMBERS
     poison(store, "count", "done", MEMBERS)
     assert store.get("done") == b"unread"
+
+
+def test_an_abort_decides_held_when_the_last_member_died_before_writing_yes():
+    """The last member's add completed the arrivals, and it was killed before its set of
+    "yes" (a kill in a recovery's confirm phase): the member that arrived first waited on
+    the done key forever, and the launcher waited for it (CI, test_recovery's reserve
+    case). The abort's poison finds every member arrived: the agreement held."""
+    store = _store()
+    for _ in range(MEMBERS):
+        arrived = store.add("count", 1)
+    assert arrived == MEMBERS  # ... and the last one dies here, "yes" unwritten
+    poison(store, "count", "done", MEMBERS)
+    assert store.get("done") == b"yes"
+    poison(store, "count", "done", MEMBERS)  # a second abort changes nothing
+    assert store.get("done") == b"yes"
