@@ -60,6 +60,7 @@ from launcher import recovery as rc
 from launcher.calibration import JobModel
 from launcher.planning import Planner
 from launcher.rejoin import Rejoins
+from launcher.store import drain
 from launcher.stragglers import SpeedWatch, unit_costs
 from launcher.supervisor import Failure, FailureKind, root_cause, summary
 from launcher.watch import Progress
@@ -530,8 +531,7 @@ class Coordinator:
         self.store.set(self.keys.respawn(rank), self.seal.seal(str(count)))
 
     def _inbox(self) -> list[bytes]:
-        n = self.store.queue_len(self.keys.inbox)
-        return [self.store.queue_pop(self.keys.inbox, block=False) for _ in range(n)]
+        return drain(self.store, self.keys.inbox)
 
     # -- planning (the planner runs on its own thread) ------------------------------------
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import TypeVar
 
-from launcher.store import StoreError
+from launcher.store import QueueEmpty, StoreError
 
 T = TypeVar("T")
 
@@ -285,6 +285,8 @@ class EtcdStore:
 
     def queue_pop(self, key: str, block: bool = False) -> bytes:
         head = self.add(f"{key}/head", 0)
+        if not block and head >= self.add(f"{key}/tail", 0):
+            raise QueueEmpty(f"queue {key!r} is empty")  # (as a TCPStore's, at once)
         deadline = time.monotonic() + 5.0  # the pusher took the slot and writes it next
         while (item := self._get(f"{key}/{head}")) is None:
             if not block and time.monotonic() > deadline:

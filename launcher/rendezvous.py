@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from launcher.args import RunArgs
 
 from chameleon_runtime.protocol.seal import Seal
-from launcher.store import StoreError, connect_store, get_json, host_store, put_json
+from launcher.store import StoreError, connect_store, drain, get_json, host_store, put_json
 from launcher.supervisor import Failure
 
 RUN_ID_KEY = "chameleon/run_id"
@@ -410,8 +410,8 @@ class ControlPlane:
     def kill_requests(self, attempt: int) -> list[tuple[int, str, float]]:
         name = self._k(f"r{attempt}/kill/{self.key}")
         out = []
-        for _ in range(self.store.queue_len(name)):
-            body = self.seal.open(self.store.queue_pop(name, block=False), name)
+        for raw in drain(self.store, name):
+            body = self.seal.open(raw, name)
             if body is None:
                 continue
             rank, reason, silent_s = json.loads(body)

@@ -30,6 +30,28 @@ class StoreError(RuntimeError):
     """The store could not be hosted or reached; ``str()`` is one line."""
 
 
+class QueueEmpty(StoreError):
+    """A queue popped without blocking had nothing in it (launcher/etcd.py's queues; a
+    TCPStore raises torch's QueueEmptyError)."""
+
+
+def drain(store: Any, key: str) -> list[bytes]:
+    """Everything queued at ``key`` now, in order, on a TCPStore or an EtcdStore. Popped
+    until empty rather than counted first: TCPStore's ``queue_len`` holds the GIL while it
+    waits for its answer, with no timeout, and across a partition the answer never comes;
+    every other thread of the process stopped with it, the lease watch that was to fence
+    the node among them (CI: a cut-off agent ran on for 60 s; measured on torch 2.13, and
+    a non-blocking ``queue_pop`` releases the GIL and times out)."""
+    from torch.distributed import QueueEmptyError
+
+    items = []
+    while True:
+        try:
+            items.append(store.queue_pop(key, block=False))
+        except (QueueEmptyError, QueueEmpty):
+            return items
+
+
 def is_loopback(addr: str) -> bool:
     try:
         return ipaddress.ip_address(addr).is_loopback

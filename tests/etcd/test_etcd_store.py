@@ -11,6 +11,7 @@ from chameleon_runtime.protocol.seal import Seal
 from launcher.etcd import EtcdStore, parse_endpoints
 from launcher.etcd_control import EtcdControlPlane
 from launcher.rendezvous import RendezvousError
+from launcher.store import QueueEmpty, drain
 from tests.clock import budget
 
 # real processes, seconds each: the full suite (CI) runs them, the fast tier does not
@@ -41,6 +42,13 @@ def test_queue_keeps_order_and_leaves_no_items(etcd):
     assert [store.queue_pop("q") for _ in range(3)] == [b"a", b"b", b"c"]
     assert store.queue_len("q") == 0
     assert sorted(store.keys("q/")) == ["q/head", "q/tail"]
+    # drained without counting first (launcher/store.py drain), as a TCPStore's queue is
+    for item in ("d", "e"):
+        store.queue_push("q", item)
+    assert drain(store, "q") == [b"d", b"e"]
+    assert drain(store, "q") == []
+    with pytest.raises(QueueEmpty):  # (not "slot never written": nobody took one)
+        store.queue_pop("q", block=False)
 
 
 @pytest.mark.timeout(60)  # 8 s measured

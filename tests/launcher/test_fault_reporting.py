@@ -19,13 +19,19 @@ SILENT = """
         time.sleep(0.05)
 """
 
-# the same loop, beating once a step
+# the same loop, beating once a step; the first attempt waits after its 11th beat for
+# the fault due there (the agent reads beats every quarter second, and a launcher starved
+# of a core for the loop's last second saw it end first: the fault never fired)
 BEATING = """
+    import os
     import time
     import chameleon_runtime
-    for step in range(40):
+    first = os.environ["TORCHELASTIC_RESTART_COUNT"] == "0"
+    for step in range(20):
         time.sleep(0.05)
         chameleon_runtime.heartbeat()
+        if first and step == 10:
+            time.sleep(60)  # (killed here: the test's own timeout is the bound)
 """
 
 

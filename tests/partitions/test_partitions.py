@@ -20,6 +20,7 @@ import pytest
 from tests import references
 from tests.clock import budget
 from tests.launcher.helpers import (
+    ask_for_stacks,
     chameleon_cmd,
     env,
     events,
@@ -162,9 +163,15 @@ def partition(
         # written past it.
         deadline = time.monotonic() + budget(60)
         while any(running(p) for p in cut_pids):
-            assert time.monotonic() < deadline, (
-                "the cut-off workers were not stopped while cut off" + why(job.events(names[cut]))
-            )
+            if time.monotonic() > deadline:
+                # where each of its threads waits: in the log, with its events
+                ask_for_stacks(job.procs[names[cut]].pid)
+                raise AssertionError(
+                    "the cut-off workers were not stopped while cut off"
+                    + why(job.events(names[cut]))
+                    + "\nits agent's log:\n"
+                    + (job.tmp / f"{names[cut]}.log").read_text()[-12000:]
+                )
             time.sleep(0.05)
         stopped_in = time.time() - cut_at
     deadline = time.monotonic() + budget(120)
