@@ -14,6 +14,7 @@ the bridge (a veth goes with its namespace), so runs side by side do not meet.
 
 from __future__ import annotations
 
+import itertools
 import os
 import secrets
 import shutil
@@ -51,19 +52,29 @@ def mine(name: str) -> bool:
     return name.startswith("ch") and name[3:7] == OWNER
 
 
+# This process's nets, numbered: a random tag of one byte met the previous test's net,
+# whose veth the kernel was still removing with its namespace ("File exists", seen in a
+# run of tests/partitions).
+_made_here = itertools.count()
+
+
 class Net:
     def __init__(self, nodes: int) -> None:
-        tag = OWNER + secrets.token_hex(1)
-        self.subnet = f"10.{200 + secrets.randbelow(50)}.{secrets.randbelow(256)}"
-        self.bridge = f"chb{tag}"
-        self.namespaces = [f"chn{tag}{i}" for i in range(nodes)]
-        self.links = [f"chv{tag}{i}" for i in range(nodes)]
-        self._made: list[str] = []
-        try:
-            self._build()
-        except Exception:
-            self.close()
-            raise
+        for attempt in range(4):
+            tag = OWNER + f"{next(_made_here) % 256:02x}"
+            self.subnet = f"10.{200 + secrets.randbelow(50)}.{secrets.randbelow(256)}"
+            self.bridge = f"chb{tag}"
+            self.namespaces = [f"chn{tag}{i}" for i in range(nodes)]
+            self.links = [f"chv{tag}{i}" for i in range(nodes)]
+            self._made: list[str] = []
+            try:
+                self._build()
+                return
+            except Exception as exc:
+                self.close()
+                # a name another run of this pid's number left (pid reuse): the next one
+                if "File exists" not in str(exc) or attempt == 3:
+                    raise
 
     @property
     def hub(self) -> str:
@@ -81,6 +92,7 @@ class Net:
             _ip("netns", "add", ns)
             self._made.append(ns)
             _ip("link", "add", link, "type", "veth", "peer", "name", f"{link}p")
+            self._made.append(link)  # (it goes with its namespace once its peer is there)
             _ip("link", "set", f"{link}p", "netns", ns)
             _ip("link", "set", f"{link}p", "name", "eth0", ns=ns)
             _ip("addr", "add", f"{self.ip(i)}/24", "dev", "eth0", ns=ns)
@@ -102,7 +114,7 @@ class Net:
 
     def close(self) -> None:
         for name in reversed(self._made):
-            if name == self.bridge:
+            if name == self.bridge or name in self.links:  # (a veth: gone already, or not)
                 subprocess.run(["ip", "link", "del", name], capture_output=True)
             else:
                 subprocess.run(["ip", "netns", "del", name], capture_output=True)
