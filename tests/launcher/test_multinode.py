@@ -349,7 +349,7 @@ def test_a_hot_spare_node_takes_a_lost_nodes_ranks_in_place(tmp_path):
     common = [
         "run", "--nnodes", "2:2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
         "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "spare",
-        "--heartbeat-timeout", "2",
+        "--heartbeat-timeout", "3",  # (a lease a loaded host meets: 2 s is not)
     ]  # fmt: skip
     args = [MLP, "--steps", str(steps), "--stages", "1", "--dump", str(tmp_path / "dump")]
     env = {"MLP_STEP_SLEEP_S": "0.1"}
