@@ -93,10 +93,13 @@ def test_under_plain_torchrun_the_same_loop_trains_the_same_weights(tmp_path, re
     assert_same(reference, dumps(out))
 
 
+# Rank 0 too: the rank a user kills first, and the one a script's habits single out
+# (logging, saving): its replacement must not train on alone, nor be the job's only end.
+@pytest.mark.parametrize("rank", [1, 0])
 @pytest.mark.timeout(60)  # 8 s measured
-def test_a_killed_worker_is_recovered_in_place(tmp_path, reference):
+def test_a_killed_worker_is_recovered_in_place(tmp_path, reference, rank):
     weights, evs = train(
-        tmp_path, "kill", "--max-rejoins", "0", "--inject-fault", "kill:rank=1,step=5"
+        tmp_path, "kill", "--max-rejoins", "0", "--inject-fault", f"kill:rank={rank},step=5"
     )
     assert_same(reference, weights)
     (recovered,) = named(evs, "recovered")
