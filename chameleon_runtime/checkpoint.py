@@ -47,7 +47,14 @@ def save_layers(root: Path, step: int, shard: Shard, layers: list[int]) -> None:
 
 
 def publish(root: Path, step: int, num_layers: int) -> None:
-    """Point ``latest`` at a complete step and prune older ones (chief only)."""
+    """Point ``latest`` at a complete step and prune older ones (chief only). Never back
+    to an older step: a node cut off on etcd may still complete (and save) the step in
+    flight at the cut in the moment after the heal, before it learns it was fenced
+    (docs/clusters.md), while the others have saved later ones. (A guard, not a fencing
+    token: two writers at the same moment can still race.)"""
+    current = latest(root)
+    if current is not None and current > step:
+        return
     _atomic_write_bytes(
         root / "latest", json.dumps({"step": step, "num_layers": num_layers}).encode()
     )

@@ -48,29 +48,18 @@ def failpoints() -> frozenset[str]:
 FAILPOINT_WAIT = timedelta(seconds=2)
 # What a store that stopped answering raises (a reset connection, a timed-out wait).
 STORE_LOST = (dist.DistNetworkError, dist.DistStoreError)
-# Far beyond any number of members: a poisoned counter never reaches it again.
-POISON = 1 << 40
 
 
-def poison(store: dist.Store, count_key: str, done_key: str, members: int) -> None:
-    """End an agreement that has not held yet; a no-op when it already has.
-
-    The counter holds arrivals - poisons * POISON. Only the first poison decides: when
-    it finds fewer arrivals than members, no later arrival can make them, and it writes
-    "no". A later poison (another member's watcher, or a second abort) finds the
-    agreement decided already; writing "no" then overwrote the "yes" of an agreement that
-    held (its arrivals were complete) while slower members had yet to read it, and they
-    resumed a step behind the others (the soak's "survivors disagree on the step").
-
-    When the first poison finds every member arrived, the agreement held, and it writes
-    "yes" itself: the last arrival writes it too, but that member may have died between
-    its add and its set (a kill in a recovery's confirm phase, seen in CI), and the
-    others then waited for a "yes" that never came, with the launcher waiting for them."""
-    value = store.add(count_key, -POISON)
-    arrived = value % POISON  # arrivals < POISON, so this is their number
-    poisons = (arrived - value) // POISON
-    if poisons == 1:
-        store.set(done_key, "no" if arrived < members else "yes")
+def poison(store: dist.Store, done_key: str) -> None:
+    """End an agreement that has not held yet: its done key is written once (compare_set),
+    by whichever comes first, the last arrival's "yes" or a poison's "no", and every
+    member reads that one value, so an agreement holds for all of its members or for none.
+    Any poisoner may write it, so no single member's death leaves it undecided. Before,
+    the counter was poisoned first and the first poison alone wrote the result: killed
+    between the two, or the last arrival killed between its add and its "yes", it left
+    the others waiting on the done key forever (CI: a kill in a recovery's confirm
+    phase, and the launcher's collect waited for them)."""
+    store.compare_set(done_key, "", "no")
 
 
 class Finished(Exception):  # noqa: N818 - an outcome, not an error
@@ -96,9 +85,7 @@ class Agreed(NamedTuple):
 @dataclass(frozen=True)
 class _Pending:
     generation: int
-    count_key: str
     done_key: str
-    members: int
 
 
 class Control:
@@ -214,21 +201,22 @@ class Control:
     # -- agreements ----------------------------------------------------------------------
 
     def agree(self, generation: int, name: str, members: int) -> Agreed:
-        """Held when every member arrived before the generation was aborted (then it holds
-        for all of them), not held when it was aborted first (for none of them)."""
+        """Held when every member arrived before an abort of the generation poisoned it (then
+        it holds for all of them), not held when the poison came first (for none of them):
+        one write decides (``poison``)."""
         count_key = self.keys.agreement(generation, name)
         done_key = self.keys.agreement_done(generation, name)
         arrived = self.store.add(count_key, 1)
-        if arrived == members:
-            self.store.set(done_key, "yes")
-            return Agreed(held=True, last=True)
-        pending = _Pending(generation, count_key, done_key, members)
+        if arrived == members:  # held, unless a poison wrote first (``poison``)
+            decided = self.store.compare_set(done_key, "", "yes")
+            return Agreed(held=decided == b"yes", last=True)
+        pending = _Pending(generation, done_key)
         with self._lock:
             self._pending = pending
             aborted = self.interrupts.aborted(generation)
         try:
             if aborted:  # the abort came before we were registered: poison it ourselves
-                poison(self.store, count_key, done_key, members)
+                poison(self.store, done_key)
             with (
                 self.status.waiting("agree", name=name),
                 self.stop_signals.blocked(f"its peers ({name})"),
@@ -244,7 +232,7 @@ class Control:
         with self._lock:
             pending = self._pending
         if pending is not None and pending.generation <= generation:
-            poison(store, pending.count_key, pending.done_key, pending.members)
+            poison(store, pending.done_key)
 
     # -- plans ---------------------------------------------------------------------------
 

@@ -62,9 +62,10 @@ control = ControlPlane(
 )
 fenced = threading.Event()
 link = ControlLink(300.0, lambda *a, **k: None, lambda line: None)
-link.watch_lease(0.5, control.endpoint, lambda why: fenced.set(), threading.Event())
 print("ready", flush=True)
 sys.stdin.readline()  # the store's server is frozen now
+# (the lease starts now: started before the freeze, it could run out before the call)
+link.watch_lease(0.5, control.endpoint, lambda why: fenced.set(), threading.Event())
 started = time.monotonic()
 
 def told():
@@ -115,6 +116,7 @@ def test_the_loops_store_calls_across_a_frozen_store_leave_the_lease_watch_runni
             raise AssertionError("the agent's threads stopped inside a store call") from None
         said = agent.stdout.read().strip()
         assert said.startswith("fenced after"), said
+        assert float(said.split()[2]) >= 0.4  # by the lease, with the call under way
     finally:
         for p in (agent, server):
             if p is not None:

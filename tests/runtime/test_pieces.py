@@ -75,6 +75,9 @@ def test_checkpoints_are_complete_or_absent(tmp_path):
         checkpoint.publish(tmp_path, step, 2)
     assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_000008", "step_000011"]
     assert not list(tmp_path.glob("**/*.tmp*"))
+    # a late publish of an older step (a fenced node's, after a heal) moves nothing back
+    checkpoint.publish(tmp_path, 8, 2)
+    assert checkpoint.latest(tmp_path) == 11
 
 
 def _plan():
@@ -201,20 +204,28 @@ def test_an_agreement_holds_for_all_or_for_none_and_an_abort_ends_the_wait():
         abort(0)
         thread.join(timeout=5)
         assert outcome == [False]
-        # ...and the other member, arriving now, must not take itself for the last.
-        assert master.add(keys.agreement(0, "commit/7"), 1) != 2
+        # ...and the other member, arriving now, completes the count but its "yes" is
+        # not the write: it reads "no" too (chameleon_runtime.control.poison).
+        assert master.add(keys.agreement(0, "commit/7"), 1) == 2
+        assert master.compare_set(keys.agreement_done(0, "commit/7"), "", "yes") == b"no"
         # The other member arrives last, and an abort comes before it writes the result:
-        # the counter decides, so the step is applied here as it is there.
+        # the poison's "no" is the write, so the step is dropped there as it is here.
         thread, outcome = in_background(1, "commit/8")
         assert master.add(keys.agreement(1, "commit/8"), 1) == 2
         abort(1)
-        time.sleep(0.1)
-        master.set(keys.agreement_done(1, "commit/8"), "yes")
+        thread.join(timeout=5)
+        assert outcome == [False]
+        assert master.compare_set(keys.agreement_done(1, "commit/8"), "", "yes") == b"no"
+        # The other member's "yes" comes first: held, for both.
+        thread, outcome = in_background(2, "commit/9")
+        assert master.add(keys.agreement(2, "commit/9"), 1) == 2
+        assert master.compare_set(keys.agreement_done(2, "commit/9"), "", "yes") == b"yes"
         thread.join(timeout=5)
         assert outcome == [True]
+        abort(2)  # (a late abort changes nothing)
         # A member arriving after the abort is already known: not held, no waiting.
         assert control.interrupts.aborted(1)
-        assert not control.agree(1, "commit/9", 2).held
+        assert not control.agree(1, "commit/10", 2).held
     finally:
         control.close()
 
