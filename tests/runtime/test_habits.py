@@ -84,19 +84,47 @@ def assert_close(reference: dict[str, list[float]], state: dict[str, list[float]
         assert diff <= rel * size, f"{key}: {diff / size:.3g} relative"
 
 
-@pytest.mark.parametrize("habit", [h for h in HABITS if h != "two_backwards"])
-@pytest.mark.timeout(90)  # 20 s measured
+# The habits whose kill CI runs: one of each way a habit touches what a recovery hands
+# over (buffers, unused parameters, several optimizers, loader processes, a compiled
+# module, a scaler's state, the script's own collectives, reentrant checkpointing, kept
+# gradients), each rank killed in some. The others' kills are the same recovery of the
+# same state: scripts/soak.sh runs them (every habit's failure-free run is in CI, below).
+KILLED_IN_CI = {
+    "plain", "keep_grads", "checkpointing", "unused", "batchnorm", "two_optimizers",
+    "loader_workers", "compile", "fp16_scaler", "user_collectives",
+}  # fmt: skip
+assert not KILLED_IN_CI - set(HABITS), KILLED_IN_CI - set(HABITS)
+
+
+@pytest.mark.timeout(120)  # 30 s measured (the two launches of every habit)
+def test_every_habit_trains_as_ddp_does(under_torchrun):
+    done, ddp = under_torchrun["ddp"]
+    assert done.returncode == 0, done.stderr[-2000:]
+    done, ours = under_torchrun["chameleon"]
+    assert done.returncode == 0, done.stderr[-2000:]
+    for habit in HABITS:
+        if habit == "two_backwards":  # (held to one process instead, below)
+            continue
+        rel = FLOAT32_TOLERANCE if habit in FLOAT32 else TOLERANCE
+        assert sorted(ours[habit]) == [0, 1], habit
+        for state in ours[habit].values():
+            assert_close(ddp[habit][0], state, rel)
+
+
+@pytest.mark.parametrize(
+    "habit",
+    [
+        h if h in KILLED_IN_CI else pytest.param(h, marks=pytest.mark.soak)
+        for h in HABITS
+        if h != "two_backwards"
+    ],
+)
+@pytest.mark.timeout(90)  # 8 s measured, besides the shared launches under torchrun
 def test_a_habit_trains_as_ddp_does_through_a_kill(tmp_path, under_torchrun, habit):
     rel = FLOAT32_TOLERANCE if habit in FLOAT32 else TOLERANCE
     done, ddp = under_torchrun["ddp"]
     assert done.returncode == 0, done.stderr[-2000:]
     reference = ddp[habit][0]
-    done, ours = under_torchrun["chameleon"]
-    assert done.returncode == 0, done.stderr[-2000:]
-    ours = ours[habit]
-    assert sorted(ours) == [0, 1]
-    for state in ours.values():
-        assert_close(reference, state, rel)
     # Killed: rank 0 (the first micro-batch's holder, the buffers' source, the saver)
     # for every other habit and the script's own collectives, rank 1 for the rest.
     kill = 0 if habit == "user_collectives" else HABITS.index(habit) % 2
