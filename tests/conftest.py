@@ -20,9 +20,6 @@ end within, and, when it fails, the tail of its job's logs where CI's last lines
   ``TMPDIR`` at a folder of its own for everything it starts and removes it when the
   suite passed (a failed suite's stays, for its workers' logs, until the next suite
   starts), so that runs of the suite do not pile up folders in /tmp.
-- **Order.** The test files go to pytest-xdist's workers longest first (their seconds in
-  tests/file_seconds.json, written by scripts/file_seconds.py from a run's JUnit report),
-  so that the run does not end with one long file on one worker while the other idles.
 - **Logs.** A failed test's report carries the tails of the newest logs in its
   ``tmp_path`` (launcher output, event logs); the run's summary repeats them just before
   pytest's short summary, the last lines CI prints.
@@ -32,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import json
 import os
 import shutil
 import signal
@@ -86,30 +82,6 @@ def _remove_old_scratch() -> None:
         pid = folder.name[len(SCRATCH_PREFIX) :].split("-")[0]
         if pid.isdigit() and not psutil.pid_exists(int(pid)):
             shutil.rmtree(folder, ignore_errors=True)
-
-
-FILE_SECONDS = Path(__file__).with_name("file_seconds.json")
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Longest files first, each file's tests together and in their own order (a module's
-    fixtures stay shared). xdist's workers each collect and check they agree: the order
-    depends only on the table and the collection. A file the table lacks goes last."""
-    try:
-        seconds = json.loads(FILE_SECONDS.read_text())
-    except (OSError, ValueError):
-        return
-    root = config.rootpath
-
-    def weight(item: pytest.Item) -> float:
-        with contextlib.suppress(ValueError):
-            return float(seconds.get(item.path.relative_to(root).as_posix(), 0.0))
-        return 0.0
-
-    first = {}
-    for i, item in enumerate(items):
-        first.setdefault(item.path, i)
-    items.sort(key=lambda item: (-weight(item), first[item.path]))
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
