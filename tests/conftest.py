@@ -128,15 +128,23 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 LOCKS_ENV = "CHAMELEON_TEST_LOCKS"
 
 
-@contextlib.contextmanager
-def _turn(folder: str, solo: bool):
+def _enter(folder: str, solo: bool) -> contextlib.ExitStack:
     """The room: shared by ordinary tests, exclusive for a solo one. The gate before it
     keeps a waiting solo test from being overtaken forever (a worker that ends a test
     takes the room again at once otherwise)."""
-    with contextlib.ExitStack() as room:
-        with locked(os.path.join(folder, "gate")):
-            room.enter_context(locked(os.path.join(folder, "room"), shared=not solo))
-        yield
+    room = contextlib.ExitStack()
+    with locked(os.path.join(folder, "gate")):
+        room.enter_context(locked(os.path.join(folder, "room"), shared=not solo))
+    return room
+
+
+def _solo(item: pytest.Item | None) -> bool:
+    return item is not None and item.get_closest_marker("solo") is not None
+
+
+# A solo test followed by another keeps the room for it: given back in between, the
+# other worker takes it for one of its tests, which the next solo test waits out idle.
+_kept: list[contextlib.ExitStack] = []
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)
@@ -146,8 +154,14 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
     folder = os.environ.get(LOCKS_ENV)
     if not folder or not os.environ.get("PYTEST_XDIST_WORKER"):
         return (yield)
-    with _turn(folder, item.get_closest_marker("solo") is not None):
+    room = _kept.pop() if _kept else _enter(folder, _solo(item))
+    try:
         return (yield)
+    finally:
+        if _solo(item) and _solo(nextitem):
+            _kept.append(room)
+        else:
+            room.close()
 
 
 @pytest.fixture(scope="session", autouse=True)
