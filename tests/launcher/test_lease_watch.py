@@ -87,6 +87,17 @@ time.sleep(120)
 """
 
 
+def stopped(pid: int) -> bool:
+    """Every thread of ``pid`` stopped by a signal (Linux: state T in /proc)."""
+    from pathlib import Path
+
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        state = (task / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        if state not in ("T", "t"):
+            return False
+    return True
+
+
 @pytest.mark.slow  # two interpreters importing torch
 @pytest.mark.timeout(60)  # 5 s measured
 def test_the_loops_store_calls_across_a_frozen_store_leave_the_lease_watch_running():
@@ -108,6 +119,13 @@ def test_the_loops_store_calls_across_a_frozen_store_leave_the_lease_watch_runni
         )
         assert agent.stdout.readline().strip() == "ready"
         os.kill(server.pid, signal.SIGSTOP)
+        # Stopped once every thread of it is: kill() returns before that, and on a busy
+        # host the server's thread answered the agent's first call in between (CI, a
+        # core kept busy: "the call returned").
+        deadline = time.monotonic() + 10.0
+        while not stopped(server.pid):
+            assert time.monotonic() < deadline, "the store's server did not stop"
+            time.sleep(0.01)
         agent.stdin.write("go\n")
         agent.stdin.flush()
         try:

@@ -152,7 +152,14 @@ def test_with_stragglers_off_a_slowed_worker_is_told_not_planned_around(tmp_path
         tmp_path, "off", "--stragglers", "off",
         "--inject-fault", "slow:rank=1,factor=3,step=15,for=3",
     )  # fmt: skip
-    assert [e["rank"] for e in log if e["event"] == "straggler"] == [1]
+    (began,) = [e for e in log if e["event"] == "fault_injected"]
+    (ended,) = [e for e in log if e["event"] == "slowdown_ended"]
+    told = [e for e in log if e["event"] == "straggler"]
+    # Told, and once while it lasted. (A telling after it is the host's: with a core kept
+    # busy by another process, the worker that shares its core is slower, and is told so;
+    # CI saw rank 1 at 1.58x 0.3 s after the injected slowdown had ended.)
+    assert told and told[0]["rank"] == 1 and told[0]["t"] >= began["t"]
+    assert [e for e in told[1:] if e["t"] <= ended["t"]] == []
     assert moves(log) == []
 
 
