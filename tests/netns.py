@@ -8,8 +8,9 @@
 
 ``cut(i)`` takes node i's link down on the hub's side: every packet to and from the node is
 dropped (connections hang, as in a real partition, rather than being refused); ``heal(i)``
-brings it back. Every name carries its process's id and a number, and ``close()`` removes the namespaces and
-the bridge (a veth goes with its namespace), so runs side by side do not meet.
+brings it back. Every name carries its process's id and a number, and ``close()`` removes
+the namespaces and the bridge (a veth goes with its namespace), so runs side by side do not
+meet.
 """
 
 from __future__ import annotations

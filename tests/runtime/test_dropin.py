@@ -36,6 +36,11 @@ TOLERANCE = 1e-6
 pytestmark = pytest.mark.slow
 
 
+def example(steps: int, dump: Path) -> list[str]:
+    """The example's command line as every run here trains it (float64, MODEL)."""
+    return [EXAMPLE, "--steps", str(steps), *MODEL, "--float64", "--dump", str(dump)]
+
+
 def train(tmp: Path, name: str, *flags: str, workers: int = 4, steps: int = STEPS):
     """(weights' fingerprints per rank that finished, events). ``flags`` go to chameleon
     run; after a "--", to the script."""
@@ -45,8 +50,7 @@ def train(tmp: Path, name: str, *flags: str, workers: int = 4, steps: int = STEP
     cut = flags.index("--") if "--" in flags else len(flags)
     result = run(
         "run", "--standalone", "--nproc-per-node", str(workers), "--events", str(log),
-        *flags[:cut], EXAMPLE, "--steps", str(steps), *MODEL, "--float64", "--dump",
-        str(out / "dump"), *flags[cut + 1 :], cwd=out, timeout=240,
+        *flags[:cut], *example(steps, out / "dump"), *flags[cut + 1 :], cwd=out, timeout=240,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     assert leftovers(out) == [], "workers outlived the launcher"
@@ -89,7 +93,7 @@ def test_under_plain_torchrun_the_same_loop_trains_the_same_weights(tmp_path, re
     out.mkdir()
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-         EXAMPLE, "--steps", str(STEPS), *MODEL, "--float64", "--dump", str(out / "dump")],
+         *example(STEPS, out / "dump")],
         cwd=out, capture_output=True, text=True, timeout=240,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )  # fmt: skip
@@ -183,7 +187,7 @@ def test_a_replacement_heals_from_a_live_member_and_trains_on(tmp_path, long_ref
 
 @pytest.mark.timeout(150)  # 47 s measured
 def test_a_lost_node_is_recovered_in_place(tmp_path, long_reference):
-    args = [EXAMPLE, "--steps", str(LONG), *MODEL, "--float64", "--dump", str(tmp_path / "dump")]
+    args = example(LONG, tmp_path / "dump")
     evs = lose_node_1(tmp_path, args, flags=("--max-rejoins", "0"))
     assert [e["node"] for e in evs if e["event"] == "node_lost"] == [1]
     assert [e["attempt"] for e in named(evs, "workers_started")] == [0]  # in place
