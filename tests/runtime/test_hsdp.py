@@ -1,6 +1,6 @@
 """A sharded model on the drop-in API (chameleon_runtime.sharding): HSDP, 2 replica groups
 of 2 shards, float64. The drop-in's run must train the weights plain HSDP trains (FSDP2 on
-a 2-D mesh under torchrun), under torchrun and under chameleon run.
+a 2-D mesh under torchrun), under chameleon run (and under torchrun: scripts/soak.sh).
 tests/runtime/hsdp_script.py is the loop.
 """
 
@@ -103,19 +103,34 @@ def free_run(tmp_path_factory):
     return get
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(90)  # 23 s measured
-def test_the_drop_in_trains_what_plain_hsdp_trains(tmp_path, free_run):
-    done, plain = torchrun(tmp_path, "plain", "plain")
+@pytest.fixture(scope="module")
+def plain_hsdp(tmp_path_factory) -> dict:
+    """Plain HSDP (FSDP2 on a 2-D mesh) under torchrun: rank -> state."""
+    tmp = tmp_path_factory.mktemp("plain")
+    done, plain = torchrun(tmp, "plain", "plain")
     assert done.returncode == 0, done.stderr[-3000:]
     assert sorted(plain) == [0, 1, 2, 3]
-    done, under_torchrun = torchrun(tmp_path, "torchrun", "dropin")
-    assert done.returncode == 0, done.stderr[-3000:]
-    under_chameleon = free_run()
     for rank in range(4):
         assert relative(plain[0], plain[rank]) == 0.0  # every rank holds the same model
-        assert relative(plain[0], under_torchrun[rank]) <= TOLERANCE
-        assert relative(plain[0], under_chameleon[rank]) <= TOLERANCE
+    return plain
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)  # 23 s measured
+def test_the_drop_in_trains_what_plain_hsdp_trains(plain_hsdp, free_run):
+    under_chameleon = free_run()
+    for rank in range(4):
+        assert relative(plain_hsdp[0], under_chameleon[rank]) <= TOLERANCE
+
+
+@pytest.mark.slow
+@pytest.mark.soak  # (scripts/soak.sh: the drop-in under torchrun is in CI, test_habits)
+@pytest.mark.timeout(90)  # 12 s measured
+def test_under_plain_torchrun_the_drop_in_trains_what_plain_hsdp_trains(tmp_path, plain_hsdp):
+    done, under_torchrun = torchrun(tmp_path, "torchrun", "dropin")
+    assert done.returncode == 0, done.stderr[-3000:]
+    for rank in range(4):
+        assert relative(plain_hsdp[0], under_torchrun[rank]) <= TOLERANCE
 
 
 @pytest.mark.slow
@@ -304,31 +319,42 @@ def test_a_lost_node_takes_its_replica_group_and_the_job_goes_on(tmp_path, free_
         assert relative(free[0], survived[rank]) <= TOLERANCE
 
 
+HF_FLAGS = (
+    "--shards", "2", "--float64", "--steps", "8", "--global-batch", "64",
+    "--micro-batch", "8", "--seq-len", "32", "--checkpoint-every", "3",
+)  # fmt: skip
+
+
+def train_hf(tmp: Path, name: str, *launch: str):
+    """examples/train_hf.py --shards 2 (GPT-2, float64) on 4 workers, saving with
+    torch.distributed.checkpoint every 3 steps. (Sequences of 32 and 8 steps: the same
+    paths, less work.)"""
+    return run(
+        "run", "--standalone", "--nproc-per-node", "4", "--max-rejoins", "0",
+        "--events", str(tmp / f"{name}.events"), *launch, HF, *HF_FLAGS,
+        "--checkpoint-dir", str(tmp / f"{name}.ckpt"), "--dump", str(tmp / name),
+        cwd=tmp, timeout=300,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def free_hf(tmp_path_factory) -> dict:
+    """train_hf's failure-free weights: rank -> weights."""
+    pytest.importorskip("transformers")
+    tmp = tmp_path_factory.mktemp("free_hf")
+    done = train_hf(tmp, "free")
+    assert done.returncode == 0, done.stderr[-3000:]
+    return {r: out["weights"] for r, out in rank_outputs(tmp, "free").items()}
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(120)  # 33 s measured
-def test_every_holder_of_a_shard_lost_restarts_from_the_checkpoint_and_says_so(tmp_path):
-    """examples/train_hf.py --shards 2 (GPT-2, float64) saving with
-    torch.distributed.checkpoint every 3 steps; ranks 1 and 3 (shard 1 of both groups)
-    killed at step 4: nothing in place can go on, the launcher restarts, the job resumes
-    from step 3's checkpoint and ends with the failure-free weights. And rank 1 alone
-    killed, --policy reparallelize: re-sharded in place, the failure-free weights.
-    (Sequences of 32 and 8 steps: the same paths, less work.)"""
-    pytest.importorskip("transformers")
-    common = ["--shards", "2", "--float64", "--steps", "8", "--global-batch", "64"]
-    common += ["--micro-batch", "8", "--seq-len", "32", "--checkpoint-every", "3"]
-
-    def train(name: str, *launch: str):
-        return run(
-            "run", "--standalone", "--nproc-per-node", "4", "--max-rejoins", "0",
-            "--events", str(tmp_path / f"{name}.events"), *launch, HF, *common,
-            "--checkpoint-dir", str(tmp_path / f"{name}.ckpt"), "--dump", str(tmp_path / name),
-            cwd=tmp_path, timeout=300,
-        )  # fmt: skip
-
-    done = train("free")
-    assert done.returncode == 0, done.stderr[-3000:]
-    done = train(
-        "lost", "--max-restarts", "1",
+def test_every_holder_of_a_shard_lost_restarts_from_the_checkpoint_and_says_so(tmp_path, free_hf):
+    """GPT-2 sharded in 2 (train_hf): ranks 1 and 3 (shard 1 of both groups) killed at
+    step 4: nothing in place can go on, the launcher restarts, the job resumes from step
+    3's checkpoint and ends with the failure-free weights."""
+    done = train_hf(
+        tmp_path, "lost", "--max-restarts", "1",
         "--inject-fault", "kill:rank=1,step=4", "--inject-fault", "kill:rank=3,step=4",
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
@@ -336,15 +362,23 @@ def test_every_holder_of_a_shard_lost_restarts_from_the_checkpoint_and_says_so(t
     log = events(tmp_path / "lost.events")
     (restart,) = [e for e in log if e["event"] == "decision" and e["action"] == "restart"]
     assert "shard(s) [1] of the model have no live copy" in restart["reason"], restart
-    free = {r: out["weights"] for r, out in rank_outputs(tmp_path, "free").items()}
     lost = {r: out["weights"] for r, out in rank_outputs(tmp_path, "lost").items()}
     assert sorted(lost) == [0, 1, 2, 3]
     for rank in range(4):
-        for key, value in free[0].items():
+        for key, value in free_hf[0].items():
             assert abs(lost[rank][key] - value) <= 1e-12 * abs(value), key
-    # the same model re-sharded in place instead (--policy reparallelize, rank 1 alone
-    # killed): rank 0 holds GPT-2 whole from step 3 on, nothing reloaded
-    done = train("reshard", "--policy", "reparallelize", "--inject-fault", "kill:rank=1,step=3")
+    assert leftovers(tmp_path) == []
+
+
+@pytest.mark.slow
+@pytest.mark.soak  # (scripts/soak.sh: a re-shard in place is in CI, hsdp_script's model)
+@pytest.mark.timeout(120)  # 20 s measured
+def test_gpt2_re_sharded_in_place_trains_the_failure_free_weights(tmp_path, free_hf):
+    """The same model re-sharded in place instead (--policy reparallelize, rank 1 alone
+    killed): rank 0 holds GPT-2 whole from step 3 on, nothing reloaded."""
+    done = train_hf(
+        tmp_path, "reshard", "--policy", "reparallelize", "--inject-fault", "kill:rank=1,step=3"
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     chosen = [
         e["label"] for e in events(tmp_path / "reshard.events") if e["event"] == "plan_chosen"
@@ -354,7 +388,7 @@ def test_every_holder_of_a_shard_lost_restarts_from_the_checkpoint_and_says_so(t
     resharded = {r: out["weights"] for r, out in rank_outputs(tmp_path, "reshard").items()}
     assert sorted(resharded) == [0, 2, 3]
     for rank in resharded:
-        for key, value in free[0].items():
+        for key, value in free_hf[0].items():
             assert abs(resharded[rank][key] - value) <= 1e-12 * abs(value), key
     assert leftovers(tmp_path) == []
 
