@@ -96,7 +96,10 @@ def _run(tmp_path: Path, name: str, mode: str, nproc: int, *extra: str) -> dict:
     return json.loads(out.read_text())
 
 
+# (scripts/soak.sh: in CI, test_habits runs this loop's habits under torchrun against
+# DDP, and one worker accumulating the whole global batch alone: test_two_backwards)
 @pytest.mark.slow
+@pytest.mark.soak
 @pytest.mark.timeout(60)  # 11 s measured
 def test_under_torchrun_it_trains_as_ddp_does(tmp_path):
     ddp = _run(tmp_path, "ddp", "ddp", 2)

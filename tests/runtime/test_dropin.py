@@ -83,6 +83,9 @@ def reference(tmp_path_factory):
     return weights
 
 
+# (scripts/soak.sh: the drop-in under plain torchrun is in CI for every habit of
+# test_habits, against DDP; 4 fresh workers importing transformers are 40 CPU-s here)
+@pytest.mark.soak
 @pytest.mark.timeout(90)  # 24 s measured
 def test_under_plain_torchrun_the_same_loop_trains_the_same_weights(tmp_path, reference):
     import os
