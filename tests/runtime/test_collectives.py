@@ -10,9 +10,9 @@ each bucket all-reduced among its holders by gloo's ring while the last backward
   others did (rolled forward by the next plan), and the job goes on in place;
 - what a worker sends per step is a ring all-reduce's share of its gradients, counted by
   the runtime itself;
-- 8 workers of the example GPT with a kill under each policy (reroute, re-partition,
-  restart) end within the default's stated tolerance of the failure-free run: final
-  loss and weights within 1e-3 relative (docs/runtime.md)."""
+- 8 workers of the example GPT with a kill under each policy (reroute in CI; re-partition
+  and restart in scripts/soak.sh) end within the default's stated tolerance of the
+  failure-free run: final loss and weights within 1e-3 relative (docs/runtime.md)."""
 
 from __future__ import annotations
 
@@ -132,7 +132,11 @@ def gpt_reference(tmp_path_factory):
     return checks, losses
 
 
-@pytest.mark.parametrize("policy", ["reroute", "reparallelize", "restart"])
+# (scripts/soak.sh: re-partition and restart; at 4 workers both are in CI, test_recovery)
+@pytest.mark.parametrize(
+    "policy",
+    ["reroute", *(pytest.param(p, marks=pytest.mark.soak) for p in ("reparallelize", "restart"))],
+)
 @pytest.mark.timeout(60)  # 17 s measured
 def test_eight_workers_with_a_kill_end_within_the_stated_tolerance(tmp_path, gpt_reference, policy):
     checks, losses, evs = _gpt(
