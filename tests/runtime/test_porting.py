@@ -127,7 +127,6 @@ def test_the_ported_side_under_torchrun_trains_as_ddp(tmp_path, ddp_side):
 @pytest.mark.slow
 @pytest.mark.timeout(60)  # 20 s measured
 def test_the_porting_diff_runs_as_written_and_trains_as_ddp(tmp_path, ddp_side):
-    ddp = ddp_side
     ported = script(tmp_path, "ported", sides()[1])
     done = run(
         "run", "--standalone", "--nproc-per-node", "4", "--max-rejoins", "0",
@@ -141,7 +140,7 @@ def test_the_porting_diff_runs_as_written_and_trains_as_ddp(tmp_path, ddp_side):
     # be faster than 3, and a spare does not run the code after its loop)
     assert survived and set(survived) <= {0, 1, 3}
     for state in survived.values():
-        assert_close(ddp[0], state, 1e-9)
+        assert_close(ddp_side[0], state, 1e-9)
 
 
 @pytest.mark.slow
