@@ -72,7 +72,7 @@ def test_an_agreement_holds_for_all_members_or_for_none_under_racing_aborts(monk
             if kind == 0:  # every member heard the abort before any arrived: none held
                 _abort(launcher, generation)
                 _until(
-                    lambda: all(c.interrupts.aborted(generation) for c in controls),
+                    lambda g=generation: all(c.interrupts.aborted(g) for c in controls),
                     f"generation {generation}: every member to hear the abort",
                 )
                 # one after another: members that arrive together may all arrive before
@@ -84,7 +84,7 @@ def test_an_agreement_holds_for_all_members_or_for_none_under_racing_aborts(monk
                 waiting = (0, 1)
                 first = _run(controls, generation, held, waiting, [0.0] * MEMBERS)
                 _until(
-                    lambda: all(controls[i]._pending is not None for i in waiting),
+                    lambda w=waiting: all(controls[i]._pending is not None for i in w),
                     f"generation {generation}: two members to wait",
                 )
                 _abort(launcher, generation)
