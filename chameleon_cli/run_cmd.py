@@ -17,14 +17,9 @@ CONTEXT = {"allow_extra_args": True, "ignore_unknown_options": True, "help_optio
 def run(ctx: typer.Context) -> None:
     """Launch and supervise a training job (torchrun-compatible flags; see chameleon run --help)."""
     # The launcher is imported here, not at the top: every other command (plan, simulate,
-    # timeline) starts without it
-    from rich.console import Console as RichConsole
-
-    from chameleon_cli.live_view import LiveView
-    from chameleon_cli.run_view import outcome_blocks, outcome_model
-    from launcher.agent import Agent, JobError
+    # timeline) starts without it. The flags are read first, and the agent (torch, 0.8 s)
+    # imported only once they are good: a usage error or --help answers without it.
     from launcher.args import ArgsError, parse_run_args, run_help
-    from launcher.workers import Console
 
     argv = list(ctx.args)
     if argv[:1] in (["-h"], ["--help"]):
@@ -42,6 +37,13 @@ def run(ctx: typer.Context) -> None:
         writable_dir("--log-dir", args.log_dir)
     if args.events:
         writable_dir("--events", os.path.dirname(os.path.abspath(args.events)))
+    from rich.console import Console as RichConsole
+
+    from chameleon_cli.live_view import LiveView
+    from chameleon_cli.run_view import outcome_blocks, outcome_model
+    from launcher.agent import Agent, JobError
+    from launcher.workers import Console
+
     console = Console()
     console.stdout_to_stderr = args.json  # (stdout: the outcome's JSON object alone)
     mode = choose_mode(json=args.json, plain=args.plain, stream=sys.stderr)

@@ -60,6 +60,12 @@ SCRATCH_PREFIX = "chameleon-test-tmp-"  # TMPDIR of what the suite starts: tempd
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # The tests of Ctrl-C send SIGINT as a terminal would. A suite started in the
+    # background of a shell without job control (`bash .ci/run &` in a script, nohup)
+    # inherits SIGINT ignored, and so would everything it starts: its workers never saw
+    # the signal (seen in CI: "stopped by signal 2: signal 9"). What a terminal gives, then.
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     if not os.environ.get("PYTEST_XDIST_WORKER") and LOCKS_ENV not in os.environ:
