@@ -21,6 +21,7 @@ from typing import Any
 from launcher.workers import Worker, signal_worker
 
 PERIOD_S = 0.02  # one stop and one run per period: shorter than a pass of tens of ms
+MAX_STOP_S = 0.2  # the longest one stop lasts, a late wake's debt included
 
 
 class Throttle:
@@ -48,17 +49,28 @@ class Throttle:
 
     def _run(self) -> None:
         run_s = PERIOD_S / self.factor
-        stopped_s = PERIOD_S - run_s
         began = time.monotonic()
         end = began + self.duration_s if self.duration_s is not None else float("inf")
+        # The share is kept over the time measured, not the time asked for: on a busy
+        # host this thread wakes late, and a run phase that overshot by 30 ms would give
+        # the worker more than 1/F of the time (a 3x slowdown read as 1x by the straggler
+        # watch). Each stop pays what the worker's running so far owes, at most MAX_STOP_S
+        # at a time (the rest carried), so that it stays slow, never silent.
+        ran = stopped = 0.0
         try:
             while not self._stop.is_set() and time.monotonic() < end:
                 if self.worker.popen.returncode is not None:
                     break
-                signal_worker(self.worker, signal.SIGSTOP)
-                self._stop.wait(stopped_s)
-                signal_worker(self.worker, signal.SIGCONT)
+                owed = (ran + run_s) * (self.factor - 1.0) - stopped
+                if owed > 0:
+                    t = time.monotonic()
+                    signal_worker(self.worker, signal.SIGSTOP)
+                    self._stop.wait(min(owed, MAX_STOP_S))
+                    signal_worker(self.worker, signal.SIGCONT)
+                    stopped += time.monotonic() - t
+                t = time.monotonic()
                 self._stop.wait(run_s)
+                ran += time.monotonic() - t
         finally:
             # Never left stopped: a stopped worker would hold its peers and ignore SIGTERM.
             signal_worker(self.worker, signal.SIGCONT)
