@@ -49,28 +49,30 @@ class Throttle:
 
     def _run(self) -> None:
         run_s = PERIOD_S / self.factor
+        stopped_s = PERIOD_S - run_s
         began = time.monotonic()
         end = began + self.duration_s if self.duration_s is not None else float("inf")
-        # The share is kept over the time measured, not the time asked for: on a busy
-        # host this thread wakes late, and a run phase that overshot by 30 ms would give
-        # the worker more than 1/F of the time (a 3x slowdown read as 1x by the straggler
-        # watch). Each stop pays what the worker's running so far owes, at most MAX_STOP_S
-        # at a time (the rest carried), so that it stays slow, never silent.
-        ran = stopped = 0.0
+        # A run phase is timed, not assumed: on a busy host this thread wakes late, and a
+        # run phase that overshot by 30 ms gave the worker more than 1/F of the time (the
+        # likely cause of CI, with a core busy, reading a 3x slowdown as 0.98x). What it
+        # overran is owed as a longer
+        # stop, at most MAX_STOP_S at a time (the rest carried), so that it stays slow,
+        # never silent. A stop that overran is not credited back: that would let the
+        # worker run unstopped for several periods, which a look at its speed reads as
+        # recovered.
+        owed = 0.0
         try:
             while not self._stop.is_set() and time.monotonic() < end:
                 if self.worker.popen.returncode is not None:
                     break
-                owed = (ran + run_s) * (self.factor - 1.0) - stopped
-                if owed > 0:
-                    t = time.monotonic()
-                    signal_worker(self.worker, signal.SIGSTOP)
-                    self._stop.wait(min(owed, MAX_STOP_S))
-                    signal_worker(self.worker, signal.SIGCONT)
-                    stopped += time.monotonic() - t
+                pause = min(stopped_s + owed, MAX_STOP_S)
+                owed = stopped_s + owed - pause
+                signal_worker(self.worker, signal.SIGSTOP)
+                self._stop.wait(pause)
+                signal_worker(self.worker, signal.SIGCONT)
                 t = time.monotonic()
                 self._stop.wait(run_s)
-                ran += time.monotonic() - t
+                owed += (self.factor - 1.0) * max(0.0, time.monotonic() - t - run_s)
         finally:
             # Never left stopped: a stopped worker would hold its peers and ignore SIGTERM.
             signal_worker(self.worker, signal.SIGCONT)
