@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
-# Install chameleon for development. A CPU build of torch 2.13.0 goes in first when no
-# torch is installed: an unpinned torch would pull several GB of CUDA wheels.
+# Install chameleon for development. A torch already installed in the tested range
+# (pyproject.toml: 2.13 and 2.14) is kept; otherwise the CPU build of torch 2.13.0 goes in
+# first: an unpinned torch would pull several GB of CUDA wheels.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
-if ! "$PYTHON" -c "import torch" >/dev/null 2>&1; then
+if ! "$PYTHON" -c "
+import sys, torch
+major, minor = (int(x) for x in torch.__version__.split('.')[:2])
+sys.exit(0 if (2, 13) <= (major, minor) < (2, 15) else 1)" >/dev/null 2>&1; then
     "$PYTHON" -m pip install --quiet torch==2.13.0
 fi
 # torch's CPU wheel does not require numpy but warns "Failed to initialize NumPy" at
