@@ -114,14 +114,17 @@ def worker(rank: int, n: int, ports: tuple[int, int], round_: int, repair: bool)
 def one_round(n: int, round_: int, repair: bool) -> dict[str, float]:
     import torch.distributed as dist
 
+    from launcher.forkserver import die_with_parent
+
     ports = os.pipe()
+    parent = os.getpid()
     children = []
     for rank in range(n):
         pid = os.fork()
         if pid == 0:  # (the child never returns: os._exit whatever happens)
             code = 1
             try:
-                _die_with_parent()
+                die_with_parent(parent)  # (never orphaned: SIGKILL with the benchmark)
                 worker(rank, n, ports, round_, repair)
                 code = 0
             finally:
@@ -158,15 +161,6 @@ def one_round(n: int, round_: int, repair: bool) -> dict[str, float]:
                 os.waitpid(pid, 0)
             except (ProcessLookupError, ChildProcessError):
                 pass
-
-
-def _die_with_parent() -> None:
-    """A worker is killed with the benchmark (PR_SET_PDEATHSIG), never orphaned."""
-    import ctypes
-
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # (1: PR_SET_PDEATHSIG)
-    if os.getppid() == 1:
-        os._exit(1)
 
 
 def main() -> int:

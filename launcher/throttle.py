@@ -55,18 +55,18 @@ class Throttle:
         # A run phase is timed, not assumed: on a busy host this thread wakes late, and a
         # run phase that overshot by 30 ms gave the worker more than 1/F of the time (the
         # likely cause of CI, with a core busy, reading a 3x slowdown as 0.98x). What it
-        # overran is owed as a longer
-        # stop, at most MAX_STOP_S at a time (the rest carried), so that it stays slow,
-        # never silent. A stop that overran is not credited back: that would let the
-        # worker run unstopped for several periods, which a look at its speed reads as
-        # recovered.
+        # overran is owed as a longer stop, at most MAX_STOP_S at a time (the rest
+        # carried), so that it stays slow, never silent. A stop that overran is not
+        # credited back: that would let the worker run unstopped for several periods,
+        # which a look at its speed reads as recovered.
         owed = 0.0
         try:
             while not self._stop.is_set() and time.monotonic() < end:
                 if self.worker.popen.returncode is not None:
                     break
-                pause = min(stopped_s + owed, MAX_STOP_S)
-                owed = stopped_s + owed - pause
+                due = stopped_s + owed
+                pause = min(due, MAX_STOP_S)
+                owed = due - pause
                 signal_worker(self.worker, signal.SIGSTOP)
                 self._stop.wait(pause)
                 signal_worker(self.worker, signal.SIGCONT)

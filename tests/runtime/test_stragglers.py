@@ -98,8 +98,8 @@ def test_a_slowed_worker_is_dealt_fewer_micro_batches_and_the_weights_do_not_cha
     # suite's margin for a shared core (tests/clock.py: 31 steps seen with one core busy).
     # The last even deal may come a few steps early: a dip under the recovered bar (above)
     # in the slowdown's last steps leaves no time to find the worker again (CI with a core
-    # busy: factor 0.98 at step 113, the slowdown over at 115; the throttle's own thread
-    # was starved, so its worker ran longer than its share).
+    # busy: factor 0.98 at step 113, the slowdown over at 115; likely the throttle's own
+    # thread starved, so that its worker ran longer than its share: launcher/throttle.py).
     assert slow_from < there["resume_step"] < slow_to
     assert there["resume_step"] < back["resume_step"]
     assert back["resume_step"] > slow_to - slack(5)
