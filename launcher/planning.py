@@ -118,7 +118,7 @@ class Planner:
 
     def _replan(self, start: rc.StartPlanning, current: Any, job: Any) -> dict:
         """Around slow workers (planner.choice.stragglers), or back to an even deal."""
-        from planner.choice.stragglers import even_plan, straggler_choice
+        from planner.choice.stragglers import dealt_unevenly, even_plan, straggler_choice
         from planner.estimator.estimate import estimate
 
         t0 = time.perf_counter()
@@ -139,6 +139,11 @@ class Planner:
                 if not uneven.feasible:
                     raise ValueError(uneven.reason)
                 plan, label = uneven.plan, f"uneven deal: {uneven.label}"
+                if not dealt_unevenly(plan):
+                    # Dealt again at factors near the recovered bar, the deal rounds to
+                    # even counts: that is the even deal, and said so (named "uneven",
+                    # the next look saw no uneven plan, and the move back was never told).
+                    label = "even deal"
                 step_s, transition_s = uneven.estimate.step_s, uneven.transition_s
                 options = {
                     o.name: {

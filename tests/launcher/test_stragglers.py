@@ -122,3 +122,40 @@ def test_the_pass_clock_times_passes_only_and_starts_afresh_after_a_take():
     clock.stop(began)
     assert 0.03 <= clock.take() < 0.06
     assert clock.take() == 0.0
+
+
+def test_a_redeal_that_rounds_to_even_counts_is_the_even_deal_and_says_so():
+    """Dealt again at a factor near the recovered bar, the deal's counts come out even:
+    the planner's thread names that move the even deal. Named "uneven deal", it left the
+    watch (which reads an even plan as nobody's) with no move back to tell, and the log
+    with none (seen in CI: the last move "uneven deal: worker 1: 4 of 8")."""
+    from dataclasses import replace
+
+    from launcher import recovery as rc
+    from launcher.planning import Planner
+    from planner.choice.stragglers import dealt_unevenly
+    from planner.plans.plan import pipelines_plan
+    from tests.synthetic import uniform_job
+
+    job = uniform_job(dp=2, pp=1, micro_batches=8)
+    dealt = pipelines_plan(
+        num_layers=8, num_micro_batches=8, pipelines=[[0], [1]],
+        boundaries=[[0, 8], [0, 8]], micro_batch_counts=[6, 2],
+    )  # fmt: skip
+    assert dealt_unevenly(dealt)
+    planner = Planner(model=None, policy="auto", gone=set(), emit=print, attempt=0)
+
+    def replan(factor: float) -> dict:
+        start = rc.StartPlanning(
+            generation=3, base=2, failed=(), idle=(), resume_step=40, reached=40,
+            replan=rc.Replan(slow=((1, factor),), horizon_s=30.0),
+        )  # fmt: skip
+        return planner._replan(start, dealt, replace(job, slow=()))
+
+    try:
+        near = replan(1.2)
+        assert not dealt_unevenly(near["plan"]) and near["label"] == "even deal", near["label"]
+        slow = replan(3.0)
+        assert dealt_unevenly(slow["plan"]) and slow["label"].startswith("uneven deal: worker 1")
+    finally:
+        planner.close()
