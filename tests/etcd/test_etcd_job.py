@@ -186,6 +186,8 @@ def test_a_node_joining_late_grows_the_job(tmp_path, etcd):
     assert_failure_free(tmp_path, reference)
 
 
+# (scripts/soak.sh: a late agent on etcd is in CI as the node joining late, above)
+@pytest.mark.soak
 @pytest.mark.timeout(90)  # 18 s measured
 def test_a_node_that_joins_a_full_job_leaves_cleanly_when_the_job_ends(tmp_path, etcd):
     # The job has all the nodes it takes (--nnodes 2:2): a third agent joins its

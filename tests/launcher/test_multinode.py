@@ -309,7 +309,9 @@ def test_an_agent_with_another_token_or_none_is_refused(tmp_path):
         host.wait()
 
 
-@pytest.mark.slow
+# (scripts/soak.sh: a lost node recovered in place and the job's exit 0 are in CI as
+# tests/runtime/test_dropin.py's lost node)
+@pytest.mark.soak
 @pytest.mark.timeout(60)  # 13 s measured
 def test_a_lost_node_recovered_in_place_lets_the_job_end(tmp_path):
     # Two agents of two runtime workers each; node 1's agent is SIGKILLed mid-run (its

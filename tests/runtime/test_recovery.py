@@ -113,7 +113,10 @@ def exact_reference(tmp_path_factory):
 
 
 @pytest.mark.parametrize(
-    ("workers", "stages"), [(2, 2), (4, 1)], ids=["one pipeline", "data parallel"]
+    ("workers", "stages"),
+    # (scripts/soak.sh: one pipeline; a layout other than the reference's is in CI)
+    [pytest.param(2, 2, marks=pytest.mark.soak), (4, 1)],
+    ids=["one pipeline", "data parallel"],
 )
 @pytest.mark.timeout(60)  # 18 s measured
 def test_exact_training_is_independent_of_the_layout(

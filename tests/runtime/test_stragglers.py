@@ -171,7 +171,10 @@ def test_with_stragglers_off_a_slowed_worker_is_told_not_planned_around(tmp_path
     assert moves(log) == []
 
 
+# (scripts/soak.sh: a solo test, its machine's whole time; that a brief slowdown never
+# pays for a move is in CI as the planner's break-even and SpeedWatch's pure tests)
 @pytest.mark.slow
+@pytest.mark.soak
 @pytest.mark.solo  # (the slowed worker's speed against its peer's)
 @pytest.mark.timeout(60)  # 8 s measured
 def test_slowdowns_briefer_than_a_move_pays_for_move_nothing(tmp_path):
