@@ -3,11 +3,18 @@ hysteresis; and the pace a worker reports its speed by (chameleon_runtime.pace).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from chameleon_runtime.pace import WARMUP_STEPS, Pace
 from chameleon_runtime.protocol.messages import WorkerStatus
+from launcher import recovery as rc
+from launcher.planning import Planner
 from launcher.stragglers import SpeedWatch, Stragglers, factors, unit_costs
+from planner.choice.stragglers import dealt_unevenly
+from planner.plans.plan import pipelines_plan
+from tests.synthetic import uniform_job
 
 
 def test_a_factor_is_against_the_others_median_so_two_workers_compare():
@@ -129,14 +136,6 @@ def test_a_redeal_that_rounds_to_even_counts_is_the_even_deal_and_says_so():
     the planner's thread names that move the even deal. Named "uneven deal", it left the
     watch (which reads an even plan as nobody's) with no move back to tell, and the log
     with none (seen in CI: the last move "uneven deal: worker 1: 4 of 8")."""
-    from dataclasses import replace
-
-    from launcher import recovery as rc
-    from launcher.planning import Planner
-    from planner.choice.stragglers import dealt_unevenly
-    from planner.plans.plan import pipelines_plan
-    from tests.synthetic import uniform_job
-
     job = uniform_job(dp=2, pp=1, micro_batches=8)
     dealt = pipelines_plan(
         num_layers=8, num_micro_batches=8, pipelines=[[0], [1]],
