@@ -4,9 +4,15 @@ agent stops and continues it on a duty cycle (SIGSTOP, SIGCONT), so that it runs
 can tell it from a slow device (a throttled GPU, a noisy neighbour) by timing alone,
 which is what a straggler test needs.
 
-Why a short period: a step of tens of milliseconds must be slowed evenly, not stopped
-whole for one step and left alone for the next. The stop phases are shorter than any
-heartbeat timeout, so a slowed worker is slow, never silent. The process-state check
+Why a short run phase: every pass must be slowed, however little work it is. A pass
+shorter than one run phase that starts as the worker is continued (it was stopped while it
+waited on a peer, as a slowed worker mostly is) finishes unslowed, and the median of its
+passes then reads as recovered mid-slowdown. That is what CI saw with a core busy and 20 ms
+periods: the worker dealt 1 micro-batch of 8, a pass of about 5 ms inside a 6.7 ms run
+phase, read 1.05x slow while stopped two thirds of the time, and the job dealt evenly
+again 18 steps before the slowdown ended. With 1 ms runs a pass of a few milliseconds is
+stopped several times, in proportion. The stop phases are far shorter than any heartbeat
+timeout, so a slowed worker is slow, never silent. The process-state check
 (launcher/local.py) knows a throttled rank's stops are the throttle's own.
 """
 
@@ -20,7 +26,7 @@ from typing import Any
 
 from launcher.workers import Worker, signal_worker
 
-PERIOD_S = 0.02  # one stop and one run per period: shorter than a pass of tens of ms
+RUN_S = 0.001  # one run phase, then a stop of (factor - 1) times it: shorter than a pass
 MAX_STOP_S = 0.2  # the longest one stop lasts, a late wake's debt included
 
 
@@ -48,8 +54,8 @@ class Throttle:
         return self._thread.is_alive()
 
     def _run(self) -> None:
-        run_s = PERIOD_S / self.factor
-        stopped_s = PERIOD_S - run_s
+        run_s = RUN_S
+        stopped_s = RUN_S * (self.factor - 1.0)
         began = time.monotonic()
         end = began + self.duration_s if self.duration_s is not None else float("inf")
         # A run phase is timed, not assumed: on a busy host this thread wakes late, and a

@@ -132,9 +132,11 @@ def writes(tmp: Path, pids: set[int]) -> list[tuple[float, int]]:
     return sorted(done)
 
 
-def last_writes(tmp: Path, pids: set[int]) -> float:
-    """When the workers ``pids`` last wrote to their step log (0: never)."""
-    return max((at for at, _step in writes(tmp, pids)), default=0.0)
+def logged_since(tmp: Path, pids: set[int], t: float) -> tuple[int, list[int]]:
+    """The last step the workers ``pids`` logged before ``t`` (-1: none), and each step
+    they logged from ``t`` on."""
+    done = writes(tmp, pids)
+    return max((s for at, s in done if at < t), default=-1), [s for at, s in done if at >= t]
 
 
 def why(evs: list[dict]) -> str:
@@ -333,13 +335,22 @@ def test_a_frozen_node_on_c10d_fences_itself_when_resumed(tmp_path, net):
         frozen_at = time.time()
         time.sleep(3 * LEASE_S)
         for p in stopped.values():
-            p.send_signal(signal.SIGCONT)
+            # (a child that was exiting as it was stopped is reaped by its parent,
+            # continued before it: seen, one run in three)
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.send_signal(signal.SIGCONT)
         resumed = time.time()
         code = job.procs["n2"].wait(timeout=budget(30))
         gone_in = time.time() - resumed
         assert code == 3, job.log("n2")
         assert "fenced: cut off from the control store" in job.log("n2")
-        assert last_writes(tmp_path, workers) < frozen_at + LEASE_S
+        # Nothing trained after the freeze: a step whose collectives had completed as it
+        # was stopped may be logged once it runs again (CI with a core busy: rank 3 logged
+        # step 28 on resuming, its peer rank 2 had logged it before the freeze), one line
+        # per worker at most, and never a step after it.
+        reached, since = logged_since(tmp_path, workers, frozen_at)
+        assert len(since) <= len(workers) and all(s <= reached + 1 for s in since), (
+            reached, since)  # fmt: skip
         codes = [job.procs[name].wait(timeout=budget(180)) for name in ("n0", "n1")]
         assert codes == [0, 0], {name: job.log(name) for name in ("n0", "n1")}
         evs = [e for name in ("n0", "n1") for e in job.events(name)]
