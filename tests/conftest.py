@@ -43,6 +43,7 @@ import pytest
 
 from tests import clock, netns, references
 from tests.locks import locked
+from tests.torchfree import torch_free
 
 pytest_plugins = ("pytester",)  # tests/test_conftest.py runs the suite's rules in a pytest
 
@@ -79,6 +80,15 @@ def pytest_configure(config: pytest.Config) -> None:
         scratch = tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-")
         config._chameleon_scratch = (scratch, os.environ.get("TMPDIR"))  # type: ignore[attr-defined]
         os.environ["TMPDIR"] = scratch
+
+
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` reads the marks
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    # Tests that torch cannot reach are marked so, for the compatibility run to leave out
+    # (tests/torchfree.py).
+    for item in items:
+        if torch_free(Path(item.path).resolve()):
+            item.add_marker(pytest.mark.torch_free)
 
 
 def _remove_old_scratch() -> None:
