@@ -118,7 +118,9 @@ def exact_reference(tmp_path_factory):
     [pytest.param(2, 2, marks=pytest.mark.soak), (4, 1)],
     ids=["one pipeline", "data parallel"],
 )
-@pytest.mark.timeout(60)  # 18 s measured
+# 18 s measured, and the module's first: its two references are made in its setup (37 s
+# of it with a core busy, where 60 s ran out)
+@pytest.mark.timeout(90)
 def test_exact_training_is_independent_of_the_layout(
     tmp_path, reference, exact_reference, workers, stages
 ):
