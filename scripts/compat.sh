@@ -22,7 +22,9 @@ if ! has_torch; then
     "$PY" -m pip install --quiet "torch==$TORCH" numpy "setuptools>=68"
 fi
 # The project goes in the way the README says; pip must keep the torch that is there.
-# (With the venv's own setuptools: an isolated build would install one each run, 5 s.)
+# (With the venv's own setuptools, the one pyproject.toml asks for: an isolated build would
+# install one each run, 5 s.)
+"$PY" -m pip install --quiet "setuptools>=68"
 "$PY" -m pip install --quiet --no-build-isolation -e '.[dev,hf,plot]'
 has_torch || { echo "compat: installing chameleon replaced torch $TORCH" >&2; exit 1; }
 echo "compat: torch $("$PY" -c 'import torch; print(torch.__version__)')" >&2

@@ -36,6 +36,11 @@ def test_the_planners_tests_are_torch_free_and_the_runtimes_are_not():
         ("from concurrent.futures import ProcessPoolExecutor\n", False),
         ("import not_a_known_package\n", False),
         ("def broken(:\n", False),  # unreadable: taken as torch-facing
+        ("from .helpers import x\n", False),  # relative: not followed
+        ("import importlib\n", False),  # imports by name at run time
+        # (the calls split: this module's own text must not read as making them)
+        ("import pytest\ntorch = pytest.import" + "orskip('torch')\n", False),
+        ("import os\nos.sys" + "tem('chameleon run x.py')\n", False),
     ],
 )
 def test_what_a_module_imports_decides(tmp_path, text, free):

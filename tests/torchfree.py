@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import re
 import sys
 from pathlib import Path
 
@@ -22,19 +23,28 @@ ROOT = Path(__file__).resolve().parents[1]
 # What the planner's own code may import besides the standard library (pyproject.toml):
 # none of it imports torch.
 PLANNER_DEPENDENCIES = frozenset({"planner", "pytest", "networkx", "pydantic", "numpy"})
-# Standard-library modules that start processes, which may be ours (and import torch).
-STARTS_PROCESSES = frozenset({"subprocess", "multiprocessing", "concurrent"})
+# Standard-library modules that start processes, which may be ours (and import torch), or
+# import by name at run time, which a reading of the imports cannot follow.
+STARTS_PROCESSES = frozenset(
+    {"subprocess", "multiprocessing", "concurrent", "asyncio", "pty", "runpy", "importlib"}
+)
+# Calls that do either, found in the source as written.
+UNREAD_CALLS = re.compile(r"\b(importorskip|__import__|os\.(system|popen|exec\w*|spawn\w*))\s*\(")
 
 
 def _imports(path: Path) -> set[str]:
-    """The absolute names ``path`` imports (``from . import x`` is read as ``tests``)."""
+    """The absolute names ``path`` imports; ``.`` for a relative import, and
+    ``subprocess`` for a call that starts a process or imports by name."""
     names: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    text = path.read_text()
+    if UNREAD_CALLS.search(text):
+        names.add("subprocess")  # (read as a module that starts processes)
+    for node in ast.walk(ast.parse(text, str(path))):
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
             if node.level:
-                names.add("tests")
+                names.add(".")  # a relative import: not followed, so torch-facing
             elif node.module:
                 names.add(node.module)
                 # ``from tests import references``: the helper module, not the package
