@@ -20,32 +20,34 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# What the planner's own code may import besides the standard library (pyproject.toml):
-# none of it imports torch.
-PLANNER_DEPENDENCIES = frozenset({"planner", "pytest", "networkx", "pydantic", "numpy"})
+# Beside the standard library: pytest, the planner and what the planner imports
+# (pyproject.toml), none of which imports torch.
+TORCH_FREE_PACKAGES = frozenset({"planner", "pytest", "networkx", "pydantic", "numpy"})
 # Standard-library modules that start processes, which may be ours (and import torch), or
-# import by name at run time, which a reading of the imports cannot follow.
-STARTS_PROCESSES = frozenset(
+# import by name at run time: what a reading of the imports cannot follow.
+UNFOLLOWED_MODULES = frozenset(
     {"subprocess", "multiprocessing", "concurrent", "asyncio", "pty", "runpy", "importlib"}
 )
 # Calls that do either, found in the source as written.
-UNREAD_CALLS = re.compile(r"\b(importorskip|__import__|os\.(system|popen|exec\w*|spawn\w*))\s*\(")
+UNFOLLOWED_CALLS = re.compile(
+    r"\b(importorskip|__import__|os\.(system|popen|exec\w*|spawn\w*))\s*\("
+)
 
 
-def _imports(path: Path) -> set[str]:
-    """The absolute names ``path`` imports; ``.`` for a relative import, and
-    ``subprocess`` for a call that starts a process or imports by name."""
-    names: set[str] = set()
+def _imports(path: Path) -> set[str] | None:
+    """The absolute names ``path`` imports; None where the reading cannot follow them (a
+    relative import, or a call that starts a process or imports by name)."""
     text = path.read_text()
-    if UNREAD_CALLS.search(text):
-        names.add("subprocess")  # (read as a module that starts processes)
+    if UNFOLLOWED_CALLS.search(text):
+        return None
+    names: set[str] = set()
     for node in ast.walk(ast.parse(text, str(path))):
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
             if node.level:
-                names.add(".")  # a relative import: not followed, so torch-facing
-            elif node.module:
+                return None
+            if node.module:
                 names.add(node.module)
                 # ``from tests import references``: the helper module, not the package
                 names.update(f"{node.module}.{alias.name}" for alias in node.names)
@@ -74,9 +76,11 @@ def _torch_free(path: Path, reading: frozenset[Path]) -> bool:
         names = _imports(path)
     except (OSError, SyntaxError, UnicodeDecodeError):
         return False
+    if names is None:
+        return False
     for name in names:
         root = name.split(".")[0]
-        if root in STARTS_PROCESSES:
+        if root in UNFOLLOWED_MODULES:
             return False
         if root == "tests":
             helper = _helper(name)
@@ -84,6 +88,6 @@ def _torch_free(path: Path, reading: frozenset[Path]) -> bool:
                 continue
             if not _torch_free(helper, reading | {path}):
                 return False
-        elif root not in PLANNER_DEPENDENCIES and root not in sys.stdlib_module_names:
+        elif root not in TORCH_FREE_PACKAGES and root not in sys.stdlib_module_names:
             return False
     return True
