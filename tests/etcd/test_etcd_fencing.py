@@ -5,10 +5,7 @@ with a clear message, writing nothing to the control plane."""
 
 from __future__ import annotations
 
-import contextlib
 import json
-import signal
-import subprocess
 import time
 
 import psutil
@@ -25,21 +22,12 @@ from tests.etcd.test_etcd_job import (
     leader_of,
     wait_step,
 )
-from tests.launcher.helpers import events
+from tests.launcher.helpers import events, freeze, node_processes
 
 pytestmark = pytest.mark.slow
 
 STEPS = 150
 FREEZE_S = 9.0  # three heartbeat timeouts
-
-
-def node_processes(agent: subprocess.Popen, workers: list[int]) -> list[psutil.Process]:
-    """The agent, its fork server and every worker (each in a session of its own)."""
-    root = psutil.Process(agent.pid)
-    found = {p.pid: p for p in [root, *root.children(recursive=True)]}
-    for pid in workers:
-        found.setdefault(pid, psutil.Process(pid))
-    return list(found.values())
 
 
 def written_by(etcd, key: str, rank_range: range) -> list[str]:
@@ -76,15 +64,8 @@ def test_a_frozen_node_is_lost_in_place_and_fences_itself_when_resumed(tmp_path,
         e for e in events(tmp_path / f"n{victim}.jsonl") if e["event"] == "workers_started"
     )
     ranks = range(world["ranks"][0], world["ranks"][-1] + 1)
-    stopped = node_processes(procs[victim], world["pids"])
-    for p in stopped:
-        p.send_signal(signal.SIGSTOP)
-    time.sleep(FREEZE_S)
-    for p in stopped:
-        # (a child that was exiting as it was stopped is reaped by its parent, continued
-        # before it)
-        with contextlib.suppress(psutil.NoSuchProcess):
-            p.send_signal(signal.SIGCONT)
+    stopped = node_processes(procs[victim].pid, world["pids"])
+    freeze(stopped, FREEZE_S)
     resumed = time.time()
     code = procs[victim].wait(timeout=budget(30))
     fenced_in = time.time() - resumed

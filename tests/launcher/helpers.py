@@ -5,11 +5,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 from tests.clock import budget
@@ -159,6 +161,39 @@ def ask_for_stacks(pid: int, grace_s: float = 1.0) -> None:
                 asked += 1
     if asked:
         time.sleep(grace_s)
+
+
+def node_processes(agent_pid: int, workers: Iterable[int]) -> list:
+    """A node's processes: its agent first, then everything it started, and its workers
+    (each in a session of its own)."""
+    import psutil
+
+    root = psutil.Process(agent_pid)
+    found = {p.pid: p for p in [root, *root.children(recursive=True)]}
+    for pid in workers:
+        found.setdefault(pid, psutil.Process(pid))
+    return list(found.values())
+
+
+def freeze(procs: list, seconds: float) -> float:
+    """Stop ``procs`` (SIGSTOP) for ``seconds``, then continue them, in their order (a node
+    frozen whole: its agent first, ``node_processes``); when they were stopped. None is
+    left stopped, whatever happens. A child that was exiting as it was stopped is reaped
+    by its parent, continued before it (seen, one run in three): gone, not an error."""
+    import psutil
+
+    stopped = []
+    try:
+        for p in procs:
+            p.send_signal(signal.SIGSTOP)
+            stopped.append(p)
+        frozen_at = time.time()
+        time.sleep(seconds)
+    finally:
+        for p in stopped:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.send_signal(signal.SIGCONT)
+    return frozen_at
 
 
 def running(pid: int) -> bool:

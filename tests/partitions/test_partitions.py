@@ -7,14 +7,11 @@ there again joins as a replacement of the lost one, in place."""
 
 from __future__ import annotations
 
-import contextlib
 import json
-import signal
 import subprocess
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 
 from tests import references
@@ -24,7 +21,9 @@ from tests.launcher.helpers import (
     chameleon_cmd,
     env,
     events,
+    freeze,
     leftovers,
+    node_processes,
     running,
     wait_for_event,
 )
@@ -322,23 +321,11 @@ def test_a_frozen_node_on_c10d_fences_itself_when_resumed(tmp_path, net):
         ["--nnodes", "2:3", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{n.ip(0)}:29400",
          "--rdzv-id", "frozen"],
     )  # fmt: skip
-    stopped: dict[int, psutil.Process] = {}
     try:
         job.start_all(3)
         job.wait_step(20)
         workers = pids_of(job, "n2")
-        agent = psutil.Process(job.procs["n2"].pid)
-        stopped.update({p.pid: p for p in [agent, *agent.children(recursive=True)]})
-        stopped.update({pid: psutil.Process(pid) for pid in workers if pid not in stopped})
-        for p in stopped.values():
-            p.send_signal(signal.SIGSTOP)
-        frozen_at = time.time()
-        time.sleep(3 * LEASE_S)
-        for p in stopped.values():
-            # (a child that was exiting as it was stopped is reaped by its parent,
-            # continued before it: seen, one run in three)
-            with contextlib.suppress(psutil.NoSuchProcess):
-                p.send_signal(signal.SIGCONT)
+        frozen_at = freeze(node_processes(job.procs["n2"].pid, workers), 3 * LEASE_S)
         resumed = time.time()
         code = job.procs["n2"].wait(timeout=budget(30))
         gone_in = time.time() - resumed
@@ -364,7 +351,4 @@ def test_a_frozen_node_on_c10d_fences_itself_when_resumed(tmp_path, net):
         assert [p for p in leftovers(tmp_path) if p.name() != "etcd"] == []
         print(f"resumed -> fenced and gone in {gone_in:.2f} s")
     finally:
-        for p in stopped.values():
-            with contextlib.suppress(psutil.Error):
-                p.send_signal(signal.SIGCONT)
         job.kill_all()
