@@ -13,6 +13,11 @@ The budget: tests/conftest.py sets, before each test, the moment its pytest time
 fire; ``budget(seconds)`` cuts a wait so that it ends ``MARGIN_S`` before that moment.
 A job that runs out then fails as a job (its log's tail in the message, its processes
 killed), not as a bare pytest timeout.
+
+A timeout only catches a hang, so it is set well past a slow day: at least three times
+what the test took in a CI run with one core kept busy (`python3 -c 'while True: pass'`,
+the gate's fourth run), and the marker's comment gives that figure where it decides. A
+host a third slower, and a busier one, still leave the test twice its time.
 """
 
 from __future__ import annotations

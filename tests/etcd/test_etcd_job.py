@@ -134,7 +134,7 @@ def assert_failure_free(tmp_path, reference) -> None:
         assert checks[layer] and all(abs(v - values[0]) < 1e-6 for v in checks[layer]), layer
 
 
-@pytest.mark.timeout(90)  # 26 s measured
+@pytest.mark.timeout(150)  # 26 s measured; 41 s with a core busy
 def test_an_etcd_member_killed_mid_run_then_the_first_nodes_agent_the_others_finish_alike(
     tmp_path, etcd
 ):
@@ -167,7 +167,7 @@ def test_an_etcd_member_killed_mid_run_then_the_first_nodes_agent_the_others_fin
     print(f"node 0 lost -> first good step on the survivors: {min(after) - killed_at:.2f} s")
 
 
-@pytest.mark.timeout(90)  # 22 s measured
+@pytest.mark.timeout(120)  # 22 s measured; 32 s with a core busy
 def test_a_node_joining_late_grows_the_job(tmp_path, etcd):
     reference = references.mlp(workers=4, steps=STEPS)
     # The job holds before step 15 until its leader has decided to grow: the late agent's

@@ -28,7 +28,7 @@ OUTAGE_S = 15.0
 STEPS = 200
 
 
-@pytest.mark.timeout(150)  # 45 s measured
+@pytest.mark.timeout(180)  # 45 s measured; 53 s with a core busy
 def test_a_job_trains_through_an_etcd_outage_and_recovers_a_failure_from_it(tmp_path, etcd):
     reference = references.mlp(workers=4, steps=STEPS)
     procs = agents(tmp_path, etcd, 2, nnodes="2", steps=STEPS)

@@ -309,7 +309,7 @@ def test_the_leaders_node_cut_off_on_etcd_fences_itself_and_a_new_leader_goes_on
     assert len(elected) == 1
 
 
-@pytest.mark.timeout(90)  # 29 s measured
+@pytest.mark.timeout(120)  # 29 s measured; 35 s with a core busy
 def test_a_frozen_node_on_c10d_fences_itself_when_resumed(tmp_path, net):
     # Its agent and workers stopped (SIGSTOP) for three leases: the others count it lost
     # and go on; resumed, its lease watch finds no beat went through for the lease, and

@@ -137,7 +137,7 @@ def gpt_reference(tmp_path_factory):
     "policy",
     ["reroute", *(pytest.param(p, marks=pytest.mark.soak) for p in ("reparallelize", "restart"))],
 )
-@pytest.mark.timeout(60)  # 17 s measured
+@pytest.mark.timeout(90)  # 17 s measured; 23 s with a core busy
 def test_eight_workers_with_a_kill_end_within_the_stated_tolerance(tmp_path, gpt_reference, policy):
     checks, losses, evs = _gpt(
         tmp_path, policy, "--policy", policy, "--inject-fault", "kill:rank=5,step=9"

@@ -27,7 +27,7 @@ def ddp3(tmp_path_factory):
     return states[0]
 
 
-@pytest.mark.timeout(60)  # 10 s measured
+@pytest.mark.timeout(90)  # 10 s measured; 22 s with a core busy
 def test_a_drifted_replica_is_healed_from_the_majority_at_the_next_check(tmp_path, ddp3):
     # Moved after step 5, checked at every step: healed before it computes a gradient,
     # so the run ends on plain DDP's weights.

@@ -107,7 +107,7 @@ def test_under_plain_torchrun_the_same_loop_trains_the_same_weights(tmp_path, re
 # Rank 0 too: the rank a user kills first, and the one a script's habits single out
 # (logging, saving): its replacement must not train on alone, nor be the job's only end.
 @pytest.mark.parametrize("rank", [1, 0])
-@pytest.mark.timeout(60)  # 8 s measured
+@pytest.mark.timeout(120)  # 8 s measured; 30 s with a core busy
 def test_a_killed_worker_is_recovered_in_place(tmp_path, reference, rank):
     weights, evs = train(
         tmp_path, "kill", "--max-rejoins", "0", "--inject-fault", f"kill:rank={rank},step=5"
@@ -135,7 +135,8 @@ def test_a_hung_worker_is_recovered_in_place(tmp_path, reference):
 @pytest.mark.parametrize(
     "at", [pytest.param("4.3", marks=pytest.mark.soak), "4.6"], ids=["4.3-soak", "4.6"]
 )  # (one moment in CI: scripts/soak.sh runs the other)
-@pytest.mark.timeout(150)  # 18 s measured (its long_reference, when it runs first: 15 s)
+# 18 s measured (its long_reference, when it runs first: 15 s); 50 s with a core busy
+@pytest.mark.timeout(180)
 def test_a_kill_at_a_moment_not_a_step_boundary(tmp_path, long_reference, at):
     # Killed by the clock: wherever the step is (often inside the all-reduce). Before the
     # survivors dropped an abandoned step's buffers, an all-reduce of the old group that

@@ -175,7 +175,7 @@ def test_two_backwards_are_each_reduced(tmp_path, under_torchrun):
     assert_close(alone[0], survived[0], TOLERANCE)
 
 
-@pytest.mark.timeout(60)  # 8 s measured
+@pytest.mark.timeout(90)  # 8 s measured; 21 s with a core busy
 def test_an_unused_parameter_without_the_flag_is_a_one_line_error(tmp_path):
     done, _ = torchrun(tmp_path, "ours", "chameleon", "unused", 2, "--no-find-unused")
     assert done.returncode != 0

@@ -30,7 +30,7 @@ def train(tmp: Path, name: str, *flags: str) -> tuple[dict[int, dict], list[dict
     return rank_outputs(tmp, name), events(log)
 
 
-@pytest.mark.timeout(60)  # 14 s measured
+@pytest.mark.timeout(120)  # 14 s measured; 30 s with a core busy
 def test_the_senders_peak_stays_within_a_chunk_of_its_failure_free_peak(tmp_path):
     free, _ = train(tmp_path, "free")
     config = devices_config(tmp_path)  # planned as if each worker had a device: taken in

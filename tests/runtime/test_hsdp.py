@@ -122,7 +122,7 @@ def plain_hsdp(tmp_path_factory) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(90)  # 23 s measured
+@pytest.mark.timeout(120)  # 23 s measured; 35 s with a core busy
 def test_the_drop_in_trains_what_plain_hsdp_trains(plain_hsdp, free_run):
     under_chameleon = free_run()
     for rank in range(4):

@@ -125,7 +125,7 @@ def test_the_ported_side_under_torchrun_trains_as_ddp(tmp_path, ddp_side):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(60)  # 20 s measured
+@pytest.mark.timeout(90)  # 20 s measured; 26 s with a core busy
 def test_the_porting_diff_runs_as_written_and_trains_as_ddp(tmp_path, ddp_side):
     ported = script(tmp_path, "ported", sides()[1])
     done = run(

@@ -54,7 +54,7 @@ def _notice_after(tmp: Path, launcher: subprocess.Popen, name: str, step: int) -
     return sent
 
 
-@pytest.mark.timeout(60)  # 12 s measured
+@pytest.mark.timeout(90)  # 12 s measured; 23 s with a core busy
 def test_the_drop_in_saves_at_one_step_leaves_75_and_the_requeue_ends_as_if_never_stopped(
     tmp_path,
 ):
@@ -181,7 +181,7 @@ def _dumps(tmp: Path, name: str) -> list[dict]:
     return [json.loads(p.read_text()) for p in sorted(tmp.glob(f"{name}.rank*.json"))]
 
 
-@pytest.mark.timeout(60)  # 12 s measured
+@pytest.mark.timeout(120)  # 12 s measured; 32 s with a core busy
 def test_a_pipeline_stops_at_one_step_saves_and_the_requeue_ends_with_the_same_bits(tmp_path):
     # The Trainer's stages cannot agree on a step inside one (no collective spans them):
     # the leader's recovery brings them to one, with a plan that says stop, and they save.

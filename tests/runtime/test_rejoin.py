@@ -123,7 +123,7 @@ PAIR_STEPS = 120
 PAIR = ("--pipeline-stages", "1")  # (two data-parallel replicas: one survives a kill)
 
 
-@pytest.mark.timeout(60)  # 14 s measured
+@pytest.mark.timeout(90)  # 14 s measured; 27 s with a core busy
 def test_a_pair_that_lost_one_ends_with_exit_0_when_the_replacement_rejoins(tmp_path):
     # Two data-parallel workers, rank 1 killed, no restarts allowed. The survivor trains
     # alone; when the replacement is taken in, the survivor must hear the abort between
