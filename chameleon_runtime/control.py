@@ -169,6 +169,18 @@ class Control:
                 return body
             time.sleep(0.05)
 
+    def catch_up(self, generation: int) -> None:
+        """A process that starts mid-job (a replacement) hears its mailbox from now on: an
+        abort of ``generation`` or the end of training that came before, it reads from the
+        store and acts on as the mailbox would have. (The launcher asks for a replacement
+        just after it aborts the generation its predecessor died in; one that reads that
+        generation as the newest and waits on it as a spare would wait to the end.)"""
+        if self.get_signed(self.keys.abort(generation)) is not None:
+            self.interrupts._abort(generation)
+        finished = self.get_signed(self.keys.finished)
+        if finished is not None:
+            self.interrupts._finish(int(finished))
+
     def push_signed(self, queue: str, message: BaseModel) -> None:
         self.store.queue_push(queue, self.seal.seal(encode(message)))
 

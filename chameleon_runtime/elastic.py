@@ -466,13 +466,14 @@ class Membership:
         (healing it) or training ends. Returns the step to resume at."""
         message = self.control.latest_plan()
         self.generation = message.generation
+        # (what came before it listened: without it, a warm replacement up before the
+        # next plan was out waited on the aborted generation to the end; seen in CI)
+        self.control.catch_up(message.generation)
         self.control.status.update(phase="spare", generation=message.generation)
         self.control.tell_leader(
             Joined(rank=self.rank, count=int(self.joining or 1), generation=message.generation)
         )
-        if self.control.get_signed(self.control.keys.finished) is not None:
-            self._end()
-        self._idle()
+        self._idle()  # (at once when the generation is aborted or training has ended)
         resume, _ = self.recover(
             "a replacement waits to be taken in",
             step=0, pending=False, export=export, install=install, held=False,

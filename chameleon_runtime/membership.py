@@ -456,13 +456,7 @@ class Membership:
         message = self.control.latest_plan()
         self.generation, self.plan, self.part = message.generation, message.plan.to_plan(), None
         self.step = message.resume_step  # stale until a plan takes us in
-        keys = self.control.keys
-        # An abort or the end that came before this process listened: act on it now.
-        if self.control.get_signed(keys.abort(message.generation)) is not None:
-            self.control.interrupts._abort(message.generation)
-        finished = self.control.get_signed(keys.finished)
-        if finished is not None:
-            self.control.interrupts._finish(int(finished))
+        self.control.catch_up(message.generation)  # (what came before it listened)
         self.control.status.update(phase="spare", generation=message.generation)
         self.control.tell_leader(Joined(rank=self.rank, count=count, generation=message.generation))
 

@@ -1,7 +1,8 @@
 """A worker waiting for the plan after its generation (chameleon_runtime/control.py
 ``Control._wait_for_plan``), on a real TCPStore: the key it waits on may be deleted
 under it once a later generation is confirmed without it (a spare, left out of the
-plan); it follows the newest plan instead of waiting forever."""
+plan); it follows the newest plan instead of waiting forever. And a replacement, which
+starts listening mid-job, catching up on what its mailbox never brought."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 import torch.distributed as dist
 
 from chameleon_runtime.control import END_MARK, PLAN_LOOK_S, Control, Finished
+from chameleon_runtime.liveness import Interrupts
 from chameleon_runtime.protocol.messages import Keys
 from chameleon_runtime.protocol.seal import Seal
 from chameleon_runtime.stopsignals import StopSignals
@@ -27,6 +29,7 @@ def setup():
     control.store, control.keys, control.seal = client, Keys(0), seal
     control.stop_signals = StopSignals(0)
     control._timeout = timedelta(seconds=30)
+    control.interrupts = Interrupts()
     return server, control, seal
 
 
@@ -85,3 +88,23 @@ def test_the_end_of_training_in_the_successor_key_is_finished(setup):
     server.set(control.keys.next(2), seal.seal(f"{END_MARK}41"))
     thread.join(timeout=PLAN_LOOK_S * 10)
     assert len(out) == 1 and isinstance(out[0], Finished) and out[0].step == 41
+
+
+def test_a_replacement_catches_up_on_an_abort_and_an_end_that_came_before_it_listened(setup):
+    # The launcher aborts generation 0 (its key, and its mailboxes: not the replacement's,
+    # which is asked for just after), then asks for the replacement; the replacement reads
+    # generation 0 as the newest. Seen in CI: it waited as a spare on generation 0 to the
+    # end of training, never taken in.
+    server, control, seal = setup
+    server.set(control.keys.abort(1), "forged")  # (not the launcher's: changes nothing)
+    control.catch_up(1)
+    assert not control.interrupts.aborted(1) and control.interrupts.finished is None
+    server.set(control.keys.abort(0), seal.seal('{"kind": "abort", "generation": 0}'))
+    control.catch_up(0)
+    spare = threading.Event()
+    with control.interrupts.watch(0, spare):  # the spare's wait ends at once
+        assert spare.is_set()
+    assert not control.interrupts.aborted(1)  # (only what was aborted)
+    server.set(control.keys.finished, seal.seal("41"))
+    control.catch_up(1)
+    assert control.interrupts.finished == 41
