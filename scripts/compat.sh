@@ -3,9 +3,9 @@
 # run here on the CPU) in a venv of its own, with the project installed into it as a user
 # would; then the fast tier and one multi-process test of each recovery path. The venv
 # (about 5.5 GB; 91 s to make from this host's disk) is kept under ~/.cache/chameleon, so
-# only the first run pays for the wheels. Not yet in .ci/run: warm, it takes 2:40 here
-# (the install 7 s, the fast tier 51 s, the five multi-process tests 85-100 s on 2.14's
-# heavier import), and the main suite leaves too little of the gate's 20 minutes (README).
+# only the first run pays for the wheels. Alone and warm it takes 2:40 here (the install
+# 7 s, the fast tier 51 s, the five multi-process tests 85-100 s on 2.14's heavier
+# import); .ci/run runs it beside the main suite, one test at a time (`-n 1`).
 #   bash scripts/compat.sh [pytest args for both runs]
 set -euo pipefail
 cd "$(dirname "$0")/.."

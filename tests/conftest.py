@@ -70,10 +70,14 @@ def pytest_configure(config: pytest.Config) -> None:
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     if not os.environ.get("PYTEST_XDIST_WORKER") and LOCKS_ENV not in os.environ:
-        # the controller (or a plain run): the lock files its xdist workers share
-        folder = tempfile.mkdtemp(prefix="chameleon-test-locks-")
+        # the controller (or a plain run): the lock files its xdist workers share, and a
+        # suite run beside it shares too where one is named (.ci/run: the compatibility
+        # run's tests, so that no solo test overlaps one of them either)
+        folder = os.environ.get(SHARED_LOCKS_ENV)
+        if not folder:
+            folder = tempfile.mkdtemp(prefix="chameleon-test-locks-")
+            config._chameleon_locks = folder  # type: ignore[attr-defined]
         os.environ[LOCKS_ENV] = folder
-        config._chameleon_locks = folder  # type: ignore[attr-defined]
         # (after mkdtemp: this process's own tempdir, pytest's basetemp with it, stays
         # where it was; its workers get their basetemp from it, and the rest inherit this)
         _remove_old_scratch()
@@ -108,9 +112,9 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     folder = getattr(config, "_chameleon_locks", None)
     if folder is not None:
         shutil.rmtree(folder, ignore_errors=True)
-        os.environ.pop(LOCKS_ENV, None)
     scratch = getattr(config, "_chameleon_scratch", None)
-    if scratch is not None:
+    if scratch is not None:  # (the controller: it set both)
+        os.environ.pop(LOCKS_ENV, None)
         if getattr(config, "_chameleon_passed", False):
             shutil.rmtree(scratch[0], ignore_errors=True)
         else:  # (the failed runs' worker logs: until the next suite starts)
@@ -142,6 +146,7 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 # no other test starts until it ends.
 
 LOCKS_ENV = "CHAMELEON_TEST_LOCKS"
+SHARED_LOCKS_ENV = "CHAMELEON_TEST_SHARED_LOCKS"  # made and removed by whoever sets it
 
 
 def _enter(folder: str, solo: bool) -> contextlib.ExitStack:

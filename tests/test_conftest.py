@@ -139,6 +139,15 @@ import pytest
 
 def spell(name):
     began = time.time()
+    peer = os.environ.get("PEER")  # (a suite beside this one: its spells' folder)
+    if peer and not name.startswith("solo"):
+        # an ordinary test waits until the other suite has one started too, so that the
+        # two suites surely overlap
+        open(os.path.join(os.environ["SPELLS"], "started-" + name), "w").close()
+        for _ in range(300):
+            if any(f.startswith("started-") for f in os.listdir(peer)):
+                break
+            time.sleep(0.1)
     time.sleep(0.6)
     with open(os.path.join(os.environ["SPELLS"], name), "w") as f:
         json.dump([began, time.time()], f)
@@ -163,7 +172,12 @@ def test_a_solo_test_runs_while_no_other_test_does(pytester, monkeypatch, tmp_pa
     monkeypatch.setenv("PYTHONPATH", str(ROOT))
     monkeypatch.setenv("SPELLS", str(tmp_path))
     # the inner run is a run of its own, even inside an xdist worker of this one
-    for name in ("CHAMELEON_TEST_LOCKS", "PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT"):
+    for name in (
+        "CHAMELEON_TEST_LOCKS",
+        "CHAMELEON_TEST_SHARED_LOCKS",
+        "PYTEST_XDIST_WORKER",
+        "PYTEST_XDIST_WORKER_COUNT",
+    ):
         monkeypatch.delenv(name, raising=False)
     pytester.makeini("[pytest]\nmarkers =\n    solo: alone\n")
     pytester.makepyfile(test_solo=SOLO)
@@ -183,3 +197,83 @@ def test_a_solo_test_runs_while_no_other_test_does(pytester, monkeypatch, tmp_pa
             assert others == [], (name, others, spans)
     ordinary = [spans[n] for n in spans if n.startswith("ordinary")]
     assert any(overlap(a, b) for i, a in enumerate(ordinary) for b in ordinary[i + 1 :]), spans
+
+
+BESIDE = """
+import pytest
+from test_solo import spell
+
+@pytest.mark.parametrize("n", range(4))
+def test_beside(n):
+    spell(f"beside-{n}")
+"""
+
+
+@pytest.mark.slow  # (two inner pytests at once: 8 s)
+def test_a_solo_test_overlaps_no_test_of_a_suite_sharing_its_locks(monkeypatch, tmp_path):
+    """.ci/run runs the compatibility run beside the main suite, both given one lock
+    folder (CHAMELEON_TEST_SHARED_LOCKS): a solo test of one overlaps no test of the
+    other, and the folder stays for whoever made it."""
+    import os
+    import subprocess
+    import sys
+
+    shared = tmp_path / "locks"
+    shared.mkdir()
+    for name in ("CHAMELEON_TEST_LOCKS", "PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT"):
+        monkeypatch.delenv(name, raising=False)
+    for name in ("solo", "beside"):
+        (tmp_path / "spells" / name).mkdir(parents=True)
+    suites = []
+    # the solo file under two xdist workers, and beside it a suite of ordinary tests
+    for name, workers, test_file in (
+        ("solo", "2", "test_solo.py"),
+        ("beside", "1", "test_beside.py"),
+    ):
+        folder, spells = tmp_path / name, tmp_path / "spells" / name
+        folder.mkdir()
+        (folder / "pytest.ini").write_text("[pytest]\nmarkers =\n    solo: alone\n")
+        (folder / "test_solo.py").write_text(SOLO)
+        (folder / "test_beside.py").write_text(BESIDE)
+        peer = tmp_path / "spells" / ("beside" if name == "solo" else "solo")
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "SPELLS": str(spells), "PEER": str(peer)}
+        env["CHAMELEON_TEST_SHARED_LOCKS"] = str(shared)
+        argv = [sys.executable, "-m", "pytest", "-q", "-p", "tests.conftest"]
+        argv += ["-p", "no:cacheprovider", "-n", workers, "--dist", "load", test_file]
+        suites.append(
+            subprocess.Popen(
+                argv,
+                cwd=folder,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
+    outputs = [suite.communicate(timeout=60)[0] for suite in suites]
+    assert [suite.returncode for suite in suites] == [0, 0], outputs
+    assert shared.is_dir()
+    spans = {
+        f"{suite.name}/{f.name}": json.loads(f.read_text())
+        for suite in (tmp_path / "spells").iterdir()
+        for f in suite.iterdir()
+        if not f.name.startswith("started-")
+    }
+    assert len(spans) == 10, spans
+
+    def overlap(a, b):
+        return a[0] < b[1] and b[0] < a[1]
+
+    solos = [n for n in spans if n.startswith("solo/solo")]
+    assert len(solos) == 2, spans
+    for name in solos:
+        others = [n for n in spans if n != name and overlap(spans[name], spans[n])]
+        assert others == [], (name, others, spans)
+    # (and the two suites' ordinary tests did overlap: the lock shares the room)
+    assert any(
+        overlap(spans[a], spans[b])
+        for a in spans
+        if a.startswith("beside/")
+        for b in spans
+        if b.startswith("solo/ordinary")
+    ), spans
