@@ -5,7 +5,8 @@
 # (about 5.5 GB; 91 s to make from this host's disk) is kept under ~/.cache/chameleon, so
 # only the first run pays for the wheels. Alone and warm it takes 2:40 here (the install
 # 7 s, the fast tier 51 s, the five multi-process tests 85-100 s on 2.14's heavier
-# import); .ci/run runs it beside the main suite, one test at a time (`-n 1`).
+# import); `CHAMELEON_CI_COMPAT=1 bash .ci/run` runs it beside the main suite, one test
+# at a time (`-n 1`).
 #   bash scripts/compat.sh [pytest args for both runs]
 set -euo pipefail
 cd "$(dirname "$0")/.."
