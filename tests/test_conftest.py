@@ -163,6 +163,22 @@ def test_alone(n):
 """
 
 
+def _a_run_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An inner run is a run of its own, even inside an xdist worker of this one."""
+    for name in (
+        "CHAMELEON_TEST_LOCKS",
+        "CHAMELEON_TEST_SHARED_LOCKS",
+        "PYTEST_XDIST_WORKER",
+        "PYTEST_XDIST_WORKER_COUNT",
+    ):
+        monkeypatch.delenv(name, raising=False)
+
+
+def _overlap(a: list[float], b: list[float]) -> bool:
+    """Whether two spells' [began, ended] spans overlap."""
+    return a[0] < b[1] and b[0] < a[1]
+
+
 @pytest.mark.slow  # (an inner pytest of three processes: 6 s of the fast tier)
 def test_a_solo_test_runs_while_no_other_test_does(pytester, monkeypatch, tmp_path):
     """Under pytest-xdist, a test marked ``solo`` has the machine to itself: no other
@@ -171,14 +187,7 @@ def test_a_solo_test_runs_while_no_other_test_does(pytester, monkeypatch, tmp_pa
 
     monkeypatch.setenv("PYTHONPATH", str(ROOT))
     monkeypatch.setenv("SPELLS", str(tmp_path))
-    # the inner run is a run of its own, even inside an xdist worker of this one
-    for name in (
-        "CHAMELEON_TEST_LOCKS",
-        "CHAMELEON_TEST_SHARED_LOCKS",
-        "PYTEST_XDIST_WORKER",
-        "PYTEST_XDIST_WORKER_COUNT",
-    ):
-        monkeypatch.delenv(name, raising=False)
+    _a_run_of_its_own(monkeypatch)
     pytester.makeini("[pytest]\nmarkers =\n    solo: alone\n")
     pytester.makepyfile(test_solo=SOLO)
     result = pytester.runpytest_subprocess(
@@ -188,15 +197,12 @@ def test_a_solo_test_runs_while_no_other_test_does(pytester, monkeypatch, tmp_pa
     spans = {f.name: json.loads(f.read_text()) for f in tmp_path.iterdir()}
     assert len(spans) == 6
 
-    def overlap(a, b):
-        return a[0] < b[1] and b[0] < a[1]
-
     for name, span in spans.items():
         if name.startswith("solo"):
-            others = [n for n in spans if n != name and overlap(span, spans[n])]
+            others = [n for n in spans if n != name and _overlap(span, spans[n])]
             assert others == [], (name, others, spans)
     ordinary = [spans[n] for n in spans if n.startswith("ordinary")]
-    assert any(overlap(a, b) for i, a in enumerate(ordinary) for b in ordinary[i + 1 :]), spans
+    assert any(_overlap(a, b) for i, a in enumerate(ordinary) for b in ordinary[i + 1 :]), spans
 
 
 BESIDE = """
@@ -220,8 +226,7 @@ def test_a_solo_test_overlaps_no_test_of_a_suite_sharing_its_locks(monkeypatch, 
 
     shared = tmp_path / "locks"
     shared.mkdir()
-    for name in ("CHAMELEON_TEST_LOCKS", "PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT"):
-        monkeypatch.delenv(name, raising=False)
+    _a_run_of_its_own(monkeypatch)  # (each given the shared folder below)
     for name in ("solo", "beside"):
         (tmp_path / "spells" / name).mkdir(parents=True)
     suites = []
@@ -261,17 +266,14 @@ def test_a_solo_test_overlaps_no_test_of_a_suite_sharing_its_locks(monkeypatch, 
     }
     assert len(spans) == 10, spans
 
-    def overlap(a, b):
-        return a[0] < b[1] and b[0] < a[1]
-
     solos = [n for n in spans if n.startswith("solo/solo")]
     assert len(solos) == 2, spans
     for name in solos:
-        others = [n for n in spans if n != name and overlap(spans[name], spans[n])]
+        others = [n for n in spans if n != name and _overlap(spans[name], spans[n])]
         assert others == [], (name, others, spans)
     # (and the two suites' ordinary tests did overlap: the lock shares the room)
     assert any(
-        overlap(spans[a], spans[b])
+        _overlap(spans[a], spans[b])
         for a in spans
         if a.startswith("beside/")
         for b in spans
