@@ -236,28 +236,42 @@ class ForkServer:
             return None
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
+        proc = self.spawn_into(argv, env, (out_w, err_w), cwd, timeout)
+        os.close(out_w)
+        os.close(err_w)
+        if proc is None:
+            os.close(out_r)
+            os.close(err_r)
+            return None
+        return proc, out_r, err_r
+
+    def spawn_into(
+        self,
+        argv: list[str],
+        env: dict[str, str],
+        outputs: tuple[int, int],
+        cwd: str | None = None,
+        timeout: float = 10.0,
+    ) -> ForkedProcess | None:
+        """A child running ``argv`` with ``outputs`` (descriptors, still the caller's to
+        close) as its stdout and stderr, or None when the server cannot."""
+        if not self.ready or not eligible(argv):
+            return None
         with self._lock:
             self._next_id += 1
             # a fresh process would inherit the launcher's folder; the server's is not it
             where = cwd or os.getcwd()
             request = {"op": "spawn", "id": self._next_id, "argv": argv, "env": env, "cwd": where}
             try:
-                send(self._sock, request, [out_w, err_w])
+                send(self._sock, request, list(outputs))
             except OSError:
-                pid = None
-            else:
-                with self._changed:
-                    self._changed.wait_for(
-                        lambda: self._next_id in self._spawned or self._dead, timeout
-                    )
-                    pid = self._spawned.pop(self._next_id, None)
-        os.close(out_w)
-        os.close(err_w)
-        if pid is None:
-            os.close(out_r)
-            os.close(err_r)
-            return None
-        return ForkedProcess(pid, self), out_r, err_r
+                return None
+            with self._changed:
+                self._changed.wait_for(
+                    lambda: self._next_id in self._spawned or self._dead, timeout
+                )
+                pid = self._spawned.pop(self._next_id, None)
+        return None if pid is None else ForkedProcess(pid, self)
 
     def exit_code(self, pid: int) -> int | None:
         with self._changed:

@@ -41,7 +41,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests import clock, netns, references
+from tests import clock, netns, prefork, references
 from tests.locks import locked
 from tests.torchfree import torch_free
 
@@ -109,6 +109,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
+    prefork.close()
     folder = getattr(config, "_chameleon_locks", None)
     if folder is not None:
         shutil.rmtree(folder, ignore_errors=True)
@@ -302,6 +303,7 @@ def _nothing_outlives_the_test(request: pytest.FixtureRequest):
     clock.set_deadline(None)
     left: list[psutil.Process] = []
     deadline = time.monotonic() + EXIT_GRACE_S
+    before.add(prefork.server_pid())  # (the run's, started by this test's first launch)
     while True:
         left = [p for pid, p in _descendants().items() if pid not in before and _alive(p)]
         if not left or time.monotonic() > deadline:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import signal
 import socket
 import subprocess
@@ -14,6 +13,7 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
+from tests import prefork
 from tests.clock import budget
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -35,9 +35,7 @@ def chameleon_cmd(*args: str) -> list[str]:
 
 
 def env() -> dict[str, str]:
-    e = dict(os.environ)
-    e["PYTHONPATH"] = str(ROOT) + os.pathsep + e.get("PYTHONPATH", "")
-    return e
+    return prefork.server_env()
 
 
 _env = env  # ``start`` takes an ``env`` argument of its own
@@ -53,17 +51,22 @@ def _log_path(cwd: Path, stem: str) -> Path:
 
 
 def run(
-    *args: str, cwd: Path, timeout: float = 120, env: dict[str, str] | None = None
+    *args: str,
+    cwd: Path,
+    timeout: float = 120,
+    env: dict[str, str] | None = None,
+    fresh: bool = False,
 ) -> subprocess.CompletedProcess:
     """``chameleon ARGS`` to its end. Its stdout and stderr are kept in files in ``cwd`` as
     well as returned, so that a run cut short still leaves its log. ``timeout`` is cut to
     the test's budget (tests/clock.py); a run past it is killed (its launcher's guard
-    kills the workers) and fails the test with its log's tail."""
+    kills the workers) and fails the test with its log's tail. The process is forked
+    from the suite's warm server unless ``fresh`` (tests/prefork.py)."""
     out_path, err_path = _log_path(cwd, "chameleon-run.out"), _log_path(cwd, "chameleon-run.err")
     with open(out_path, "w") as out, open(err_path, "w") as err:
-        proc = subprocess.Popen(
+        proc = prefork.popen(
             chameleon_cmd(*args), cwd=cwd, env={**_env(), **(env or {})}, stdout=out,
-            stderr=err, text=True,
+            stderr=err, fresh=fresh,
         )  # fmt: skip
         limit = budget(timeout)
         try:
@@ -120,12 +123,16 @@ def _launcher_stack(err: Path, since: int) -> str:
     return "the launcher's stacks:\n" + "\n".join(own)[:4000] + "\n" if own else ""
 
 
-def start(*args: str, cwd: Path, log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
-    out = open(log, "w")  # noqa: SIM115 - the process owns it
-    return subprocess.Popen(
-        chameleon_cmd(*args), cwd=cwd, env={**_env(), **(env or {})}, stdout=out,
-        stderr=subprocess.STDOUT,
-    )  # fmt: skip
+def start(
+    *args: str, cwd: Path, log: Path, env: dict[str, str] | None = None, fresh: bool = False
+) -> subprocess.Popen | prefork.Launched:
+    """``chameleon ARGS`` started, its output to ``log``: forked from the suite's warm
+    server unless ``fresh`` (tests/prefork.py)."""
+    with open(log, "w") as out:  # (the child has its own descriptor of it)
+        return prefork.popen(
+            chameleon_cmd(*args), cwd=cwd, env={**_env(), **(env or {})}, stdout=out,
+            stderr=subprocess.STDOUT, fresh=fresh,
+        )  # fmt: skip
 
 
 def _catches(pid: int, signum: int) -> bool:

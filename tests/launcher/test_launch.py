@@ -59,6 +59,7 @@ def test_workers_get_torchruns_environment(tmp_path):
         str(script),
         "ours",
         cwd=tmp_path,
+        fresh=True,  # (set against torchrun's: both launchers fresh interpreters)
     )
     assert ours.returncode == 0, ours.stderr
     theirs = subprocess.run(
@@ -270,6 +271,7 @@ def test_no_orphans_when_the_launcher_is_sigkilled(tmp_path):
         marker,
         cwd=tmp_path,
         log=tmp_path / "out.log",
+        fresh=True,  # (a launcher as a shell starts it: its parent is not a fork server)
     )
     try:
         wait_for_event(log, "workers_started")

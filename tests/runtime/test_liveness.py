@@ -2,12 +2,11 @@
 healthy step is not a hang; a worker stalled in its first step is found and blamed alone;
 a replacement whose start-up outlasts the heartbeat timeout is judged by its own beats."""
 
-import subprocess
 from pathlib import Path
 
 import pytest
 
-from tests import references
+from tests import prefork, references
 from tests.clock import budget
 from tests.launcher.helpers import chameleon_cmd, env, events, leftovers
 from tests.runtime.test_recovery import dumps
@@ -21,12 +20,12 @@ def run_mlp(tmp: Path, name: str, *flags: str, workers: int, steps: int, extra_e
     out = tmp / name
     out.mkdir()
     log = out / "events.jsonl"
-    result = subprocess.run(
+    result = prefork.run(
         chameleon_cmd(
             "run", "--plain", "--standalone", "--nproc-per-node", str(workers), "--events",
             str(log), *flags, MLP, "--steps", str(steps), "--dump", str(out / "dump"), *args,
         ),
-        cwd=out, env={**env(), **(extra_env or {})}, capture_output=True, text=True, timeout=budget(240),
+        cwd=out, env={**env(), **(extra_env or {})}, timeout=budget(240),
     )  # fmt: skip
     assert leftovers(out) == [], "workers outlived the launcher"
     checks, _losses = dumps(out)
