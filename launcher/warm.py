@@ -177,6 +177,9 @@ class ForkServer:
         self._changed = threading.Condition()
         self._exits: dict[int, int] = {}
         self._spawned: dict[int, int] = {}  # request id -> pid
+        # requests given up on (no answer in time): a child the server forks for one
+        # later is killed as its answer comes, or it would run beside its fresh stand-in
+        self._abandoned: set[int] = set()
         self._next_id = 0
         self._ready = False
         self._dead = False
@@ -221,6 +224,10 @@ class ForkServer:
                 op = message.get("op")
                 if op == "ready":
                     self._ready = True
+                elif op == "spawned" and message["id"] in self._abandoned:
+                    self._abandoned.discard(message["id"])
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(message["pid"], signal.SIGKILL)
                 elif op == "spawned":
                     self._spawned[message["id"]] = message["pid"]
                 elif op == "exited":
@@ -271,6 +278,8 @@ class ForkServer:
                     lambda: self._next_id in self._spawned or self._dead, timeout
                 )
                 pid = self._spawned.pop(self._next_id, None)
+                if pid is None and not self._dead:
+                    self._abandoned.add(self._next_id)
         return None if pid is None else ForkedProcess(pid, self)
 
     def exit_code(self, pid: int) -> int | None:

@@ -192,3 +192,27 @@ def test_children_die_with_the_server(tmp_path):
     assert proc.wait(timeout=10) == -signal.SIGKILL
     assert fs.spawn([sys.executable, "-u", "x.py"], {}, None) is None  # gone: start fresh
     fs.close()
+
+
+@pytest.mark.timeout(60)  # 1 s measured
+def test_a_child_forked_after_its_spawn_gave_up_is_killed(server, tmp_path):
+    # A server too slow to answer (stopped here; a loaded host in life): the launcher
+    # starts that worker fresh instead, so the server's late child must not run beside it.
+    script = tmp_path / "late.py"
+    script.write_text("import time\ntime.sleep(60)\n")
+    seen = set(server._exits)
+    os.kill(server.pid, signal.SIGSTOP)
+    try:
+        late = server.spawn([sys.executable, "-u", str(script)], dict(os.environ), None, 0.3)
+        assert late is None
+    finally:
+        os.kill(server.pid, signal.SIGCONT)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        ended = {pid: code for pid, code in server._exits.items() if pid not in seen}
+        if ended:
+            break
+        time.sleep(0.05)
+    # (it sleeps 60 s: only the kill ends it now)
+    assert list(ended.values()) == [-signal.SIGKILL]
+    assert server._abandoned == set()
