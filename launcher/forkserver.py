@@ -17,6 +17,8 @@ Differences from a fresh interpreter, and what is done about them:
 - Random state: Python's ``random`` reseeds at fork by itself; numpy's global generator,
   when loaded, is reseeded in the child. Children share the server's string hash seed.
 - CUDA must not be initialised before a fork: the server never touches a device.
+- Output: written through under ``-u`` (every worker's command), else buffered as
+  Python buffers it (stdout by the block off a terminal, stderr by the line).
 - Our own modules are dropped from ``sys.modules`` in the child, so a script's own
   ``launcher`` package is imported as it would be in a fresh interpreter.
 - ``ps`` would show a child with the server's command line (a fork does not exec): the
@@ -186,10 +188,7 @@ def _become(spec: ChildSpec) -> None:
     if spec.cwd:
         os.chdir(spec.cwd)
     sys.stdin = open(os.devnull)  # noqa: SIM115 - the process's stdin for good
-    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
-    sys.stderr = io.TextIOWrapper(
-        io.FileIO(2, "w", closefd=False), write_through=True, errors="backslashreplace"
-    )
+    sys.stdout, sys.stderr = _stdio(spec)
     import faulthandler
 
     faulthandler.register(STACKS_SIGNAL, file=sys.stderr, all_threads=True)
@@ -220,6 +219,32 @@ def _become(spec: ChildSpec) -> None:
         exec(compile(rest[1], "<string>", "exec"), {"__name__": "__main__"})  # noqa: S102
     else:
         _run_script(rest[0], rest)
+
+
+def _stdio(spec: ChildSpec) -> tuple[io.TextIOWrapper, io.TextIOWrapper]:
+    """stdout and stderr as the command's interpreter would have them: written through
+    under ``-u`` (every worker's command) or PYTHONUNBUFFERED; else buffered, stdout by
+    the line on a terminal only and stderr always by the line, as Python 3.9+ does."""
+    flags = []
+    for word in spec.argv[1:]:
+        if not word.startswith("-") or word in ("-m", "-c"):
+            break
+        flags.append(word)
+    if "-u" in flags or spec.env.get("PYTHONUNBUFFERED"):
+        out = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
+        err = io.TextIOWrapper(
+            io.FileIO(2, "w", closefd=False), write_through=True, errors="backslashreplace"
+        )
+        return out, err
+    out = io.TextIOWrapper(
+        io.BufferedWriter(io.FileIO(1, "w", closefd=False)), line_buffering=os.isatty(1)
+    )
+    err = io.TextIOWrapper(
+        io.BufferedWriter(io.FileIO(2, "w", closefd=False)),
+        line_buffering=True,
+        errors="backslashreplace",
+    )
+    return out, err
 
 
 def _run_script(script: str, argv: list[str]) -> None:

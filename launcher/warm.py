@@ -115,6 +115,13 @@ class ForkedServer:
                 os.kill(self.pid, signal.SIGKILL)
 
 
+def _kill_session(pid: int) -> None:
+    """SIGKILL to a child of the server and to what it started (its own session)."""
+    for kill in (os.kill, os.killpg):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            kill(pid, signal.SIGKILL)
+
+
 def server_env(environ: Mapping[str, str], nproc_per_node: int) -> dict[str, str]:
     """The environment a node's server runs with: the launcher's, with the workers'
     thread count (launcher/environment.py), which libraries read as they load."""
@@ -178,8 +185,10 @@ class ForkServer:
         self._exits: dict[int, int] = {}
         self._spawned: dict[int, int] = {}  # request id -> pid
         # requests given up on (no answer in time): a child the server forks for one
-        # later is killed as its answer comes, or it would run beside its fresh stand-in
+        # later is killed as its answer comes, or it would run beside its fresh stand-in;
+        # its exit is not kept (no one asks for it). Each set empties as the answers come.
         self._abandoned: set[int] = set()
+        self._killed: set[int] = set()
         self._next_id = 0
         self._ready = False
         self._dead = False
@@ -218,18 +227,26 @@ class ForkServer:
             with self._changed:
                 if not data:
                     self._dead = True
+                    self._abandoned.clear()
+                    self._killed.clear()
                     self._changed.notify_all()
                     return
                 message = json.loads(data)
                 op = message.get("op")
                 if op == "ready":
                     self._ready = True
-                elif op == "spawned" and message["id"] in self._abandoned:
-                    self._abandoned.discard(message["id"])
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(message["pid"], signal.SIGKILL)
                 elif op == "spawned":
-                    self._spawned[message["id"]] = message["pid"]
+                    pid = message["pid"]
+                    # a pid the kernel gave out again: what ended before is not this child
+                    self._exits.pop(pid, None)
+                    if message["id"] in self._abandoned:
+                        self._abandoned.discard(message["id"])
+                        self._killed.add(pid)
+                        _kill_session(pid)
+                    else:
+                        self._spawned[message["id"]] = pid
+                elif op == "exited" and message["pid"] in self._killed:
+                    self._killed.discard(message["pid"])
                 elif op == "exited":
                     self._exits[message["pid"]] = message["code"]
                 self._changed.notify_all()

@@ -84,6 +84,7 @@ def pytest_configure(config: pytest.Config) -> None:
         scratch = tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-")
         config._chameleon_scratch = (scratch, os.environ.get("TMPDIR"))  # type: ignore[attr-defined]
         os.environ["TMPDIR"] = scratch
+    prefork.remember_env()  # (after TMPDIR: what the suite starts runs with its own)
 
 
 @pytest.hookimpl(tryfirst=True)  # before ``-m`` reads the marks

@@ -34,7 +34,7 @@ FRESH_ENV = "CHAMELEON_TEST_FRESH"
 # environment changes one of them from the server's gets a fresh interpreter.
 LOADED = (
     "PYTHON", "LD_", "MALLOC_", "GLIBC_", "TORCH", "PYTORCH", "OMP_", "KMP_", "MKL_",
-    "OPENBLAS_", "CUDA", "TMPDIR", "LANG", "LC_",
+    "OPENBLAS_", "CUDA", "TMPDIR", "LANG", "LC_", "TYPER_", "_TYPER",
 )  # fmt: skip
 # What ``chameleon run`` imports besides torch: its command line and its output layer.
 PRELOAD_LAUNCHER = (
@@ -94,13 +94,37 @@ class Launched:
 
 _lock = threading.Lock()
 _server: list = []  # [launcher.warm.ForkServer] once started; [None] where it cannot be
+_base: dict[str, str] = {}  # the environment the server is started with
 
 
-def _start() -> object | None:
-    """The server, started on first use with the pytest process's environment."""
+def remember_env() -> None:
+    """The server's environment: the suite's, as it is before any test changes it
+    (tests/conftest.py, at configure), not that of whichever test launches first."""
+    _base.clear()
+    _base.update(server_env())
+
+
+def _start():
+    """The server, started by the first launch that can use it; None where it cannot be.
+    Its start (a few seconds: torch and dynamo) is that test's; cut short there (the
+    test's timeout), it is closed and the next launch starts another."""
     with _lock:
         if not _server:
-            _server.append(_new_server())
+            if threading.current_thread() is not threading.main_thread():
+                # (its parent-death signal is a thread's: it would die with this one)
+                return None
+            server = _new_server()
+            _server.append(server)
+            try:
+                ready = server.wait_ready(120)
+            except BaseException:  # (the test's timeout): the next launch tries again
+                server.close()
+                _server.clear()
+                raise
+            if not ready:
+                server.close()
+                _server[0] = None
+                print(f"tests/prefork.py: no server ({server.log_file}); fresh processes")
         return _server[0]
 
 
@@ -108,16 +132,11 @@ def _new_server():
     from launcher.forkserver import PRELOAD
     from launcher.warm import ForkServer
 
-    env = server_env()
+    env = dict(_base or server_env())
     folder = Path(env.get("TMPDIR", "/tmp"))
     folder.mkdir(parents=True, exist_ok=True)
     log = folder / f"chameleon-test-prefork-{os.getpid()}.log"
-    server = ForkServer(env, log, [*PRELOAD, *PRELOAD_LAUNCHER])
-    if not server.wait_ready(120):
-        server.close()
-        print(f"tests/prefork.py: the server was not ready; fresh processes ({log})")
-        return None
-    return server
+    return ForkServer(env, log, [*PRELOAD, *PRELOAD_LAUNCHER])
 
 
 def server_env() -> dict[str, str]:
@@ -148,7 +167,7 @@ def forkable(argv: list[str], env: dict[str, str]) -> bool:
     return (
         os.environ.get(FRESH_ENV) != "1"
         and argv[:3] == [sys.executable, "-m", "chameleon_cli"]
-        and _loads_the_same(env, server_env())
+        and _loads_the_same(env, _base or server_env())
     )
 
 
@@ -176,7 +195,8 @@ def popen(
 
 
 def run(argv: list[str], *, cwd: Path | str, env: dict[str, str], timeout: float, fresh=False):
-    """``subprocess.run(argv, capture_output=True, text=True, ...)`` through ``popen``."""
+    """``subprocess.run(argv, capture_output=True, text=True, ...)`` through ``popen``;
+    ``forked`` on the result says which it was."""
     import tempfile
 
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
@@ -191,4 +211,6 @@ def run(argv: list[str], *, cwd: Path | str, env: dict[str, str], timeout: float
         for f in (out, err):
             f.seek(0)
             texts.append(f.read().decode(errors="replace"))
-    return subprocess.CompletedProcess(argv, code, texts[0], texts[1])
+    done = subprocess.CompletedProcess(argv, code, texts[0], texts[1])
+    done.forked = isinstance(proc, Launched)  # type: ignore[attr-defined]
+    return done

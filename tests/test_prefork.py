@@ -29,6 +29,7 @@ def test_a_forked_command_says_and_exits_as_a_fresh_one_does(tmp_path):
         argv = chameleon_cmd(*args)
         forked = prefork.run(argv, cwd=tmp_path, env=env(), timeout=budget(60))
         fresh = prefork.run(argv, cwd=tmp_path, env=env(), timeout=budget(60), fresh=True)
+        assert forked.forked and not fresh.forked
         assert (forked.returncode, forked.stdout, forked.stderr) == (
             fresh.returncode, fresh.stdout, fresh.stderr,
         )  # fmt: skip
@@ -73,7 +74,8 @@ def test_a_forked_launcher_killed_reports_the_signal_as_popen_does(tmp_path):
 def test_only_what_a_library_reads_as_it_loads_makes_a_command_start_fresh(monkeypatch):
     monkeypatch.delenv(prefork.FRESH_ENV, raising=False)
     argv = [sys.executable, "-m", "chameleon_cli", "run", "x.py"]
-    base = prefork.server_env()
+    base = prefork._base  # (remembered as the suite started: tests/conftest.py)
+    assert base and prefork.forkable(argv, prefork.server_env())
     assert prefork.forkable(argv, base)
     assert prefork.forkable(argv, {**base, "CHAMELEON_JOB_TOKEN": "t", "SLURM_NNODES": "2"})
     for loaded in ("MALLOC_MMAP_THRESHOLD_", "PYTHONHASHSEED", "TORCH_LOGS", "OMP_NUM_THREADS"):

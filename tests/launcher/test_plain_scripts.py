@@ -54,6 +54,7 @@ def test_the_warm_server_is_a_fork_of_the_launcher_that_holds_nothing_of_it(tmp_
     proc = start(
         "run", "--standalone", "--nproc-per-node", "2", "--log-dir", str(tmp_path / "runs"),
         "probe.py", cwd=tmp_path, log=tmp_path / "launcher.log",
+        fresh=True,  # (the launcher's own import of torch, before the fork: a user's)
     )  # fmt: skip
     assert proc.wait(timeout=budget(60)) == 0, (tmp_path / "launcher.log").read_text()
     facts = [json.loads((tmp_path / f"server_{r}.json").read_text()) for r in (0, 1)]
@@ -81,6 +82,7 @@ def test_workers_are_forks_of_the_warm_server_and_see_what_fresh_ones_see(tmp_pa
             "run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1", *flags,
             "--events", str(log), "--log-dir", str(tmp_path / how),
             "probe.py", how, "--flag", cwd=tmp_path,
+            fresh=True,  # (set against fresh workers: what a user's launcher holds)
         )  # fmt: skip
         assert result.returncode == 0, result.stderr
         started = [e["warm"] for e in events(log) if e["event"] == "workers_started"]
