@@ -200,28 +200,38 @@ def _next(rank: int, statuses: Mapping[int, WorkerStatus]) -> list[int] | None:
     return []  # the launcher (a plan): no worker to blame
 
 
+def _roots(start: int, statuses: Mapping[int, WorkerStatus], stalls: Mapping[int, Stall]):
+    """The workers at the ends of ``start``'s wait chains."""
+    frontier, seen = [start], {start}
+    found: set[int] = set()
+    while frontier:
+        rank = frontier.pop()
+        after = _next(rank, statuses)
+        if after is None:
+            found.add(rank)
+            continue
+        for peer in after:
+            if peer not in seen:
+                seen.add(peer)
+                frontier.append(peer)
+    if not found and all(_next(r, statuses) for r in seen):
+        found = {r for r in seen if r in stalls}  # everyone waits on someone: a cycle
+    return found
+
+
 def blame(statuses: Mapping[int, WorkerStatus], stalls: Mapping[int, Stall]) -> dict[int, str]:
     """The stalled workers at the roots of the stalled workers' wait chains, with why.
     A root that is not stalled itself (it still gets somewhere) is blamed for nothing; a
-    cycle of waits (a deadlock) blames every worker in it."""
-    roots: dict[int, list[int]] = {}  # root -> stalled workers waiting on it
+    cycle of waits (a deadlock) blames every worker in it. Its message names every worker
+    whose wait chain ends at it, stalled past its own timeout yet or not (one that began
+    the step later, on a loaded host, waits on it all the same)."""
+    roots: dict[int, list[int]] = {}  # root -> workers waiting on it
     for start in sorted(stalls):
-        frontier, seen = [start], {start}
-        found: set[int] = set()
-        while frontier:
-            rank = frontier.pop()
-            after = _next(rank, statuses)
-            if after is None:
-                found.add(rank)
-                continue
-            for peer in after:
-                if peer not in seen:
-                    seen.add(peer)
-                    frontier.append(peer)
-        if not found and all(_next(r, statuses) for r in seen):
-            found = {r for r in seen if r in stalls}  # everyone waits on someone: a cycle
-        for root in found:
+        for root in _roots(start, statuses, stalls):
             roots.setdefault(root, []).append(start)
+    for start in sorted(set(statuses) - set(stalls)):
+        for root in _roots(start, statuses, stalls) & roots.keys():
+            roots[root].append(start)
     out = {}
     for root, waiting in sorted(roots.items()):
         stall = stalls.get(root)
@@ -229,7 +239,7 @@ def blame(statuses: Mapping[int, WorkerStatus], stalls: Mapping[int, Stall]) -> 
             continue
         s = statuses[root]
         what = s.waiting_on.what if s.waiting_on else "compute"
-        others = sorted(r for r in waiting if r != root)
+        others = sorted({r for r in waiting if r != root})
         out[root] = (
             f"no progress for {stall.stalled_s:.1f} s ({stall.why} {stall.timeout_s:g} s) "
             f"in {what} at step {s.step}" + (f"; ranks {others} wait on it" if others else "")

@@ -86,6 +86,23 @@ def test_a_stalled_rank_is_blamed_and_the_peers_waiting_on_it_are_not():
     assert "in compute at step 5" in verdict[1] and "[0, 2, 3] wait on it" in verdict[1]
 
 
+def test_peers_that_began_the_step_later_are_named_as_waiting_on_the_stalled_rank():
+    # On a loaded host the peers reached the all-reduce after the stalled rank stopped:
+    # past its timeout, not yet past theirs. They wait on it all the same (seen in CI:
+    # "no progress for 12.3 s ... at step 0", with no peer named).
+    p = Progress(T)
+    stuck = {1: status(step=0, progress=0, waiting=WaitingOn(what="compute"))}
+    p.observe(stuck, 0.0)
+    peers = {r: status(step=0, progress=0, waiting=WaitingOn(what="allreduce", peers=[0, 1, 2, 3]))
+             for r in (0, 2, 3)}  # fmt: skip
+    p.observe(peers, 1.0)
+    statuses = {**stuck, **peers}
+    stalls = p.stalled(statuses, 20.5)
+    assert sorted(stalls) == [1]
+    verdict = blame(statuses, stalls)
+    assert list(verdict) == [1] and "ranks [0, 2, 3] wait on it" in verdict[1]
+
+
 def test_a_root_that_still_gets_somewhere_is_not_blamed():
     p = Progress(T)
     statuses = {
