@@ -223,28 +223,18 @@ def _become(spec: ChildSpec) -> None:
 
 def _stdio(spec: ChildSpec) -> tuple[io.TextIOWrapper, io.TextIOWrapper]:
     """stdout and stderr as the command's interpreter would have them: written through
-    under ``-u`` (every worker's command) or PYTHONUNBUFFERED; else buffered, stdout by
-    the line on a terminal only and stderr always by the line, as Python 3.9+ does."""
-    flags = []
-    for word in spec.argv[1:]:
-        if not word.startswith("-") or word in ("-m", "-c"):
-            break
-        flags.append(word)
-    if "-u" in flags or spec.env.get("PYTHONUNBUFFERED"):
-        out = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
-        err = io.TextIOWrapper(
-            io.FileIO(2, "w", closefd=False), write_through=True, errors="backslashreplace"
-        )
-        return out, err
-    out = io.TextIOWrapper(
-        io.BufferedWriter(io.FileIO(1, "w", closefd=False)), line_buffering=os.isatty(1)
-    )
-    err = io.TextIOWrapper(
-        io.BufferedWriter(io.FileIO(2, "w", closefd=False)),
-        line_buffering=True,
-        errors="backslashreplace",
-    )
-    return out, err
+    under ``-u`` (every worker's command; the only flag ``eligible`` admits) or
+    PYTHONUNBUFFERED; else buffered, stdout by the line on a terminal only and stderr
+    always by the line, as Python 3.9+ does."""
+    unbuffered = spec.argv[1:2] == ["-u"] or bool(spec.env.get("PYTHONUNBUFFERED"))
+
+    def stream(fd: int, by_line: bool, **kwargs: str) -> io.TextIOWrapper:
+        raw = io.FileIO(fd, "w", closefd=False)
+        if unbuffered:
+            return io.TextIOWrapper(raw, write_through=True, **kwargs)
+        return io.TextIOWrapper(io.BufferedWriter(raw), line_buffering=by_line, **kwargs)
+
+    return stream(1, os.isatty(1)), stream(2, True, errors="backslashreplace")
 
 
 def _run_script(script: str, argv: list[str]) -> None:

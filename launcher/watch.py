@@ -239,7 +239,7 @@ def blame(statuses: Mapping[int, WorkerStatus], stalls: Mapping[int, Stall]) -> 
             continue
         s = statuses[root]
         what = s.waiting_on.what if s.waiting_on else "compute"
-        others = sorted({r for r in waiting if r != root})
+        others = sorted(r for r in waiting if r != root)
         out[root] = (
             f"no progress for {stall.stalled_s:.1f} s ({stall.why} {stall.timeout_s:g} s) "
             f"in {what} at step {s.step}" + (f"; ranks {others} wait on it" if others else "")

@@ -24,6 +24,7 @@ Started fresh instead (``subprocess.Popen``, as before):
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -76,13 +77,9 @@ class Launched:
         self._proc.send_signal(signum)
 
     def terminate(self) -> None:
-        import signal
-
         self.send_signal(signal.SIGTERM)
 
     def kill(self) -> None:
-        import signal
-
         self.send_signal(signal.SIGKILL)
 
     def __enter__(self) -> Launched:
