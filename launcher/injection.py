@@ -76,7 +76,8 @@ class FaultInjection:
             elif fault.kind is FaultKind.HANG:
                 signal_worker(worker, signal.SIGSTOP)
             elif fault.kind is FaultKind.SLOW:
-                self._slow(fault, worker)
+                peers = [w.pid for r, w in workers.items() if r != fault.rank and w.poll() is None]
+                self._slow(fault, worker, peers)
             else:
                 self._request_exit(fault, worker, statuses.get(fault.rank), view)
             hit.append(fault.rank)
@@ -93,7 +94,7 @@ class FaultInjection:
         self._release_failpoints(view)
         return hit
 
-    def _slow(self, fault: FaultSpec, worker: Worker) -> None:
+    def _slow(self, fault: FaultSpec, worker: Worker, peers: list[int]) -> None:
         rank, factor = fault.rank, fault.factor
         old = self.throttles.pop(rank, None)
         if old is not None:
@@ -102,7 +103,7 @@ class FaultInjection:
         def ended(lasted_s: float) -> None:
             self.emit("slowdown_ended", rank=rank, factor=factor, lasted_s=round(lasted_s, 3))
 
-        self.throttles[rank] = Throttle(worker, factor, fault.for_s, ended)
+        self.throttles[rank] = Throttle(worker, factor, fault.for_s, ended, peers)
 
     def throttled(self, rank: int) -> bool:
         """Whether ``rank`` is being slowed now: its stops are the throttle's own."""

@@ -1,7 +1,7 @@
 """A worker slowed from outside its process (``--inject-fault slow:rank=R,factor=F``): the
-agent stops and continues it on a duty cycle (SIGSTOP, SIGCONT), so that it runs
-``1/F`` of the time, every thread of it alike. Nothing in the worker changes: the runtime
-can tell it from a slow device (a throttled GPU, a noisy neighbour) by timing alone,
+agent stops and continues it on a duty cycle (SIGSTOP, SIGCONT), so that it gets ``1/F``
+of the time it would (below), every thread alike. Nothing in the worker changes: the
+runtime can tell it from a slow device (a throttled GPU, a noisy neighbour) by timing alone,
 which is what a straggler test needs.
 
 Why a short run phase: every pass must be slowed, however little work it is. A pass
@@ -14,6 +14,18 @@ again 18 steps before the slowdown ended. With 1 ms runs a pass of a few millise
 stopped several times, in proportion. The stop phases are far shorter than any heartbeat
 timeout, so a slowed worker is slow, never silent. The process-state check
 (launcher/local.py) knows a throttled rank's stops are the throttle's own.
+
+Why the stops grow on a busy host: the scheduler gives a process that was stopped the CPU
+first once it is continued (its credit as a sleeper), so in 1 ms run phases the slowed
+worker runs at a whole core's speed while its peers get only their share of a contended
+one, and a plain 1:(F-1) cycle slows it by less than F against them. Measured here, a
+CPU-bound loop slowed 3x beside an unslowed one, with two other processes spinning on
+the two cores: 1.6x with the plain cycle, 2.7x with stops sized as below (3.4x and 3.8x
+with one spinning). So each stop is sized by what the run phase gave (``stop_s``): the
+share of the time it wanted a CPU that the worker got in its run phases, over the share
+its peers on this node get (/proc/<pid>/schedstat: time run, time waiting to run), never
+shorter than the plain cycle. On an idle host both shares are about 1; a GPU worker's
+host is idle too.
 """
 
 from __future__ import annotations
@@ -21,13 +33,46 @@ from __future__ import annotations
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 from launcher.workers import Worker, signal_worker
 
 RUN_S = 0.001  # one run phase, then a stop of (factor - 1) times it: shorter than a pass
 MAX_STOP_S = 0.2  # the longest one stop lasts, a late wake's debt included
+SHARE_EVERY_S = 0.25  # how often the peers' share of a CPU is measured again
+MIN_WANTED_NS = 2_000_000  # less time wanting a CPU than this tells nothing of a share
+
+
+def schedstat(pid: int) -> tuple[int, int] | None:
+    """Nanoseconds the main thread of ``pid`` has run and waited to run (the thread a
+    worker's passes run in), or None where the kernel does not say (or it is gone)."""
+    try:
+        with open(f"/proc/{pid}/schedstat") as f:
+            ran, waited = f.read().split()[:2]
+        return int(ran), int(waited)
+    except (OSError, ValueError):
+        return None
+
+
+def share(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float | None:
+    """Of the time a thread wanted a CPU between two schedstat readings, the part it got;
+    None when it hardly wanted one (asleep, waiting on a peer) or a reading is missing."""
+    if before is None or after is None:
+        return None
+    ran, waited = after[0] - before[0], after[1] - before[1]
+    if ran < 0 or waited < 0 or ran + waited < MIN_WANTED_NS:
+        return None
+    return ran / (ran + waited)
+
+
+def stop_s(factor: float, ran_s: float, own: float | None, peers: float | None) -> float:
+    """How long to stop a worker that was just continued for ``ran_s``, so that it gets
+    ``1/factor`` of the CPU its peers get: ``own`` its share in that run phase, ``peers``
+    theirs lately (None: unknown, taken as equal). Plain ``(factor - 1) * ran_s`` when
+    the two are equal; longer when the scheduler favoured the continued worker."""
+    boost = 1.0 if own is None or not peers else max(1.0, own / peers)
+    return max(0.0, ran_s * (factor * boost - 1.0))
 
 
 class Throttle:
@@ -40,10 +85,12 @@ class Throttle:
         factor: float,
         duration_s: float | None,
         on_end: Callable[[float], Any],
+        peers: Collection[int] = (),
     ) -> None:
         self.worker = worker
         self.factor = factor
         self.duration_s = duration_s
+        self.peers = tuple(peers)  # pids of the node's other workers, whose share it gets
         self._on_end = on_end
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="throttle", daemon=True)
@@ -54,8 +101,6 @@ class Throttle:
         return self._thread.is_alive()
 
     def _run(self) -> None:
-        run_s = RUN_S
-        stopped_s = RUN_S * (self.factor - 1.0)
         began = time.monotonic()
         end = began + self.duration_s if self.duration_s is not None else float("inf")
         # A run phase is timed, not assumed: on a busy host this thread wakes late, and a
@@ -65,20 +110,39 @@ class Throttle:
         # carried), so that it stays slow, never silent. A stop that overran is not
         # credited back: that would let the worker run unstopped for several periods,
         # which a look at its speed reads as recovered.
-        owed = 0.0
+        owed, ran_s = 0.0, RUN_S
+        own: float | None = None  # the worker's share of a CPU in its run phases, lately
+        peers: float | None = None  # its peers' share, lately
+        ran = [0, 0]  # run phases' schedstat since the last measure: ns run, ns waited
+        peers_then = {pid: schedstat(pid) for pid in self.peers}
+        measured_at = began
+        before: tuple[int, int] | None = None
+        pid = self.worker.pid
         try:
             while not self._stop.is_set() and time.monotonic() < end:
                 if self.worker.popen.returncode is not None:
                     break
-                due = stopped_s + owed
+                due = stop_s(self.factor, ran_s, own, peers) + owed
                 pause = min(due, MAX_STOP_S)
                 owed = due - pause
                 signal_worker(self.worker, signal.SIGSTOP)
+                after = schedstat(pid)
+                if before is not None and after is not None:
+                    ran[0] += after[0] - before[0]
+                    ran[1] += after[1] - before[1]
                 self._stop.wait(pause)
+                now = time.monotonic()
+                if now - measured_at >= SHARE_EVERY_S:
+                    # (a window in which it hardly wanted a CPU keeps the last figure)
+                    own = _kept(share((0, 0), (ran[0], ran[1])), own)
+                    peers_now = {p: schedstat(p) for p in self.peers}
+                    peers = _kept(_summed(peers_then, peers_now), peers)
+                    ran, peers_then, measured_at = [0, 0], peers_now, now
+                before = schedstat(pid)
                 signal_worker(self.worker, signal.SIGCONT)
                 t = time.monotonic()
-                self._stop.wait(run_s)
-                owed += (self.factor - 1.0) * max(0.0, time.monotonic() - t - run_s)
+                self._stop.wait(RUN_S)
+                ran_s = time.monotonic() - t
         finally:
             # Never left stopped: a stopped worker would hold its peers and ignore SIGTERM.
             signal_worker(self.worker, signal.SIGCONT)
@@ -88,3 +152,20 @@ class Throttle:
         """Stop slowing it (the worker runs on, continued)."""
         self._stop.set()
         self._thread.join(timeout=5.0)
+
+
+def _summed(
+    before: dict[int, tuple[int, int] | None], after: dict[int, tuple[int, int] | None]
+) -> float | None:
+    """The share of a CPU several threads got together between two readings (a peer
+    that exited in between, or was never readable, left out)."""
+    ran = waited = 0
+    for pid, now in after.items():
+        then = before.get(pid)
+        if now is not None and then is not None:
+            ran, waited = ran + now[0] - then[0], waited + now[1] - then[1]
+    return share((0, 0), (ran, waited))
+
+
+def _kept(new: float | None, old: float | None) -> float | None:
+    return old if new is None else new

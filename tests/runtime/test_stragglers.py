@@ -54,6 +54,17 @@ def step_at(tmp: Path, name: str, t: float) -> int:
     return max([int(s) for s, when in (ln.split() for ln in lines if ln) if float(when) <= t] + [0])
 
 
+def found_slow(log: list[dict], t: float) -> set[int]:
+    """The ranks the job had found slow, and not back to speed, at time ``t``."""
+    slow: set[int] = set()
+    for e in log:
+        if e["t"] < t and e["event"] == "straggler":
+            slow.add(e["rank"])
+        elif e["t"] < t and e["event"] == "straggler_recovered":
+            slow.discard(e["rank"])
+    return slow
+
+
 def moves(log: list[dict]) -> list[dict]:
     return [e for e in log if e["event"] == "plan_chosen" and e.get("generation", 0) >= 1]
 
@@ -70,44 +81,49 @@ def test_a_slowed_worker_is_dealt_fewer_micro_batches_and_the_weights_do_not_cha
     )  # fmt: skip
     assert not [e for e in log if e["event"] == "failure"]
     # Dealt again when the factor the first deal was made on drifts (twice at most per
-    # slowdown); on a loaded host the measured factor may also dip under the recovered
-    # bar mid-slowdown, and the job goes back to an even deal and is dealt unevenly
-    # again a few steps later (seen in CI: uneven, even, uneven, uneven, even). Which
-    # deals the host's measurements chose is theirs; each is a valid one, and the job
-    # does not move at every look (about 25 looks in the slowdown here).
-    there, *again, back = moves(log)
-    assert len(again) <= 4, moves(log)
+    # slowdown). On a host with a core kept busy, what the job measures is not the
+    # injected slowdown alone: the worker that shares its core with the other load is
+    # slower, a real noisy neighbour, and which worker that is moves as the scheduler
+    # balances (seen: rank 1 found slow again at 1.5x 40 steps after the slowdown ended;
+    # rank 0 found slow and dealt 3 of 8; the slowed rank "recovered" at step 62 of a
+    # slowdown that lasted to 103, found again, and left even as the move no longer
+    # paid). So each move is checked against what was measured when it was made: an
+    # uneven deal only away from workers found slow then. How soon the job moves back
+    # after a slowdown on a quiet host is benchmarks/stragglers.py's figure and
+    # SpeedWatch's pure tests'.
+    every = moves(log)
+    assert every and len(every) <= 8, every
+    there = every[0]
     # (how uneven: by the speed measured, 6/2 or 5/3 of the 8 micro-batches here; 7/1
     # when the host is busy enough to slow the stopped worker's passes more still)
     uneven = ({"0": 7, "1": 1}, {"0": 6, "1": 2}, {"0": 5, "1": 3})
     assert there["label"].startswith("uneven deal") and there["load"] in uneven, there
-    for deal in again:
-        assert (deal["label"].startswith("uneven deal") and deal["load"] in uneven) or (
-            deal["label"] == "even deal" and deal["load"] == {"0": 4, "1": 4}
-        ), deal
-    assert back["label"] == "even deal" and back["load"] == {"0": 4, "1": 4}
+    for move in every:
+        slow = found_slow(log, move["t"])
+        fewer = {int(r) for r, n in move["load"].items() if n < 4}
+        if move["label"].startswith("uneven deal"):
+            assert fewer and fewer <= slow and sum(move["load"].values()) == 8, (move, slow)
+        else:
+            assert move["label"] == "even deal" and move["load"] == {"0": 4, "1": 4}, move
+    # ... and it moves back: an even deal after the first uneven one. (Not necessarily
+    # the last move: the host may make a worker slow again near the end.)
+    assert any(m["label"] == "even deal" for m in every[1:]), every
     recovered = [e["steps_lost"] for e in log if e["event"] == "recovered"]
-    assert recovered == [0] * len(moves(log)), recovered
+    assert recovered == [0] * len(every), recovered
     (began,) = [e for e in log if e["event"] == "fault_injected"]
     (ended,) = [e for e in log if e["event"] == "slowdown_ended"]
     slow_from = step_at(tmp_path, "slow", began["t"])
     slow_to = step_at(tmp_path, "slow", ended["t"])
     print(
         f"slowed at step {slow_from}, dealt unevenly from {there['resume_step']}; "
-        f"back to speed at {slow_to}, dealt evenly from {back['resume_step']}"
+        f"back to speed at {slow_to}; moves: "
+        + ", ".join(f"{m['label']} from {m['resume_step']}" for m in every)
     )
-    # Planned around while the worker is still slow, and dealt evenly again after; how
-    # soon is the product's figure (20 steps; 7 and 9 on an idle machine) with the
-    # suite's margin for a shared core (tests/clock.py: 31 steps seen with one core busy).
-    # The last even deal may come a few steps early: a dip under the recovered bar (above)
-    # in the slowdown's last steps leaves no time to find the worker again (CI with a core
-    # busy: factor 0.98 at step 113, the slowdown over at 115; likely the throttle's own
-    # thread starved, so that its worker ran longer than its share: launcher/throttle.py).
+    # Planned around while the worker is still slow, and soon: the product's figure is
+    # 20 steps (7 and 9 on an idle machine), with the suite's margin for a shared core
+    # (tests/clock.py: 31 steps seen with one core busy).
     assert slow_from < there["resume_step"] < slow_to
-    assert there["resume_step"] < back["resume_step"]
-    assert back["resume_step"] > slow_to - slack(5)
     assert there["resume_step"] - slow_from <= slack(20)
-    assert back["resume_step"] - slow_to <= slack(20)
     for rank in (0, 1):
         assert relative(free[0], slowed[rank]) <= TOLERANCE
 
