@@ -165,7 +165,9 @@ def decide(view: RoundView) -> Decision:
                 if finished
                 else "stopped at the end of the grace period"
                 if view.preempt_overdue
-                else f"{summary(root_cause(view.failures))} while saving"  # type: ignore[arg-type]
+                # (the earliest failure may predate the notice: a recovery in progress
+                # when the notice came, cut short by a second failure)
+                else f"{summary(root_cause(view.failures))}, before every worker had saved"  # type: ignore[arg-type]
             )
             return Decision(
                 Action.FINISH, f"preempted ({view.preempted}): {how}", exit_code=REQUEUE

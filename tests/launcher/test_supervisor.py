@@ -97,3 +97,22 @@ def test_root_cause_is_the_earliest():
     early, late = failure(3, 1.0), failure(0, 2.0)
     assert root_cause([late, early]) is early
     assert early.cause.value == "user code"
+
+
+def test_a_preempted_job_leaves_75_however_its_save_ends():
+    saving = view(preempted="SIGUSR1")
+    assert decide(saving).action is Action.CONTINUE  # the workers are saving
+    done = decide(view(preempted="SIGUSR1", nodes_done=1))
+    assert (done.action, done.exit_code) == (Action.FINISH, 75)
+    assert done.reason == "preempted (SIGUSR1): the workers stopped"
+    late = decide(view(preempted="SIGUSR1", preempt_overdue=True))
+    assert late.exit_code == 75 and "end of the grace period" in late.reason
+    # A kill during the save, or one whose in-place recovery was cut short by it: no
+    # restart (the job is leaving), and the reason does not claim the earliest failure
+    # happened while saving (it may predate the notice).
+    both = (failure(1, 10.0, kind=FailureKind.SIGNAL, code=-9), failure(0, 10.3))
+    cut = decide(view(preempted="SIGUSR1", failures=both, restarts_used=0))
+    assert (cut.action, cut.exit_code) == (Action.FINISH, 75)
+    assert cut.reason == (
+        "preempted (SIGUSR1): rank 1 was killed by signal 9, before every worker had saved"
+    )
