@@ -68,7 +68,7 @@ def share(before: tuple[int, int] | None, after: tuple[int, int] | None) -> floa
 
 def stop_s(factor: float, ran_s: float, own: float | None, peers: float | None) -> float:
     """How long to stop a worker that was just continued for ``ran_s``, so that it gets
-    ``1/factor`` of the CPU its peers get: ``own`` its share in that run phase, ``peers``
+    ``1/factor`` of the CPU its peers get: ``own`` its share in its recent run phases, ``peers``
     theirs lately (None: unknown, taken as equal). Plain ``(factor - 1) * ran_s`` when
     the two are equal; longer when the scheduler favoured the continued worker."""
     boost = 1.0 if own is None or not peers else max(1.0, own / peers)
