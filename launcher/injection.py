@@ -76,8 +76,7 @@ class FaultInjection:
             elif fault.kind is FaultKind.HANG:
                 signal_worker(worker, signal.SIGSTOP)
             elif fault.kind is FaultKind.SLOW:
-                peers = [w.pid for r, w in workers.items() if r != fault.rank and w.poll() is None]
-                self._slow(fault, worker, peers)
+                self._slow(fault, worker, workers)
             else:
                 self._request_exit(fault, worker, statuses.get(fault.rank), view)
             hit.append(fault.rank)
@@ -94,8 +93,18 @@ class FaultInjection:
         self._release_failpoints(view)
         return hit
 
-    def _slow(self, fault: FaultSpec, worker: Worker, peers: list[int]) -> None:
+    def _slow(self, fault: FaultSpec, worker: Worker, workers: Mapping[int, Worker]) -> None:
+        """``workers``: the node's, kept up to date by its group (a peer replaced while
+        the slowdown lasts is the new one when the throttle next asks)."""
         rank, factor = fault.rank, fault.factor
+
+        def peers() -> list[int]:
+            # (returncode, not poll(): this runs on the throttle's thread, and reaping
+            # is the group's)
+            return [
+                w.pid for r, w in list(workers.items()) if r != rank and w.popen.returncode is None
+            ]
+
         old = self.throttles.pop(rank, None)
         if old is not None:
             old.close()

@@ -165,9 +165,10 @@ def decide(view: RoundView) -> Decision:
                 if finished
                 else "stopped at the end of the grace period"
                 if view.preempt_overdue
-                # (the earliest failure may predate the notice: a recovery in progress
-                # when the notice came, cut short by a second failure)
-                else f"{summary(root_cause(view.failures))}, before every worker had saved"  # type: ignore[arg-type]
+                # (the earliest failure, named as everywhere, may predate the notice: a
+                # recovery in progress when it came, cut short by a second failure)
+                else "the save did not finish on every node; the first failure: "
+                f"{summary(root_cause(view.failures))}"  # type: ignore[arg-type]
             )
             return Decision(
                 Action.FINISH, f"preempted ({view.preempted}): {how}", exit_code=REQUEUE

@@ -1,7 +1,8 @@
 """A worker slowed from outside its process (``--inject-fault slow:rank=R,factor=F``): the
-agent stops and continues it on a duty cycle (SIGSTOP, SIGCONT), so that it gets ``1/F``
-of the time it would (below), every thread alike. Nothing in the worker changes: the
-runtime can tell it from a slow device (a throttled GPU, a noisy neighbour) by timing alone,
+agent stops and continues it on a duty cycle (SIGSTOP, SIGCONT), every thread alike, so
+that it runs ``1/F`` of the time, or, on a contended host, gets ``1/F`` of the CPU its
+peers on the node get (below). Nothing in the worker changes: the runtime can tell it
+from a slow device (a throttled GPU, a noisy neighbour) by timing alone,
 which is what a straggler test needs.
 
 Why a short run phase: every pass must be slowed, however little work it is. A pass
@@ -18,14 +19,17 @@ timeout, so a slowed worker is slow, never silent. The process-state check
 Why the stops grow on a busy host: the scheduler gives a process that was stopped the CPU
 first once it is continued (its credit as a sleeper), so in 1 ms run phases the slowed
 worker runs at a whole core's speed while its peers get only their share of a contended
-one, and a plain 1:(F-1) cycle slows it by less than F against them. Measured here, a
-CPU-bound loop slowed 3x beside an unslowed one, with two other processes spinning on
-the two cores: 1.6x with the plain cycle, 2.7x with stops sized as below (3.4x and 3.8x
-with one spinning). So each stop is sized by what the run phase gave (``stop_s``): the
-share of the time it wanted a CPU that the worker got in its run phases, over the share
-its peers on this node get (/proc/<pid>/schedstat: time run, time waiting to run), never
-shorter than the plain cycle. On an idle host both shares are about 1; a GPU worker's
-host is idle too.
+one, and a plain 1:(F-1) cycle slows it by less than F against them. So a run phase of
+``r`` is followed by a stop of ``r * (F * boost - 1)`` (``stop_s``), where the boost is
+the share of the time it wanted a CPU that the worker's main thread got in its run phases
+over the share its peers' main threads on this node got (/proc/<pid>/schedstat: time
+run, time waiting to run), kept between 1 and ``MAX_BOOST``. Measured here, a CPU-bound
+loop slowed 3x beside an unslowed one: with two other processes spinning on the two
+cores, 1.6x with the plain cycle and 2.7x sized; with one spinning, 3.4x and 3.8x (past
+the asked factor by an eighth). The main thread is where a CPU worker's passes run; a
+GPU worker's host-side threads (autograd's device threads, a data loader) are not
+counted. On a host with spare cores both shares are about 1 and the cycle is the plain
+one.
 """
 
 from __future__ import annotations
@@ -38,15 +42,19 @@ from typing import Any
 
 from launcher.workers import Worker, signal_worker
 
-RUN_S = 0.001  # one run phase, then a stop of (factor - 1) times it: shorter than a pass
+RUN_S = 0.001  # one run phase, then a stop of (factor - 1) times it or more (below)
 MAX_STOP_S = 0.2  # the longest one stop lasts, a late wake's debt included
 SHARE_EVERY_S = 0.25  # how often the peers' share of a CPU is measured again
 MIN_WANTED_NS = 2_000_000  # less time wanting a CPU than this tells nothing of a share
+# The most the stops grow by: a worker can get at most a whole core, so past this its
+# peers' share is so low (under a third of the time they want) that the reading is more
+# likely a peer that hardly ran than a host that starved it.
+MAX_BOOST = 3.0
 
 
 def schedstat(pid: int) -> tuple[int, int] | None:
-    """Nanoseconds the main thread of ``pid`` has run and waited to run (the thread a
-    worker's passes run in), or None where the kernel does not say (or it is gone)."""
+    """Nanoseconds the main thread of ``pid`` has run and waited to run (where a CPU
+    worker's passes run), or None where the kernel does not say (or it is gone)."""
     try:
         with open(f"/proc/{pid}/schedstat") as f:
             ran, waited = f.read().split()[:2]
@@ -71,7 +79,7 @@ def stop_s(factor: float, ran_s: float, own: float | None, peers: float | None) 
     ``1/factor`` of the CPU its peers get: ``own`` its share in its recent run phases, ``peers``
     theirs lately (None: unknown, taken as equal). Plain ``(factor - 1) * ran_s`` when
     the two are equal; longer when the scheduler favoured the continued worker."""
-    boost = 1.0 if own is None or not peers else max(1.0, own / peers)
+    boost = 1.0 if own is None or not peers else min(MAX_BOOST, max(1.0, own / peers))
     return max(0.0, ran_s * (factor * boost - 1.0))
 
 
@@ -85,12 +93,14 @@ class Throttle:
         factor: float,
         duration_s: float | None,
         on_end: Callable[[float], Any],
-        peers: Collection[int] = (),
+        peers: Callable[[], Collection[int]] = tuple,
     ) -> None:
         self.worker = worker
         self.factor = factor
         self.duration_s = duration_s
-        self.peers = tuple(peers)  # pids of the node's other workers, whose share it gets
+        # pids of the node's other live workers, asked again at each measure (a peer
+        # may be replaced while the slowdown lasts)
+        self.peers = peers
         self._on_end = on_end
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="throttle", daemon=True)
@@ -114,9 +124,9 @@ class Throttle:
         own: float | None = None  # the worker's share of a CPU in its run phases, lately
         peers: float | None = None  # its peers' share, lately
         ran = [0, 0]  # run phases' schedstat since the last measure: ns run, ns waited
-        peers_then = {pid: schedstat(pid) for pid in self.peers}
+        peers_then = {pid: schedstat(pid) for pid in self.peers()}
         measured_at = began
-        before: tuple[int, int] | None = None
+        last: tuple[int, int] | None = None  # read while stopped, before the last SIGCONT
         pid = self.worker.pid
         try:
             while not self._stop.is_set() and time.monotonic() < end:
@@ -126,19 +136,23 @@ class Throttle:
                 pause = min(due, MAX_STOP_S)
                 owed = due - pause
                 signal_worker(self.worker, signal.SIGSTOP)
-                after = schedstat(pid)
-                if before is not None and after is not None:
-                    ran[0] += after[0] - before[0]
-                    ran[1] += after[1] - before[1]
                 self._stop.wait(pause)
                 now = time.monotonic()
                 if now - measured_at >= SHARE_EVERY_S:
                     # (a window in which it hardly wanted a CPU keeps the last figure)
                     own = _kept(share((0, 0), (ran[0], ran[1])), own)
-                    peers_now = {p: schedstat(p) for p in self.peers}
+                    peers_now = {p: schedstat(p) for p in self.peers()}
                     peers = _kept(_summed(peers_then, peers_now), peers)
                     ran, peers_then, measured_at = [0, 0], peers_now, now
-                before = schedstat(pid)
+                # One reading a cycle, taken while it is stopped: its counters are then
+                # settled (a running task's are brought up to date only when it is
+                # switched out), and from one such reading to the next only the run
+                # phase between them counts (a stopped task neither runs nor waits).
+                reading = schedstat(pid)
+                if last is not None and reading is not None:
+                    ran[0] += reading[0] - last[0]
+                    ran[1] += reading[1] - last[1]
+                last = reading
                 signal_worker(self.worker, signal.SIGCONT)
                 t = time.monotonic()
                 self._stop.wait(RUN_S)
@@ -158,11 +172,12 @@ def _summed(
     before: dict[int, tuple[int, int] | None], after: dict[int, tuple[int, int] | None]
 ) -> float | None:
     """The share of a CPU several threads got together between two readings (a peer
-    that exited in between, or was never readable, left out)."""
+    that exited in between, was never readable, or whose counters went backwards, a
+    reused pid, left out)."""
     ran = waited = 0
     for pid, now in after.items():
         then = before.get(pid)
-        if now is not None and then is not None:
+        if now is not None and then is not None and now[0] >= then[0] and now[1] >= then[1]:
             ran, waited = ran + now[0] - then[0], waited + now[1] - then[1]
     return share((0, 0), (ran, waited))
 

@@ -107,12 +107,14 @@ def test_a_preempted_job_leaves_75_however_its_save_ends():
     assert done.reason == "preempted (SIGUSR1): the workers stopped"
     late = decide(view(preempted="SIGUSR1", preempt_overdue=True))
     assert late.exit_code == 75 and "end of the grace period" in late.reason
-    # A kill during the save, or one whose in-place recovery was cut short by it: no
+    # A kill during the save, after a kill whose in-place recovery it cut short: no
     # restart (the job is leaving), and the reason does not claim the earliest failure
     # happened while saving (it may predate the notice).
-    both = (failure(1, 10.0, kind=FailureKind.SIGNAL, code=-9), failure(0, 10.3))
+    kill = FailureKind.SIGNAL
+    both = (failure(1, 10.0, kind=kill, code=-9), failure(0, 10.3, kind=kill, code=-9))
     cut = decide(view(preempted="SIGUSR1", failures=both, restarts_used=0))
     assert (cut.action, cut.exit_code) == (Action.FINISH, 75)
     assert cut.reason == (
-        "preempted (SIGUSR1): rank 1 was killed by signal 9, before every worker had saved"
+        "preempted (SIGUSR1): the save did not finish on every node; "
+        "the first failure: rank 1 was killed by signal 9"
     )

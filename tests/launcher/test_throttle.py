@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from launcher.throttle import MIN_WANTED_NS, schedstat, share, stop_s
+from launcher.throttle import MAX_BOOST, MIN_WANTED_NS, _summed, schedstat, share, stop_s
 
 
 def test_equal_shares_give_the_plain_cycle():
@@ -26,6 +26,18 @@ def test_a_worker_the_scheduler_favoured_is_stopped_longer_in_proportion():
     ran = 0.001
     stopped = stop_s(3.0, ran, own=1.0, peers=0.5)
     assert (1.0 * ran / (ran + stopped)) == pytest.approx(0.5 / 3.0)
+
+
+def test_the_growth_is_capped_where_the_peers_hardly_ran():
+    assert MAX_BOOST == 3.0
+    assert stop_s(3.0, 0.001, own=1.0, peers=0.1) == pytest.approx(0.001 * (3.0 * 3.0 - 1.0))
+
+
+def test_peers_are_summed_and_a_reused_pid_is_left_out():
+    before = {1: (0, 0), 2: (10_000_000, 0), 3: None}
+    after = {1: (3_000_000, 1_000_000), 2: (1_000, 0), 3: (5, 5), 4: (9, 9)}
+    # (2 went backwards: another process now; 3 unreadable before; 4 new)
+    assert _summed(before, after) == pytest.approx(0.75)
 
 
 def test_a_worker_that_got_less_than_its_peers_is_never_stopped_less_than_plainly():

@@ -2,8 +2,8 @@
 planner.choice.stragglers): a drop-in float64 loop (tests/runtime/straggler_script.py),
 one of its two workers slowed 3x from outside its process (``--inject-fault slow``). The
 job moves to an uneven deal within 20 steps of the slowdown, back to the even one within
-20 steps of its end, loses no step, and ends with the weights of the run without the
-slowdown. With ``--stragglers off`` it is only told; a slowdown that comes and goes
+20 steps of finding the worker back to speed, loses no step, and ends with the weights of
+the run without the slowdown. With ``--stragglers off`` it is only told; a slowdown that comes and goes
 faster than a move pays for moves nothing."""
 
 from __future__ import annotations
@@ -81,16 +81,16 @@ def test_a_slowed_worker_is_dealt_fewer_micro_batches_and_the_weights_do_not_cha
     )  # fmt: skip
     assert not [e for e in log if e["event"] == "failure"]
     # Dealt again when the factor the first deal was made on drifts (twice at most per
-    # slowdown). On a host with a core kept busy, what the job measures is not the
-    # injected slowdown alone: the worker that shares its core with the other load is
+    # slowdown). On a busy host (one to three other processes spinning, here), what the
+    # job measures is not the injected slowdown alone: the worker sharing a core with them is
     # slower, a real noisy neighbour, and which worker that is moves as the scheduler
     # balances (seen: rank 1 found slow again at 1.5x 40 steps after the slowdown ended;
     # rank 0 found slow and dealt 3 of 8; the slowed rank "recovered" at step 62 of a
     # slowdown that lasted to 103, found again, and left even as the move no longer
-    # paid). So each move is checked against what was measured when it was made: an
-    # uneven deal only away from workers found slow then. How soon the job moves back
-    # after a slowdown on a quiet host is benchmarks/stragglers.py's figure and
-    # SpeedWatch's pure tests'.
+    # paid). So each move is checked against what the job had measured: an uneven deal
+    # only away from workers found slow before it, an even deal within 20 steps of the
+    # last one found back to speed. How soon it is found back once the slowdown ends is
+    # benchmarks/stragglers.py's figure on a quiet host, and SpeedWatch's pure tests'.
     every = moves(log)
     assert every and len(every) <= 8, every
     there = every[0]
@@ -99,15 +99,29 @@ def test_a_slowed_worker_is_dealt_fewer_micro_batches_and_the_weights_do_not_cha
     uneven = ({"0": 7, "1": 1}, {"0": 6, "1": 2}, {"0": 5, "1": 3})
     assert there["label"].startswith("uneven deal") and there["load"] in uneven, there
     for move in every:
-        slow = found_slow(log, move["t"])
+        # (found slow before the move; one may be found back to speed between the look
+        # that asked for the move and its event)
+        found = {e["rank"] for e in log if e["event"] == "straggler" and e["t"] < move["t"]}
         fewer = {int(r) for r, n in move["load"].items() if n < 4}
         if move["label"].startswith("uneven deal"):
-            assert fewer and fewer <= slow and sum(move["load"].values()) == 8, (move, slow)
+            # (away from the workers the move names as slow, which the job had found so)
+            named = {int(r) for r in move["slow"]}
+            assert fewer and fewer <= named <= found, (move, found)
+            assert sum(move["load"].values()) == 8 and min(move["load"].values()) >= 1, move
         else:
             assert move["label"] == "even deal" and move["load"] == {"0": 4, "1": 4}, move
-    # ... and it moves back: an even deal after the first uneven one. (Not necessarily
-    # the last move: the host may make a worker slow again near the end.)
+    # ... and back: an even deal after the first uneven one, and after every time the
+    # job found its last slow worker back to speed while dealt unevenly, within the
+    # product's 20 steps (with the suite's margin), unless the run ended first.
     assert any(m["label"] == "even deal" for m in every[1:]), every
+    for back in (e for e in log if e["event"] == "straggler_recovered"):
+        before = [m for m in every if m["t"] < back["t"]]
+        if found_slow(log, back["t"] + 1e-6) or not before or before[-1]["label"] == "even deal":
+            continue
+        at = step_at(tmp_path, "slow", back["t"])
+        evened = [m for m in every if m["t"] > back["t"] and m["label"] == "even deal"]
+        if STEPS - at > slack(20):
+            assert evened and evened[0]["resume_step"] - at <= slack(20), (back, every)
     recovered = [e["steps_lost"] for e in log if e["event"] == "recovered"]
     assert recovered == [0] * len(every), recovered
     (began,) = [e for e in log if e["event"] == "fault_injected"]
