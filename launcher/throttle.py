@@ -123,10 +123,9 @@ class Throttle:
         owed, ran_s = 0.0, RUN_S
         own: float | None = None  # the worker's share of a CPU in its run phases, lately
         peers: float | None = None  # its peers' share, lately
-        ran = [0, 0]  # run phases' schedstat since the last measure: ns run, ns waited
-        peers_then = {pid: schedstat(pid) for pid in self.peers()}
-        measured_at = began
-        last: tuple[int, int] | None = None  # read while stopped, before the last SIGCONT
+        mine_then: tuple[int, int] | None = None  # schedstat readings at the last measure
+        peers_then: dict[int, tuple[int, int] | None] = {}
+        measured_at = float("-inf")
         pid = self.worker.pid
         try:
             while not self._stop.is_set() and time.monotonic() < end:
@@ -139,20 +138,16 @@ class Throttle:
                 self._stop.wait(pause)
                 now = time.monotonic()
                 if now - measured_at >= SHARE_EVERY_S:
-                    # (a window in which it hardly wanted a CPU keeps the last figure)
-                    own = _kept(share((0, 0), (ran[0], ran[1])), own)
+                    # Read while it is stopped: a running task's counters are brought up
+                    # to date only when it is switched out, and a stopped one neither
+                    # runs nor waits, so what they moved since the last reading is its
+                    # run phases' alone. (A window in which it hardly wanted a CPU, or
+                    # the first, keeps the last figure.)
+                    mine_now = schedstat(pid)
                     peers_now = {p: schedstat(p) for p in self.peers()}
+                    own = _kept(share(mine_then, mine_now), own)
                     peers = _kept(_summed(peers_then, peers_now), peers)
-                    ran, peers_then, measured_at = [0, 0], peers_now, now
-                # One reading a cycle, taken while it is stopped: its counters are then
-                # settled (a running task's are brought up to date only when it is
-                # switched out), and from one such reading to the next only the run
-                # phase between them counts (a stopped task neither runs nor waits).
-                reading = schedstat(pid)
-                if last is not None and reading is not None:
-                    ran[0] += reading[0] - last[0]
-                    ran[1] += reading[1] - last[1]
-                last = reading
+                    mine_then, peers_then, measured_at = mine_now, peers_now, now
                 signal_worker(self.worker, signal.SIGCONT)
                 t = time.monotonic()
                 self._stop.wait(RUN_S)

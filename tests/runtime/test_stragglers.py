@@ -3,8 +3,8 @@ planner.choice.stragglers): a drop-in float64 loop (tests/runtime/straggler_scri
 one of its two workers slowed 3x from outside its process (``--inject-fault slow``). The
 job moves to an uneven deal within 20 steps of the slowdown, back to the even one within
 20 steps of finding the worker back to speed, loses no step, and ends with the weights of
-the run without the slowdown. With ``--stragglers off`` it is only told; a slowdown that comes and goes
-faster than a move pays for moves nothing."""
+the run without the slowdown. With ``--stragglers off`` it is only told; a slowdown that
+comes and goes faster than a move pays for moves nothing."""
 
 from __future__ import annotations
 
