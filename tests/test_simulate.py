@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from planner.choice.policy import Policy
+from planner.choice.selection import choose, log_score, restart_variants
 from planner.config import load_job
 from planner.job.errors import ConfigError
 from planner.simulation import trace as traces
@@ -163,6 +164,73 @@ def test_decisions_are_cached_across_policies(ascend):
     first = sim.decisions
     sim.run(tr, "reroute")
     assert sim.decisions == first  # the same states: nothing planned again
+
+
+class EverySimulator(Simulator):
+    """Adaptive's choices made over every candidate, each re-partition planned (as
+    ``chameleon run``'s ``decide`` weighs them): what the simulator's pruned choice must
+    equal."""
+
+    def _adaptive(self, q, state):
+        job, outlook = self.job, self.outlook(state)
+
+        def key(c):
+            return log_score(job, c, outlook)
+
+        repartitions = self.answers.reparallelize(q)
+        best_rp = max(repartitions, key=key, default=None)
+        variants = restart_variants(self.answers.restart(q), repartitions)
+        restart = self._restart(max(variants, key=key), self.since_checkpoint_s(state), 1.0)
+        pool = [self.answers.reroute(q), best_rp, restart and restart.candidate]
+        return choose(job, [c for c in pool if c is not None], outlook)
+
+    def _growth_options(self, q, outlook, policy):
+        if policy != "adaptive":
+            return super()._growth_options(q, outlook, policy)
+        return [q.answer(c) for c in self.answers.reparallelize(q)]
+
+
+def test_adaptive_chooses_as_over_every_candidate_planning_only_those_that_could_win(ascend):
+    """A re-partition's migration (or a restart's layout) is planned only when its step
+    alone could still win (``Simulator._adaptive``): the same choices at every failure and
+    repair, and so the same run, as with every candidate planned, where the pruning left
+    most candidates out and the choice was often not the fastest layout."""
+    tr = traces.generated(ascend, duration_s=240 * HOUR, seed=0, mtbf_s=2 * HOUR, repair_s=2 * HOUR)
+    every = EverySimulator(ascend)
+    planned, offered, not_fastest = [], [], []
+
+    class Checked(Simulator):
+        def _adaptive(self, q, state):
+            planned.append(set())
+            got = super()._adaptive(q, state)
+            assert got == every._adaptive(q, state)
+            offered.append(len(self.answers.layouts(q)) if self.answers.movable(q) else 0)
+            if got is not None and got.policy is Policy.REPARALLELIZE:
+                not_fastest.append(got.plan != self.answers.layouts(q)[0].proposal.plan)
+            return got
+
+        def _growth_options(self, q, outlook, policy):
+            planned.append(set())
+            got = super()._growth_options(q, outlook, policy)
+            want = every._growth_options(q, outlook, policy)
+            assert got == [max(want, key=lambda c: log_score(ascend, c, outlook))][: len(want)]
+            offered.append(len(self.answers.layouts(q)) if self.answers.movable(q) else 0)
+            return got
+
+    pruned = Checked(ascend)
+    real = pruned.answers.repartition
+
+    def counted(q, i):
+        planned[-1].add(i)
+        return real(q, i)
+
+    pruned.answers.repartition = counted
+    end = pruned.run(tr, "adaptive")
+    assert end == every.run(tr, "adaptive")
+    assert len(planned) > 100 and end.totals.growths > 0
+    # most layouts never planned; some choices not the fastest layout
+    assert sum(map(len, planned)) < sum(offered) / 2
+    assert sum(not_fastest) >= 10
 
 
 def test_an_in_place_recovery_also_pays_detection_and_the_step_it_interrupted(sim):

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import astuple as dataclass_astuple
 from dataclasses import dataclass, replace
 
@@ -230,6 +230,47 @@ def choose(job: Job, candidates: Sequence[Candidate], outlook: Outlook) -> Candi
     return max(feasible, key=lambda c: (log_score(job, c, outlook), -_PREFERENCE[c.policy]))
 
 
+def best_bounded(
+    bounded: Iterable[tuple[float, Callable[[], Candidate | None]]],
+    key: Callable[[Candidate], float],
+    *,
+    above: float = -math.inf,
+) -> Candidate | None:
+    """``max(made, key=key)`` (the first of the highest key) over the candidates that
+    ``bounded`` would make, in order, each given with an upper bound on its key; but one
+    is made only when its bound reaches the best key so far, so a candidate that could
+    not be that first is never made (a re-partition's migration costs far more than its
+    bound). ``above``: a key the caller already has elsewhere; the best is returned only
+    if it reaches it (None otherwise), and no candidate whose bound is below it is made.
+    The answer is ``max``'s over them all whenever that reaches ``above``."""
+    best, best_key = None, -math.inf
+    for bound, make in bounded:
+        if bound < best_key or bound < above:
+            continue
+        c = make()
+        if c is None:
+            continue
+        k = key(c)
+        if best is None or k > best_key:
+            best, best_key = c, k
+    return best if best is not None and best_key >= above else None
+
+
+def restart_variant(restart: Candidate, layout: Proposal) -> Candidate | None:
+    """``restart`` on ``layout`` instead (``restart_variants``); None where that is the
+    restart's own layout."""
+    if layout.plan == restart.plan:
+        return None
+    return Candidate(
+        Policy.RESTART,
+        plan=layout.plan,
+        estimate=layout.estimate,
+        transition=restart.transition,
+        migration=restart.migration,
+        label=f"{len(layout.plan.workers)} live workers: {layout.label}",
+    )
+
+
 def restart_variants(restart: Candidate, repartitions: Sequence[Candidate]) -> list[Candidate]:
     """A restart may start on any layout the search proposed over the live workers, not
     only the fastest (``planner.choice.policy.restart_candidate``): restarting into a layout
@@ -239,12 +280,10 @@ def restart_variants(restart: Candidate, repartitions: Sequence[Candidate]) -> l
         return [restart]
     variants = [restart]
     for c in repartitions:
-        if c.feasible and c.plan is not None and c.plan != restart.plan:
-            label = f"{len(c.plan.workers)} live workers: {c.label}"
-            variants.append(
-                replace(c, policy=Policy.RESTART, transition=restart.transition,
-                        migration=restart.migration, label=label)
-            )  # fmt: skip
+        if c.feasible and c.plan is not None and c.estimate is not None:
+            variant = restart_variant(restart, Proposal(c.plan, c.estimate, c.label))
+            if variant is not None:
+                variants.append(variant)
     return variants
 
 

@@ -23,7 +23,7 @@ for each and a micro-batch count for each, that fit in memory and finish the ste
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from planner.estimator.estimate import Estimate, Memo, estimate
 from planner.estimator.timing import simulate_pipeline
@@ -58,6 +58,26 @@ class Proposal:
     plan: Plan
     estimate: Estimate
     label: str  # how the search found it, for display
+
+
+@dataclass
+class Layout:
+    """A proposal of the search before it is placed on workers: its label and its
+    estimated step (``Search.layouts``). ``proposal`` places it, once."""
+
+    search: Search
+    label: str
+    step_s: float
+    feasible: bool
+    place: Callable[[], Plan]
+    _placed: list[Proposal] = field(default_factory=list)
+
+    @property
+    def proposal(self) -> Proposal:
+        if not self._placed:
+            plan = self.place()
+            self._placed.append(Proposal(plan, self.search.estimate(plan), self.label))
+        return self._placed[0]
 
 
 class Search:
@@ -376,38 +396,6 @@ class Search:
             bounds.append(b)
         return kept, bounds, allocate(templates, self.job.training.num_micro_batches)
 
-    def fastest_step_s(self, current: Plan | None, survivors: Sequence[int]) -> float | None:
-        """The step of ``propose``'s fastest proposal (None: none fits), placing no more
-        layouts on workers than it must: where workers are interchangeable a layout's
-        estimate is its structure's (``estimate``), known without placing it once that
-        structure was timed. What a check that most often rules a move out needs
-        (planner.simulation: is any growth worth planning?)."""
-        if not self._interchangeable:
-            return min((p.estimate.step_s for p in self.propose(current, survivors)), default=None)
-        layouts: list[tuple[Callable[[], Plan], list[tuple[int, ...]], list[int]]] = []
-        if current is not None and (intact := self._intact(current, survivors)) is not None:
-            layouts.append((lambda: self._intact_plan(current, *intact), *intact[1:]))
-        for _time, shape, counts in self.rank_shapes(len(survivors)):
-            bounds = [
-                t.partition.boundaries for t, count in self.kinds(shape) for _ in range(count)
-            ]
-            flat = [m for per_kind in counts for m in per_kind]
-
-            def place(shape: Shape = shape, counts: list[list[int]] = counts) -> Plan:
-                return self.realise(
-                    current=current, survivors=survivors, shape=shape, counts=counts
-                )
-
-            layouts.append((place, bounds, flat))
-        steps = []
-        for place, bounds, flat in layouts:
-            hit = self._shaped.get(self._structure(bounds, flat))
-            if hit is None:
-                hit = self.estimate(place())
-            if hit.feasible:
-                steps.append(hit.step_s)
-        return min(steps, default=None)
-
     def _structure(self, bounds: Sequence[Sequence[int]], counts: Sequence[int]) -> tuple:
         """``_shape_of`` the plan of whole pipelines with layer boundaries ``bounds`` and
         ``counts`` micro-batches each, in order (``pipelines_plan``), without making it."""
@@ -423,30 +411,53 @@ class Search:
         """Feasible plans over the survivors, timed on the step graph, fastest first
         (``current`` None: the launch, where nobody holds anything and no pipeline is
         intact)."""
-        proposals: list[Proposal] = []
-        seen: set[tuple] = set()
+        return [layout.proposal for layout in self.layouts(current, survivors)]
 
-        def consider(plan: Plan | None, label: str) -> None:
-            if plan is None:
-                return
-            key = (plan.stages, plan.routes)
-            if key in seen:
-                return
-            seen.add(key)
-            est = self.estimate(plan)
-            if est.feasible:
-                proposals.append(Proposal(plan=plan, estimate=est, label=label))
-
-        if current is not None:
-            consider(self.intact_plan(current, survivors), "keep intact pipelines")
-        for _time, shape, counts in self.rank_shapes(len(survivors)):
-            consider(
-                self.realise(current=current, survivors=survivors, shape=shape, counts=counts),
-                describe_shape(shape),
+    def layouts(self, current: Plan | None, survivors: Sequence[int]) -> list[Layout]:
+        """``propose``'s proposals, in its order, each placed on workers only when asked
+        (``Layout.proposal``). Where workers are interchangeable a layout's estimate is its
+        structure's (``estimate``), known without placing it once that structure was
+        timed; a caller that needs only some of them (the fastest; those whose step could
+        still win: planner.simulation.answers) places only those. Elsewhere every layout
+        is placed here, as its estimate needs."""
+        found: list[Layout] = []
+        intact = self._intact(current, survivors) if current is not None else None
+        intact_key = None
+        if intact is not None:
+            kept, bounds, counts = intact
+            intact_key = self._structure(bounds, counts)
+            found.append(
+                self._layout(
+                    "keep intact pipelines", intact_key, lambda: self._intact_plan(current, *intact)
+                )
             )
-        proposals.sort(key=lambda p: (p.estimate.step_s, p.label))
-        return proposals
+        for _time, shape, counts in self.rank_shapes(len(survivors)):
+            bounds = [
+                t.partition.boundaries for t, count in self.kinds(shape) for _ in range(count)
+            ]
+            key = self._structure(bounds, [m for per_kind in counts for m in per_kind])
 
+            def place(shape: Shape = shape, counts: list[list[int]] = counts) -> Plan:
+                return self.realise(
+                    current=current, survivors=survivors, shape=shape, counts=counts
+                )
+
+            layout = self._layout(describe_shape(shape), key, place)
+            if key == intact_key and _same_plan(found[0].proposal.plan, layout.proposal.plan):
+                continue  # (the intact pipelines again: the first found is kept)
+            found.append(layout)
+        feasible = [layout for layout in found if layout.feasible]
+        feasible.sort(key=lambda layout: (layout.step_s, layout.label))
+        return feasible
+
+    def _layout(self, label: str, structure: tuple, place: Callable[[], Plan]) -> Layout:
+        hit = self._shaped.get(structure) if self._interchangeable else None
+        if hit is not None:
+            return Layout(self, label, hit.step_s, hit.feasible, place)
+        layout = Layout(self, label, 0.0, True, place)
+        est = layout.proposal.estimate
+        layout.step_s, layout.feasible = est.step_s, est.feasible
+        return layout
 
 def length_multisets(
     total: int, lengths: Sequence[int], *, largest: int | None = None
@@ -458,6 +469,10 @@ def length_multisets(
         yield (n,)
         for rest in length_multisets(total - n, lengths, largest=n):
             yield (n, *rest)
+
+
+def _same_plan(a: Plan, b: Plan) -> bool:
+    return (a.stages, a.routes) == (b.stages, b.routes)
 
 
 def _replicated(shape: Shape) -> bool:

@@ -36,18 +36,18 @@ from planner.choice.policy import (
     reroute_candidate,
     restart_candidate,
 )
-from planner.choice.selection import (
-    Searched,
-    fastest_proposal,
-    reparallelize_options,
-    search_repartitions,
-)
+from planner.choice.selection import reparallelize_options
 from planner.choice.stragglers import break_even_s, straggler_choice
 from planner.estimator.estimate import estimate
 from planner.job.workload import Job
 from planner.plans.plan import Plan
-from planner.search.layouts import Proposal, Search
+from planner.plans.migration import Migration
+from planner.search.layouts import Layout, Proposal, Search
 from planner.simulation.symmetry import Question, as_is, canonical, interchangeable
+
+
+def _one(migrations: tuple[Migration, ...] | str) -> Migration | str:
+    return migrations if isinstance(migrations, str) else migrations[0]
 
 
 def _untimed() -> float:
@@ -99,53 +99,58 @@ class Answers:
             ("reroute", q.plan, q.lost), lambda: reroute_candidate(self.search, q.plan, q.lost)
         )
 
-    def proposals(self, q: Question) -> tuple[Proposal, ...]:
-        """The search's layouts over ``q``'s survivors, in the question's names, before
-        any migration is planned (``Simulator.grow`` rules most growths out on these)."""
-        key = self._search_key(q)
+    def layouts(self, q: Question) -> tuple[Layout, ...]:
+        """The search's layouts over ``q``'s survivors, in the question's names, fastest
+        first, each placed on workers only when a caller needs it
+        (``planner.search.layouts.Search.layouts``): most questions need the fastest
+        alone, or those whose step could still win (``repartition``)."""
         return self._cached(
-            ("proposals", *key),
-            lambda: (
-                search_repartitions(
-                    self.search, q.plan, q.survivors, clock=_untimed, migrations=False
-                ).proposals
-            ),
+            ("layouts", *self._search_key(q)),
+            lambda: tuple(self.search.layouts(q.plan, q.survivors)) if q.survivors else (),
             counted=False,
         )
+
+    def fastest(self, q: Question) -> Proposal | None:
+        """The fastest of the search's proposals (the first of equal ones): what a restart
+        over the survivors runs (``fastest_proposal``); None when none fits."""
+        layouts = self.layouts(q)
+        return layouts[0].proposal if layouts else None
 
     def fastest_step_s(self, q: Question) -> float | None:
-        """The step of the fastest of ``proposals(q)`` (None: none fits), without placing
-        every proposal on workers where they are not already placed
-        (``Search.fastest_step_s``): what ``Simulator.grow`` asks at every repair, where
-        most growths are ruled out on it."""
-        key = self._search_key(q)
-        placed = self._cache.get(("proposals", *key))
-        if placed is not None:
-            fastest = fastest_proposal(placed)
-            return None if fastest is None else fastest.estimate.step_s
-        # (inf for none: the cache takes None for a miss)
-        step_s = self._cached(
-            ("fastest step", *key),
-            lambda: self.search.fastest_step_s(q.plan, q.survivors) or math.inf,
+        """The step of ``fastest(q)`` without placing it (None: none fits): what
+        ``Simulator.grow`` asks at every repair, where most growths are ruled out on it."""
+        layouts = self.layouts(q)
+        return layouts[0].step_s if layouts else None
+
+    def _migration(self, q: Question, i: int) -> Migration | str:
+        """The migration to ``layouts(q)[i]`` from what ``q``'s survivors hold, or why
+        none can move the layers (``migrations_for``; that one layer lost every replica
+        holds for every layout alike)."""
+        return self._cached(
+            ("migration", *self._search_key(q), i),
+            lambda: _one(migrations_for(self.job, (self.layouts(q)[i].proposal,), q.plan, q.survivors)),
             counted=False,
         )
-        return None if step_s == math.inf else step_s
 
-    def _repartitions(self, q: Question) -> tuple[tuple[Candidate, ...], Proposal | None, float]:
-        survivors = q.survivors
-        proposals = self.proposals(q)
-        searched = self._cached(
-            self._search_key(q),
-            lambda: Searched(
-                proposals, 0.0, migrations_for(self.job, proposals, q.plan, survivors)
-            ),
-        )
-        return self._cached(
-            ("reparallelize", q.plan, q.lost, q.idle),
-            lambda: reparallelize_options(
-                self.search, q.plan, q.lost, survivors, searched=searched
-            ),
-        )
+    def movable(self, q: Question) -> bool:
+        """Whether a re-partition can move the layers at all: every layer still has a
+        surviving holder (and some layout fits)."""
+        return bool(self.layouts(q)) and not isinstance(self._migration(q, 0), str)
+
+    def repartition(self, q: Question, i: int) -> Candidate:
+        """The re-partition to ``layouts(q)[i]``, in the question's names (infeasible, with
+        the reason, when the layers cannot move)."""
+
+        def answer() -> Candidate:
+            migration = self._migration(q, i)
+            (c,) = reparallelize_candidates(
+                self.search, (self.layouts(q)[i].proposal,), q.plan, q.survivors,
+                failed=q.lost, search_s=0.0,
+                migrations=migration if isinstance(migration, str) else (migration,),
+            )  # fmt: skip
+            return c
+
+        return self._cached(("reparallelize", q.plan, q.lost, q.idle, i), answer)
 
     def _search_key(self, q: Question) -> tuple:
         """What the search over ``q``'s survivors depends on. Renamed, idle workers come
@@ -153,7 +158,7 @@ class Answers:
         matching breaks ties to the lower name: planner.plans.matching), so beyond the shapes
         it ranks for that many workers, only the idle workers its widest shape could
         take matter: a search with a few more idle workers is the same search. Its
-        candidates' protocol still counts every survivor (``_repartitions``)."""
+        candidates' protocol still counts every survivor (``repartition``)."""
         if q.back is None:  # as named: an idle worker may come before the plan's
             return ("search", q.plan, q.lost, q.idle)
         kept = len(q.plan.workers) - len(q.lost)
@@ -163,25 +168,21 @@ class Answers:
         return ("search", q.plan, q.lost, shapes, q.idle[: max(0, widest - kept)])
 
     def reparallelize(self, q: Question) -> list[Candidate]:
-        """The feasible re-partitions, in the question's names."""
-        return [c for c in self._repartitions(q)[0] if c.feasible]
+        """Every feasible re-partition, in the question's names (the oracle weighs them
+        all; adaptive's choice makes only those that could win: ``Simulator._adaptive``)."""
+        if not self.movable(q):
+            return []
+        return [c for i in range(len(self.layouts(q))) if (c := self.repartition(q, i)).feasible]
 
     def fastest_reparallelize(self, q: Question) -> Candidate | None:
         """The re-partition to the fastest proposal (the first of equal ones), in the
         question's names; None when none fits. What ``reparallelize`` gives, less the
-        migrations of the proposals it would not pick: Oobleck's policy moves to the
-        fastest, whatever the move costs."""
-        fastest = fastest_proposal(self.proposals(q))
-        if fastest is None:
+        re-partitions it would not pick: Oobleck's policy moves to the fastest, whatever
+        the move costs."""
+        if not self.layouts(q):
             return None
-
-        def answer() -> Candidate | None:
-            (c,) = reparallelize_candidates(
-                self.search, (fastest,), q.plan, q.survivors, failed=q.lost, search_s=0.0
-            )
-            return c if c.feasible else None
-
-        return self._cached(("fastest", q.plan, q.lost, q.idle), answer)
+        c = self.repartition(q, 0)
+        return c if c.feasible else None
 
     def restart(self, q: Question) -> Candidate:
         """In the question's names: the faster of the plan on the first spares (idle
@@ -194,8 +195,7 @@ class Answers:
             key,
             lambda: restart_candidate(
                 self.search, q.plan, q.lost, q.survivors,
-                best_over_survivors=fastest_proposal(self.proposals(q)),
-                since_checkpoint_s=0.0, spares=pool,
+                best_over_survivors=self.fastest(q), since_checkpoint_s=0.0, spares=pool,
             ),
         )  # fmt: skip
 

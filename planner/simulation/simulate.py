@@ -51,17 +51,19 @@ even plan it came from: the micro-batches each pipeline runs are all that differ
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from planner.choice.policy import Candidate, Policy, Transition
 from planner.choice.selection import (
     Outlook,
+    best_bounded,
     choose,
     growth_choice,
     layout_risk_s,
     log_score,
-    restart_variants,
+    restart_variant,
     worth_growing,
 )
 from planner.job.workload import Job
@@ -249,11 +251,7 @@ class Simulator:
             ),
         ):
             return state
-        if policy == "adaptive":
-            options = [q.answer(c) for c in self.answers.reparallelize(q)]
-        else:  # Oobleck's growth takes the fastest: no other move is planned
-            fastest_rp = self.answers.fastest_reparallelize(q)
-            options = [q.answer(fastest_rp)] if fastest_rp is not None else []
+        options = self._growth_options(q, outlook, policy)
         best = growth_choice(
             self.job, state.plan, state.step_s / state.slowdown, options, outlook,
             risk=policy == "adaptive",
@@ -276,6 +274,25 @@ class Simulator:
             deal=None,
             pending=None,
         )
+
+    def _growth_options(self, q: Question, outlook: Outlook, policy: str) -> list[Candidate]:
+        """What ``grow`` weighs, in the state's names: adaptive's best-scoring re-partition
+        over every live worker (``growth_choice`` takes the best: the others are not
+        planned, as in ``_adaptive``), Oobleck's fastest."""
+        if policy != "adaptive":
+            fastest_rp = self.answers.fastest_reparallelize(q)
+            return [q.answer(fastest_rp)] if fastest_rp is not None else []
+        batch = self.job.training.global_batch_size
+        layouts = self.answers.layouts(q) if self.answers.movable(q) else ()
+        best_rp = best_bounded(
+            (
+                (math.log(batch / layout.step_s),
+                 lambda i=i: q.answer(self.answers.repartition(q, i)))
+                for i, layout in enumerate(layouts)
+            ),
+            lambda c: log_score(self.job, c, outlook),
+        )  # fmt: skip
+        return [best_rp] if best_rp is not None else []
 
     def relaunch(self, state: State) -> State:
         """A stopped job started again from its last checkpoint once workers are back to
@@ -321,27 +338,13 @@ class Simulator:
             return Choice(c, c.estimate.step_s)
 
         if policy == "adaptive":
-            outlook = self.outlook(state)
-            repartitions = self.answers.reparallelize(q)
-            best_rp = max(repartitions, key=lambda c: log_score(self.job, c, outlook), default=None)
-            # a restart on the layout that scores best, risk included
-            variants = restart_variants(self.answers.restart(q), repartitions)
-            best = max(variants, key=lambda c: log_score(self.job, c, outlook))
-            chosen_restart = self._restart(best, self.since_checkpoint_s(state), state.slowdown)
-            restart = [chosen_restart] if chosen_restart is not None else []
-            pool = [
-                c
-                for c in (
-                    self.answers.reroute(q),
-                    best_rp,
-                    *(r.candidate for r in restart),
-                )
-                if c
-            ]
-            chosen = choose(self.job, pool, outlook)
+            chosen = self._adaptive(q, state)
             if chosen is None:
                 return []
-            return restart if chosen.policy is Policy.RESTART else [plain(chosen)]
+            if chosen.policy is Policy.RESTART:
+                restart = self._restart(chosen, self.since_checkpoint_s(state), state.slowdown)
+                return [restart] if restart is not None else []
+            return [plain(chosen)]
         if policy in ("reroute", "redundant"):
             reroute = self.answers.reroute(q)
             if not reroute.feasible:
@@ -367,6 +370,42 @@ class Simulator:
             out += [plain(c) for c in self.answers.reparallelize(q)]
             return out + fallback()
         raise ValueError(f"unknown policy {policy!r}")
+
+    def _adaptive(self, q: Question, state: State) -> Candidate | None:
+        """chameleon run's choice (``planner.choice.selection.choose``) among the reroute, the
+        best-scoring re-partition and the restart on the best-scoring layout (risk
+        included), in the question's names; None when none is feasible. The same choice
+        as over every candidate (tests/test_simulate.py), but a re-partition's migration,
+        or a restart's layout, is planned only when its step alone could still beat the
+        best found (``best_bounded``): most searches' slower layouts never could."""
+        job, outlook = self.job, self.outlook(state)
+
+        def key(c: Candidate) -> float:
+            return log_score(job, c, outlook)
+
+        layouts = self.answers.layouts(q) if self.answers.movable(q) else ()
+        rates = [math.log(job.training.global_batch_size / l.step_s) for l in layouts]
+        restart = self.answers.restart(q)
+        variants: list[tuple[float, Callable[[], Candidate | None]]] = [(math.inf, lambda: restart)]
+        if restart.feasible:  # (``restart_variants``)
+            variants += [
+                (rate - restart.transition.total_s / outlook.mtbf_s,
+                 lambda l=l: restart_variant(restart, l.proposal))
+                for rate, l in zip(rates, layouts, strict=True)
+            ]  # fmt: skip
+        best_restart = best_bounded(variants, key)
+        assert best_restart is not None
+        chosen_restart = self._restart(best_restart, self.since_checkpoint_s(state), state.slowdown)
+        reroute = self.answers.reroute(q)
+        others = [reroute] + ([chosen_restart.candidate] if chosen_restart is not None else [])
+        above = max((key(c) for c in others if c.feasible), default=-math.inf)
+        best_rp = best_bounded(
+            ((rate, lambda i=i: self.answers.repartition(q, i)) for i, rate in enumerate(rates)),
+            key,
+            above=above,
+        )
+        restart_c = chosen_restart.candidate if chosen_restart is not None else None
+        return choose(job, [c for c in (reroute, best_rp, restart_c) if c is not None], outlook)
 
     def _restart(self, c: Candidate, since_s: float, slowdown: float) -> Choice | None:
         """A restart that redoes ``since_s`` and then trains at ``slowdown`` times its
