@@ -11,6 +11,7 @@ from planner.plans.matching import (
     LostLayers,
     assign_slots,
     choose_sources,
+    every_layer_held,
     hungarian,
     missing_bytes,
 )
@@ -139,6 +140,32 @@ def test_layers_nobody_holds_cannot_migrate():
     job = uniform_job(dp=1, pp=2, num_layers=4)
     with pytest.raises(LostLayers, match="lost every replica"):
         choose_sources(CostModel(job), holdings={1: (2, 4)}, targets={1: (0, 4)})
+
+
+def test_whether_layers_can_move_is_known_before_any_target_is_placed():
+    """every_layer_held says, from the holdings alone, whether choose_sources serves a
+    target covering the model: random holdings against random targets."""
+    job = uniform_job(dp=2, pp=4, num_layers=8)
+    costs = CostModel(job)
+    rng = random.Random(4)
+    outcomes = set()
+    for _ in range(3000):
+        holdings = {}
+        for w in rng.sample(range(8), rng.randint(1, 8)):
+            first = rng.randrange(8)
+            holdings[w] = (first, rng.randint(first + 1, 8))
+        cuts = sorted(rng.sample(range(1, 8), rng.randint(0, 4)))
+        bounds = [0, *cuts, 8]
+        workers = rng.sample(range(10), len(bounds) - 1)
+        targets = dict(zip(workers, zip(bounds, bounds[1:], strict=False), strict=True))
+        try:
+            choose_sources(costs, holdings=holdings, targets=targets)
+            served = True
+        except LostLayers:
+            served = False
+        assert every_layer_held(holdings, 8) == served, (holdings, targets)
+        outcomes.add(served)
+    assert outcomes == {True, False}
 
 
 def test_colouring_rounds_never_share_a_worker():

@@ -211,6 +211,20 @@ class LostLayers(ValueError):
     """Some layers have no surviving holder: only a checkpoint has them."""
 
 
+def every_layer_held(holdings: Mapping[int, Range], num_layers: int) -> bool:
+    """Whether every layer has a holder: exactly when ``choose_sources`` can serve any
+    target that covers the model (it raises ``LostLayers`` otherwise). A missing piece
+    never straddles a holding's boundary, so a holder of any of its layers holds it all;
+    and a layer nobody holds is missing from whichever worker a target gives it to. So
+    whether layers can move at all is known before any target is placed."""
+    reach = 0
+    for first, end in sorted(holdings.values()):
+        if first > reach:
+            return False
+        reach = max(reach, end)
+    return reach >= num_layers
+
+
 def _missing_pieces(held: Range | None, want: Range, cuts: Sequence[int]) -> list[Range]:
     """Parts of ``want`` not in ``held``, split at old stage boundaries ``cuts``."""
     parts = [want]

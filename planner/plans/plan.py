@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import cached_property
+from operator import itemgetter
 from typing import NamedTuple
 
 
@@ -77,7 +78,7 @@ class Plan:
 
     @cached_property
     def workers(self) -> tuple[int, ...]:
-        return tuple(s.worker for s in self.stages)
+        return tuple(map(_worker, self.stages))
 
     @cached_property
     def micro_batches_of_home(self) -> dict[int, tuple[int, ...]]:
@@ -96,6 +97,9 @@ class Plan:
             for worker in route.hops:
                 count[worker] += len(route.micro_batches)
         return count
+
+
+_worker, _first, _end = itemgetter(0), itemgetter(1), itemgetter(2)  # a Stage's fields
 
 
 def _validate(plan: Plan) -> None:
@@ -152,14 +156,9 @@ def rename_workers(
     renamed = [get(w, w) for w in plan.workers]
     if len(set(renamed)) != len(renamed):
         raise PlanError("a renaming gave two workers one name")
+    # (tuples of distinct workers sort by worker; built in C: 2,048 stages a plan)
     stages = tuple(
-        sorted(
-            (
-                Stage(w, s.first_layer, s.end_layer)
-                for w, s in zip(renamed, plan.stages, strict=True)
-            ),
-            key=lambda s: s.worker,
-        )
+        sorted(map(Stage._make, zip(renamed, map(_first, plan.stages), map(_end, plan.stages))))
     )
     if routes is None:
         routes = tuple(

@@ -41,7 +41,8 @@ from planner.choice.stragglers import break_even_s, straggler_choice
 from planner.estimator.estimate import estimate
 from planner.job.workload import Job
 from planner.plans.plan import Plan
-from planner.plans.migration import Migration
+from planner.plans.matching import every_layer_held
+from planner.plans.migration import Migration, holdings_of
 from planner.search.layouts import Layout, Proposal, Search
 from planner.simulation.symmetry import Question, as_is, canonical, interchangeable
 
@@ -133,9 +134,10 @@ class Answers:
         )
 
     def movable(self, q: Question) -> bool:
-        """Whether a re-partition can move the layers at all: every layer still has a
-        surviving holder (and some layout fits)."""
-        return bool(self.layouts(q)) and not isinstance(self._migration(q, 0), str)
+        """Whether a re-partition can move the layers at all: some layout fits and every
+        layer still has a surviving holder (else every layout's migration fails alike)."""
+        held = holdings_of(q.plan, set(q.survivors))
+        return bool(self.layouts(q)) and every_layer_held(held, q.plan.num_layers)
 
     def repartition(self, q: Question, i: int) -> Candidate:
         """The re-partition to ``layouts(q)[i]``, in the question's names (infeasible, with
