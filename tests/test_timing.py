@@ -172,6 +172,15 @@ def test_communication_and_commit_add_to_the_step():
 def test_plan_rejects_routes_that_skip_layers():
     with pytest.raises(ValueError, match="skips or repeats"):
         Plan(4, 1, (Stage(0, 0, 2), Stage(1, 3, 4)), (Route(0, (0, 1), (0,)),))
+    with pytest.raises(ValueError, match="skips or repeats layers at worker 1"):
+        Plan(4, 1, (Stage(0, 0, 2), Stage(1, 1, 4)), (Route(0, (0, 1), (0,)),))
+    with pytest.raises(ValueError, match="through worker 7, which holds no stage"):
+        Plan(4, 1, (Stage(0, 0, 2), Stage(1, 2, 4)), (Route(0, (0, 7), (0,)),))
+    with pytest.raises(ValueError, match="does not reach the last layer"):
+        Plan(4, 1, (Stage(0, 0, 2), Stage(1, 2, 4)), (Route(0, (0,), (0,)),))
+    with pytest.raises(ValueError, match="does not reach the last layer"):
+        Plan(4, 1, (Stage(0, 0, 2), Stage(1, 2, 4)), (Route(0, (0, 1), (0,)),), ((0,),))
+    Plan(4, 1, (Stage(0, 0, 2), Stage(1, 2, 4)), (Route(0, (0, 1), (0,)),), ((0, 1),))
     with pytest.raises(ValueError, match="routed twice"):
         Plan(2, 1, (Stage(0, 0, 2), Stage(1, 0, 2)), (Route(0, (0,), (0,)), Route(1, (1,), (0,))))
     with pytest.raises(ValueError, match="not routed"):

@@ -158,7 +158,12 @@ def rename_workers(
         raise PlanError("a renaming gave two workers one name")
     # (tuples of distinct workers sort by worker; built in C: 2,048 stages a plan)
     stages = tuple(
-        sorted(map(Stage._make, zip(renamed, map(_first, plan.stages), map(_end, plan.stages))))
+        sorted(
+            map(
+                Stage._make,
+                zip(renamed, map(_first, plan.stages), map(_end, plan.stages), strict=True),
+            )
+        )
     )
     if routes is None:
         routes = tuple(

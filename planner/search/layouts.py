@@ -459,6 +459,7 @@ class Search:
         layout.step_s, layout.feasible = est.step_s, est.feasible
         return layout
 
+
 def length_multisets(
     total: int, lengths: Sequence[int], *, largest: int | None = None
 ) -> Iterator[tuple[int, ...]]:

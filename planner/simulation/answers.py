@@ -24,7 +24,6 @@ the moves there and back, the break-even horizon), the same under any renaming.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -40,9 +39,9 @@ from planner.choice.selection import reparallelize_options
 from planner.choice.stragglers import break_even_s, straggler_choice
 from planner.estimator.estimate import estimate
 from planner.job.workload import Job
-from planner.plans.plan import Plan
 from planner.plans.matching import every_layer_held
 from planner.plans.migration import Migration, holdings_of
+from planner.plans.plan import Plan
 from planner.search.layouts import Layout, Proposal, Search
 from planner.simulation.symmetry import Question, as_is, canonical, interchangeable
 
@@ -129,7 +128,9 @@ class Answers:
         holds for every layout alike)."""
         return self._cached(
             ("migration", *self._search_key(q), i),
-            lambda: _one(migrations_for(self.job, (self.layouts(q)[i].proposal,), q.plan, q.survivors)),
+            lambda: _one(
+                migrations_for(self.job, (self.layouts(q)[i].proposal,), q.plan, q.survivors)
+            ),
             counted=False,
         )
 

@@ -384,14 +384,14 @@ class Simulator:
             return log_score(job, c, outlook)
 
         layouts = self.answers.layouts(q) if self.answers.movable(q) else ()
-        rates = [math.log(job.training.global_batch_size / l.step_s) for l in layouts]
+        rates = [math.log(job.training.global_batch_size / lay.step_s) for lay in layouts]
         restart = self.answers.restart(q)
         variants: list[tuple[float, Callable[[], Candidate | None]]] = [(math.inf, lambda: restart)]
         if restart.feasible:  # (``restart_variants``)
             variants += [
                 (rate - restart.transition.total_s / outlook.mtbf_s,
-                 lambda l=l: restart_variant(restart, l.proposal))
-                for rate, l in zip(rates, layouts, strict=True)
+                 lambda lay=lay: restart_variant(restart, lay.proposal))
+                for rate, lay in zip(rates, layouts, strict=True)
             ]  # fmt: skip
         best_restart = best_bounded(variants, key)
         assert best_restart is not None
