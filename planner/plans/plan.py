@@ -171,16 +171,25 @@ def rename_workers(
         )
     if pipelines is None:
         pipelines = tuple(tuple(map(get, p, p)) for p in plan.pipelines)
+    return unchecked_plan(
+        num_layers=plan.num_layers,
+        num_micro_batches=plan.num_micro_batches,
+        stages=stages,
+        routes=routes,
+        pipelines=pipelines,
+        replica_groups=tuple(tuple(map(get, g, g)) for g in plan.replica_groups),
+    )
+
+
+def unchecked_plan(**fields: object) -> Plan:
+    """A ``Plan`` of these fields, not validated: for a plan derived from a valid one by
+    a change that keeps it valid (a renaming, a reroute), which the simulator makes by
+    the thousand at 16k workers. Its maker's tests validate what it makes."""
     out = object.__new__(Plan)
-    for field, value in (
-        ("num_layers", plan.num_layers),
-        ("num_micro_batches", plan.num_micro_batches),
-        ("stages", stages),
-        ("routes", routes),
-        ("pipelines", pipelines),
-        ("replica_groups", tuple(tuple(map(get, g, g)) for g in plan.replica_groups)),
-    ):
+    for field, value in fields.items():
         object.__setattr__(out, field, value)
+    if "replica_groups" not in fields:
+        object.__setattr__(out, "replica_groups", ())
     return out
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from planner.plans.plan import Plan, Route
+from planner.plans.plan import Plan, Route, unchecked_plan
 from planner.plans.program import position_in_home
 
 
@@ -78,7 +78,10 @@ def reroute_plan(plan: Plan, failed: Iterable[int]) -> Plan:
     routes = list(intact)
     routes.extend(Route(home, hops, tuple(mbs)) for (home, hops), mbs in new_routes.items())
     routes.sort(key=lambda r: (r.home, r.micro_batches[:1]))
-    return Plan(
+    # Valid by construction, so not validated again (tests/test_reroute.py validates
+    # chains of reroutes): the survivors' stages are the plan's, each new hop holds the
+    # lost one's layers, and every micro-batch keeps exactly one route.
+    return unchecked_plan(
         num_layers=plan.num_layers,
         num_micro_batches=plan.num_micro_batches,
         stages=survivors,
