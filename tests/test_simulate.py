@@ -7,8 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from planner.choice.policy import Policy
-from planner.choice.selection import choose, log_score, restart_variants
+from planner.choice.policy import Policy, reroute_candidate, restart_candidate
+from planner.choice.selection import (
+    choose,
+    log_score,
+    reparallelize_options,
+    restart_variants,
+)
 from planner.config import load_job
 from planner.job.errors import ConfigError
 from planner.simulation import trace as traces
@@ -167,27 +172,38 @@ def test_decisions_are_cached_across_policies(ascend):
 
 
 class EverySimulator(Simulator):
-    """Adaptive's choices made over every candidate, each re-partition planned (as
-    ``chameleon run``'s ``decide`` weighs them): what the simulator's pruned choice must
-    equal."""
+    """Adaptive's choices made over every candidate, each planned by the planner itself
+    (``reparallelize_options``, ``restart_candidate``, ``reroute_candidate``: what
+    ``chameleon run``'s ``decide`` weighs), none of the simulator's cached answers used:
+    what the simulator's pruned, cached choice must equal."""
 
     def _adaptive(self, q, state):
-        job, outlook = self.job, self.outlook(state)
+        job, outlook, search = self.job, self.outlook(state), self.search
 
         def key(c):
             return log_score(job, c, outlook)
 
-        repartitions = self.answers.reparallelize(q)
+        options, fastest, _ = reparallelize_options(
+            search, q.plan, q.lost, q.survivors, clock=lambda: 0.0
+        )
+        repartitions = [c for c in options if c.feasible]
         best_rp = max(repartitions, key=key, default=None)
-        variants = restart_variants(self.answers.restart(q), repartitions)
-        restart = self._restart(max(variants, key=key), self.since_checkpoint_s(state), 1.0)
-        pool = [self.answers.reroute(q), best_rp, restart and restart.candidate]
+        restart = restart_candidate(
+            search, q.plan, q.lost, q.survivors, best_over_survivors=fastest,
+            since_checkpoint_s=0.0, spares=q.pool,
+        )  # fmt: skip
+        variants = restart_variants(restart, repartitions)
+        chosen = self._restart(max(variants, key=key), self.since_checkpoint_s(state), 1.0)
+        pool = [reroute_candidate(search, q.plan, q.lost), best_rp, chosen and chosen.candidate]
         return choose(job, [c for c in pool if c is not None], outlook)
 
     def _growth_options(self, q, outlook, policy):
         if policy != "adaptive":
             return super()._growth_options(q, outlook, policy)
-        return [q.answer(c) for c in self.answers.reparallelize(q)]
+        options = reparallelize_options(
+            self.search, q.plan, q.lost, q.survivors, clock=lambda: 0.0
+        )[0]
+        return [q.answer(c) for c in options if c.feasible]
 
 
 def test_adaptive_chooses_as_over_every_candidate_planning_only_those_that_could_win(ascend):

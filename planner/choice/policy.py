@@ -88,10 +88,14 @@ def overflow_reason(est: Estimate, job: Job) -> str:
     )
 
 
-def reroute_candidate(search: Search, current: Plan, failed: Sequence[int]) -> Candidate:
+def reroute_candidate(
+    search: Search, current: Plan, failed: Sequence[int], *, validate: bool = True
+) -> Candidate:
+    """``validate``: as ``reroute_plan``'s (False only where thousands are made from
+    plans known valid: the simulator)."""
     job = search.job
     try:
-        plan = reroute_plan(current, failed)
+        plan = reroute_plan(current, failed, validate=validate)
     except RerouteInfeasible as exc:
         return Candidate(Policy.REROUTE, reason=str(exc))
     est = search.estimate(plan)

@@ -313,16 +313,13 @@ def search_repartitions(
     survivors: Sequence[int],
     *,
     clock: Callable[[], float] = time.perf_counter,
-    migrations: bool = True,
 ) -> Searched:
-    """``migrations=False``: the proposals alone (their migrations left empty)."""
     # A re-partition charges its search, which only it needs (rerouting's plan takes a
     # few milliseconds and is made whatever is chosen, so it charges none).
     t0 = clock()
     proposals = tuple(search.propose(current, survivors)) if survivors else ()
     search_s = clock() - t0
-    moves = migrations_for(search.job, proposals, current, survivors) if migrations else ()
-    return Searched(proposals, search_s, moves)
+    return Searched(proposals, search_s, migrations_for(search.job, proposals, current, survivors))
 
 
 def reparallelize_options(
@@ -332,14 +329,12 @@ def reparallelize_options(
     survivors: Sequence[int],
     *,
     clock: Callable[[], float] = time.perf_counter,
-    searched: Searched | None = None,
 ) -> tuple[tuple[Candidate, ...], Proposal | None, float]:
     """A re-partition candidate per proposal of the search over ``survivors``, the
     fastest proposal (what a restart over the survivors would run) and the search's
-    time. ``searched``: that search, where the caller has it (the simulator shares one
-    among questions it cannot change: planner.simulation.answers)."""
-    if searched is None:
-        searched = search_repartitions(search, current, survivors, clock=clock)
+    time. (The simulator asks for these one layout at a time, only those that could be
+    chosen: planner.simulation.answers.)"""
+    searched = search_repartitions(search, current, survivors, clock=clock)
     options = reparallelize_candidates(
         search, searched.proposals, current, survivors, failed=failed,
         search_s=searched.search_s, migrations=searched.migrations,

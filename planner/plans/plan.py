@@ -181,15 +181,28 @@ def rename_workers(
     )
 
 
-def unchecked_plan(**fields: object) -> Plan:
-    """A ``Plan`` of these fields, not validated: for a plan derived from a valid one by
-    a change that keeps it valid (a renaming, a reroute), which the simulator makes by
-    the thousand at 16k workers. Its maker's tests validate what it makes."""
+def unchecked_plan(
+    *,
+    num_layers: int,
+    num_micro_batches: int,
+    stages: tuple[Stage, ...],
+    routes: tuple[Route, ...],
+    pipelines: tuple[tuple[int, ...], ...] = (),
+    replica_groups: tuple[tuple[int, ...], ...] = (),
+) -> Plan:
+    """``Plan(...)`` not validated: for a plan derived from a valid one by a change that
+    keeps it valid (a renaming, a reroute), which the simulator makes by the thousand at
+    16k workers. Its maker's tests validate what it makes."""
     out = object.__new__(Plan)
-    for field, value in fields.items():
+    for field, value in (
+        ("num_layers", num_layers),
+        ("num_micro_batches", num_micro_batches),
+        ("stages", stages),
+        ("routes", routes),
+        ("pipelines", pipelines),
+        ("replica_groups", replica_groups),
+    ):
         object.__setattr__(out, field, value)
-    if "replica_groups" not in fields:
-        object.__setattr__(out, "replica_groups", ())
     return out
 
 

@@ -27,7 +27,13 @@ class RerouteInfeasible(ValueError):
     pass
 
 
-def reroute_plan(plan: Plan, failed: Iterable[int]) -> Plan:
+def reroute_plan(plan: Plan, failed: Iterable[int], *, validate: bool = True) -> Plan:
+    """``plan`` with ``failed``'s micro-batches sent through same-stage peers (module
+    doc). ``validate=False``: the result is not checked again, for a caller that makes
+    thousands and whose input was valid (the simulator): it is valid by construction
+    (the survivors' stages are the plan's, each new hop holds the lost one's layers, and
+    every micro-batch keeps exactly one route; tests/test_reroute.py validates chains of
+    reroutes)."""
     lost = set(failed)
     survivors = tuple(s for s in plan.stages if s.worker not in lost)
     peers: dict[tuple[int, int], list[int]] = {}
@@ -78,13 +84,11 @@ def reroute_plan(plan: Plan, failed: Iterable[int]) -> Plan:
     routes = list(intact)
     routes.extend(Route(home, hops, tuple(mbs)) for (home, hops), mbs in new_routes.items())
     routes.sort(key=lambda r: (r.home, r.micro_batches[:1]))
-    # Valid by construction, so not validated again (tests/test_reroute.py validates
-    # chains of reroutes): the survivors' stages are the plan's, each new hop holds the
-    # lost one's layers, and every micro-batch keeps exactly one route.
-    return unchecked_plan(
+    fields = dict(
         num_layers=plan.num_layers,
         num_micro_batches=plan.num_micro_batches,
         stages=survivors,
         routes=tuple(routes),
         pipelines=tuple(p for p in plan.pipelines if not lost.intersection(p)),
     )
+    return Plan(**fields) if validate else unchecked_plan(**fields)

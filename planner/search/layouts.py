@@ -23,7 +23,8 @@ for each and a micro-batch count for each, that fit in memory and finish the ste
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
+from functools import cached_property
 
 from planner.estimator.estimate import Estimate, Memo, estimate
 from planner.estimator.timing import simulate_pipeline
@@ -60,24 +61,20 @@ class Proposal:
     label: str  # how the search found it, for display
 
 
-@dataclass
 class Layout:
     """A proposal of the search before it is placed on workers: its label and its
     estimated step (``Search.layouts``). ``proposal`` places it, once."""
 
-    search: Search
-    label: str
-    step_s: float
-    feasible: bool
-    place: Callable[[], Plan]
-    _placed: list[Proposal] = field(default_factory=list)
+    def __init__(
+        self, search: Search, label: str, step_s: float, feasible: bool, place: Callable[[], Plan]
+    ) -> None:
+        self.search, self.label, self.step_s, self.feasible = search, label, step_s, feasible
+        self._place = place
 
-    @property
+    @cached_property
     def proposal(self) -> Proposal:
-        if not self._placed:
-            plan = self.place()
-            self._placed.append(Proposal(plan, self.search.estimate(plan), self.label))
-        return self._placed[0]
+        plan = self._place()
+        return Proposal(plan, self.search.estimate(plan), self.label)
 
 
 class Search:

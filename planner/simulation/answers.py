@@ -4,8 +4,10 @@
 every branch of the oracle), for the candidates ``chameleon run`` would weigh: the
 reroute, the re-partitions, the restart (the parts of ``planner.choice.selection.gather``).
 Runs that reach the same state ask the same question, so each part is cached apart,
-keyed by what it depends on: a reroute by (plan, workers lost); the re-partitions by that
-and the idle workers; a restart by those and the spares it would take.
+keyed by what it depends on: a reroute by (plan, workers lost); the search's layouts by
+that and the idle workers it could use; each re-partition by that, every idle worker and
+which layout (one at a time: a caller plans only those that could be chosen, and
+``computed`` counts each); a restart by those and the spares it would take.
 
 Where workers are interchangeable (planner.simulation.symmetry), a question about a plan of whole
 pipelines is asked under names drawn from the plan's structure, so that a failure at the
@@ -96,7 +98,9 @@ class Answers:
     def reroute(self, q: Question) -> Candidate:
         """In the question's names."""
         return self._cached(
-            ("reroute", q.plan, q.lost), lambda: reroute_candidate(self.search, q.plan, q.lost)
+            ("reroute", q.plan, q.lost),
+            # (its plans come from valid ones: not checked again, thousands at 16k workers)
+            lambda: reroute_candidate(self.search, q.plan, q.lost, validate=False),
         )
 
     def layouts(self, q: Question) -> tuple[Layout, ...]:
@@ -125,7 +129,8 @@ class Answers:
     def _migration(self, q: Question, i: int) -> Migration | str:
         """The migration to ``layouts(q)[i]`` from what ``q``'s survivors hold, or why
         none can move the layers (``migrations_for``; that one layer lost every replica
-        holds for every layout alike)."""
+        holds for every layout alike). Keyed by the search, which leaves out idle workers
+        it could not use: idle workers hold no layers, so the holdings are the same."""
         return self._cached(
             ("migration", *self._search_key(q), i),
             lambda: _one(
@@ -137,8 +142,12 @@ class Answers:
     def movable(self, q: Question) -> bool:
         """Whether a re-partition can move the layers at all: some layout fits and every
         layer still has a surviving holder (else every layout's migration fails alike)."""
-        held = holdings_of(q.plan, set(q.survivors))
-        return bool(self.layouts(q)) and every_layer_held(held, q.plan.num_layers)
+        held = self._cached(
+            ("held", q.plan, q.lost),
+            lambda: every_layer_held(holdings_of(q.plan, set(q.survivors)), q.plan.num_layers),
+            counted=False,
+        )
+        return held and bool(self.layouts(q))
 
     def repartition(self, q: Question, i: int) -> Candidate:
         """The re-partition to ``layouts(q)[i]``, in the question's names (infeasible, with
