@@ -11,7 +11,7 @@ from collections.abc import Callable, Collection, Mapping
 from typing import TYPE_CHECKING, Any
 
 from launcher.faults import FaultKind, FaultSpec, Injector
-from launcher.throttle import Throttle
+from launcher.throttle import Duty, Throttle
 from launcher.workers import Worker, signal_worker
 
 if TYPE_CHECKING:
@@ -109,8 +109,12 @@ class FaultInjection:
         if old is not None:
             old.close()
 
-        def ended(lasted_s: float) -> None:
-            self.emit("slowdown_ended", rank=rank, factor=factor, lasted_s=round(lasted_s, 3))
+        def ended(lasted_s: float, duty: Duty) -> None:
+            self.emit(
+                "slowdown_ended", rank=rank, factor=factor, lasted_s=round(lasted_s, 3),
+                stopped_share=round(duty.stopped_share, 3), boost=round(duty.boost, 3),
+                boost_max=round(duty.boost_max, 3),
+            )  # fmt: skip
 
         self.throttles[rank] = Throttle(worker, factor, fault.for_s, ended, peers)
 

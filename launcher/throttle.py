@@ -38,6 +38,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Collection
+from dataclasses import dataclass
 from typing import Any
 
 from launcher.workers import Worker, signal_worker
@@ -79,20 +80,36 @@ def stop_s(factor: float, ran_s: float, own: float | None, peers: float | None) 
     ``1/factor`` of the CPU its peers get: ``own`` its share in its recent run phases, ``peers``
     theirs lately (None: unknown, taken as equal). Plain ``(factor - 1) * ran_s`` when
     the two are equal; longer when the scheduler favoured the continued worker."""
-    boost = 1.0 if own is None or not peers else min(MAX_BOOST, max(1.0, own / peers))
-    return max(0.0, ran_s * (factor * boost - 1.0))
+    return max(0.0, ran_s * (factor * _boost(own, peers) - 1.0))
+
+
+def _boost(own: float | None, peers: float | None) -> float:
+    return 1.0 if own is None or not peers else min(MAX_BOOST, max(1.0, own / peers))
+
+
+@dataclass(frozen=True)
+class Duty:
+    """What a slowdown did, for its end's event: the share of its time the worker was
+    stopped (1 - 1/F for a plain F-times slowdown; more where the boost grew it), and the
+    boost at its last and largest. A slowdown a look at the worker's speed found weaker
+    than asked then says whether the throttle stopped it too little or the host slowed
+    its peers as much."""
+
+    stopped_share: float
+    boost: float
+    boost_max: float
 
 
 class Throttle:
     """Slows ``worker`` by ``factor`` for ``duration_s`` (None: until it exits or the
-    round ends), on a thread of its own; ``on_end(lasted_s)`` when it stops."""
+    round ends), on a thread of its own; ``on_end(lasted_s, duty)`` when it stops."""
 
     def __init__(
         self,
         worker: Worker,
         factor: float,
         duration_s: float | None,
-        on_end: Callable[[float], Any],
+        on_end: Callable[[float, Duty], Any],
         peers: Callable[[], Collection[int]] = tuple,
     ) -> None:
         self.worker = worker
@@ -121,6 +138,8 @@ class Throttle:
         # credited back: that would let the worker run unstopped for several periods,
         # which a look at its speed reads as recovered.
         owed, ran_s = 0.0, RUN_S
+        stopped_total = ran_total = 0.0
+        boost = boost_max = 1.0
         own: float | None = None  # the worker's share of a CPU in its run phases, lately
         peers: float | None = None  # its peers' share, lately
         mine_then: tuple[int, int] | None = None  # schedstat readings at the last measure
@@ -131,12 +150,16 @@ class Throttle:
             while not self._stop.is_set() and time.monotonic() < end:
                 if self.worker.popen.returncode is not None:
                     break
+                boost = _boost(own, peers)
+                boost_max = max(boost_max, boost)
                 due = stop_s(self.factor, ran_s, own, peers) + owed
                 pause = min(due, MAX_STOP_S)
                 owed = due - pause
                 signal_worker(self.worker, signal.SIGSTOP)
+                stopped_at = time.monotonic()
                 self._stop.wait(pause)
                 now = time.monotonic()
+                stopped_total += now - stopped_at
                 if now - measured_at >= SHARE_EVERY_S:
                     # Read while it is stopped: a running task's counters are brought up
                     # to date only when it is switched out, and a stopped one neither
@@ -152,10 +175,13 @@ class Throttle:
                 t = time.monotonic()
                 self._stop.wait(RUN_S)
                 ran_s = time.monotonic() - t
+                ran_total += ran_s
         finally:
             # Never left stopped: a stopped worker would hold its peers and ignore SIGTERM.
             signal_worker(self.worker, signal.SIGCONT)
-            self._on_end(time.monotonic() - began)
+            cycle = stopped_total + ran_total
+            duty = Duty(stopped_total / cycle if cycle else 0.0, boost, boost_max)
+            self._on_end(time.monotonic() - began, duty)
 
     def close(self) -> None:
         """Stop slowing it (the worker runs on, continued)."""
