@@ -282,17 +282,24 @@ class Simulator:
         if policy != "adaptive":
             fastest_rp = self.answers.fastest_reparallelize(q)
             return [q.answer(fastest_rp)] if fastest_rp is not None else []
-        batch = self.job.training.global_batch_size
-        layouts = self.answers.layouts(q) if self.answers.movable(q) else ()
         best_rp = best_bounded(
             (
-                (math.log(batch / layout.step_s),
-                 lambda i=i: q.answer(self.answers.repartition(q, i)))
-                for i, layout in enumerate(layouts)
+                (rate, lambda i=i: q.answer(self.answers.repartition(q, i)))
+                for i, rate in enumerate(self._rates(q))
             ),
             lambda c: log_score(self.job, c, outlook),
-        )  # fmt: skip
+        )
         return [best_rp] if best_rp is not None else []
+
+    def _rates(self, q: Question) -> list[float]:
+        """``log(B / step)`` of each layout a re-partition could move to, in
+        ``answers.layouts(q)``'s order (none where some layer lost every replica): the
+        bound ``best_bounded`` needs of each re-partition's ``log_score``, and with a
+        restart's transition of each restart variant's."""
+        if not self.answers.movable(q):
+            return []
+        batch = self.job.training.global_batch_size
+        return [math.log(batch / layout.step_s) for layout in self.answers.layouts(q)]
 
     def relaunch(self, state: State) -> State:
         """A stopped job started again from its last checkpoint once workers are back to
@@ -383,15 +390,15 @@ class Simulator:
         def key(c: Candidate) -> float:
             return log_score(job, c, outlook)
 
-        layouts = self.answers.layouts(q) if self.answers.movable(q) else ()
-        rates = [math.log(job.training.global_batch_size / lay.step_s) for lay in layouts]
+        rates = self._rates(q)
         restart = self.answers.restart(q)
         variants: list[tuple[float, Callable[[], Candidate | None]]] = [(math.inf, lambda: restart)]
         if restart.feasible:  # (``restart_variants``)
+            layouts = self.answers.layouts(q)
             variants += [
                 (rate - restart.transition.total_s / outlook.mtbf_s,
-                 lambda lay=lay: restart_variant(restart, lay.proposal))
-                for rate, lay in zip(rates, layouts, strict=True)
+                 lambda i=i: restart_variant(restart, layouts[i].proposal))
+                for i, rate in enumerate(rates)
             ]  # fmt: skip
         best_restart = best_bounded(variants, key)
         assert best_restart is not None
