@@ -3,7 +3,7 @@
     python benchmarks/stragglers.py [--slow-for 8] [--factors 2,3] [--jobs dropin,trainer]
 
 The same job on 2 workers (2 cores: a core each, as devices), rank 1 slowed from outside
-its process (``--inject-fault slow``: stopped and continued on a duty cycle) by each
+its process (``--inject-fault slow``: stopped for ``factor - 1`` times the CPU it runs) by each
 factor from step 30 for ``--slow-for`` seconds, with ``--stragglers off`` (every step
 waits for it) and on (an uneven deal while it pays), beside the run without a slowdown:
 

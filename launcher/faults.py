@@ -17,9 +17,10 @@ recovery.
                                                 up or idle, picked at random, seeded)
     --inject-fault slow:rank=2,factor=3,step=10,for=20
                                                 from step 10, rank 2 runs at a third of its
-                                                speed for 20 s (stopped and continued on a
-                                                duty cycle from outside: launcher/throttle.py;
-                                                without for=, to the end of the round)
+                                                speed for 20 s (stopped from outside for
+                                                twice the CPU time it runs:
+                                                launcher/throttle.py; without for=, to the
+                                                end of the round)
 
 Phases: ``collect`` (survivors answer the abort), ``plan`` (the planner works), ``confirm``
 (the plan is applied), and within it, as the rank itself reports them, ``groups`` (it has

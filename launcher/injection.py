@@ -1,6 +1,6 @@
 """Fault injection on this node's workers (``--inject-fault``): each due fault is carried
 out (SIGKILL, SIGSTOP, an exit asked through the worker's mailbox, or a slowdown on a
-duty cycle: launcher/throttle.py), and workers
+charge of stops for the CPU it runs: launcher/throttle.py), and workers
 waiting at a failpoint are let go once the fault for it has fired. ``LocalGroup`` owns
 one ``FaultInjection`` and hands it its workers and their statuses at each poll."""
 
@@ -112,8 +112,8 @@ class FaultInjection:
         def ended(lasted_s: float, duty: Duty) -> None:
             self.emit(
                 "slowdown_ended", rank=rank, factor=factor, lasted_s=round(lasted_s, 3),
-                stopped_share=round(duty.stopped_share, 3), boost=round(duty.boost, 3),
-                boost_max=round(duty.boost_max, 3),
+                reached=round(duty.reached, 2), boost=round(duty.boost, 3),
+                boost_max=round(duty.boost_max, 3), priority=duty.priority,
             )  # fmt: skip
 
         self.throttles[rank] = Throttle(worker, factor, fault.for_s, ended, peers)
