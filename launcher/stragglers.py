@@ -70,8 +70,13 @@ REDEAL_DRIFT = 1.3
 # ... at most this many times per slowdown: a factor that swings (on a host whose workers
 # share cores the deal itself moves the others' speed) must not keep the job moving.
 MAX_REDEALS = 2
-LOOK_STEPS = 3  # while one is found, the leader looks every this many steps ...
-LOOK_MIN_S = 0.1  # ... but not more often than this
+LOOK_STEPS = 3  # the leader looks every this many steps (at most its period, a second) ...
+LOOK_MIN_S = 0.1  # ... but not more often than this while one is found or planned around
+# ... nor than this while none is: with a second between looks a job of 30 steps a second
+# moved 21 to 25 steps after a 2x slowdown began (benchmarks/stragglers.py, the Trainer),
+# most of it waiting for the next look; a look reads every worker's status in one round
+# trip, so four a second cost a small job little, and a big one's steps are longer.
+LOOK_QUIET_MIN_S = 0.25
 
 
 @dataclass(frozen=True)
@@ -250,15 +255,15 @@ class SpeedWatch:
         return bool(self.stragglers.found or self.moved)
 
     def look_period_s(self, statuses: Mapping[int, WorkerStatus], default_s: float) -> float:
-        """How soon to look again: ``default_s``, or while a straggler is found or planned
-        around, every few steps (at least 0.1 s), so that the move there and the move
-        back follow its speed within a few steps on a fast job, not a second later."""
-        if not self.slowed:
-            return default_s
+        """How soon to look again: every few steps, at most ``default_s``, and at least
+        0.1 s while a straggler is found or planned around (0.25 s while none is), so
+        that the move there and the move back follow its speed within a few steps on a
+        fast job, not a second later."""
         steps = sorted(s.mean_step_s for s in statuses.values() if s.mean_step_s)
         if not steps:
             return default_s
-        return min(default_s, max(LOOK_MIN_S, LOOK_STEPS * steps[len(steps) // 2]))
+        floor = LOOK_MIN_S if self.slowed else LOOK_QUIET_MIN_S
+        return min(default_s, max(floor, LOOK_STEPS * steps[len(steps) // 2]))
 
     def move(
         self,

@@ -158,3 +158,26 @@ def test_a_redeal_that_rounds_to_even_counts_is_the_even_deal_and_says_so():
         assert dealt_unevenly(slow["plan"]) and slow["label"].startswith("uneven deal: worker 1")
     finally:
         planner.close()
+
+
+def test_the_leader_looks_every_few_steps_more_often_while_a_straggler_is_found():
+    from launcher.stragglers import LOOK_MIN_S, LOOK_QUIET_MIN_S, LOOK_STEPS
+
+    def statuses(step_s: float) -> dict[int, WorkerStatus]:
+        return {
+            r: WorkerStatus(pid=1, beat=1, phase="train", generation=0, step=9, progress=9,
+                            mean_step_s=step_s)
+            for r in (0, 1)
+        }  # fmt: skip
+
+    watch = SpeedWatch()
+    # A fast job, none found: a quarter of a second (a second let a job of 30 steps a
+    # second go 21-25 steps before it moved); a slow one: the period, never longer.
+    assert watch.look_period_s(statuses(0.03), 1.0) == LOOK_QUIET_MIN_S
+    assert watch.look_period_s(statuses(0.2), 1.0) == pytest.approx(LOOK_STEPS * 0.2)
+    assert watch.look_period_s(statuses(18.0), 1.0) == 1.0
+    assert watch.look_period_s({}, 1.0) == 1.0  # (no step measured yet)
+    # One found: every few steps, down to a tenth of a second.
+    watch.stragglers.found[1] = 3.0
+    assert watch.look_period_s(statuses(0.03), 1.0) == LOOK_MIN_S
+    assert watch.look_period_s(statuses(0.2), 1.0) == pytest.approx(LOOK_STEPS * 0.2)
