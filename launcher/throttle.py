@@ -7,17 +7,18 @@ noisy neighbour) by timing alone, which is what a straggler test needs.
 Why charged by the CPU the worker used, not a wall-clock duty cycle: a slow device is slow
 in its work, not in its waits. A worker planned around is dealt fewer micro-batches and
 then spends most of its step waiting on its peers; a cycle of 1 ms runs and 2 ms stops
-lands most of its stops in those waits, and on a busy host, where this thread wakes late
+lands most of its stops in those waits, and on a busy host, where the stopper wakes late
 and the phases stretch to tens of milliseconds, a pass of a few milliseconds fits in one
 run phase and finishes unslowed. CI saw that, with a core busy: the 3x-slowed worker,
 dealt 2 of 8, measured 1.0x mid-slowdown and the job dealt evenly again while it was still
 slowed. So the worker is continued for a run phase of ``RUN_S`` at a time, and stopped
 after it for what it owes: for every second its main thread ran (/proc/<pid>/schedstat),
-``F - 1`` seconds more (``owed_s``). A worker blocked on a peer runs nothing, owes nothing,
-and is not stopped. A run phase that overran (the cycle woke late) is charged in
-full, paid in stops of at most ``MAX_STOP_S`` so that it stays slow, never silent. A stop
-that overran is not credited back: that would let the worker run unstopped for several
-periods, which a look at its speed reads as recovered.
+``F - 1`` seconds more (``owed_s``). A worker blocked on a peer runs nothing, owes
+nothing, and is stopped only for the instant each reading takes. A run phase that
+overran (the cycle woke late) is charged in full, paid in stops of at most
+``MAX_STOP_S`` so that it stays slow, never silent. A stop that overran is not credited
+back: that would let the worker run unstopped for several periods, which a look at its
+speed reads as recovered.
 
 Why the charge grows on a busy host: a worker gets only part of a CPU when the host's
 cores are contended, so its peers take ``1/s`` seconds for each second of work (``s``,
@@ -66,9 +67,10 @@ def schedstat(pid: int) -> tuple[int, int] | None:
     try:
         with open(f"/proc/{pid}/schedstat") as f:
             ran, waited = f.read().split()[:2]
-        return int(ran), int(waited)
     except (OSError, ValueError):
         return None
+    # (a kernel built without the counters writes zeros: a live process has run)
+    return (int(ran), int(waited)) if int(ran) > 0 else None
 
 
 def share(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float | None:
@@ -94,7 +96,9 @@ def owed_s(factor: float, ran_s: float, waited_s: float, peers: float | None) ->
 def boost(peers: float | None) -> float:
     """How much longer the peers take per second of work than a worker with a core of
     its own: ``1 / peers``, kept between 1 and ``MAX_BOOST``."""
-    return 1.0 if not peers else min(MAX_BOOST, max(1.0, 1.0 / peers))
+    if peers is None:
+        return 1.0
+    return MAX_BOOST if peers <= 0.0 else min(MAX_BOOST, max(1.0, 1.0 / peers))
 
 
 @dataclass(frozen=True)
@@ -109,7 +113,9 @@ class Duty:
     reached: float
     boost: float
     boost_max: float
-    # how promptly the cycle was woken: "realtime", "nice", "normal" (throttle._prompt)
+    # how promptly the cycle was woken: "realtime", "nice", "normal" (throttle._prompt);
+    # "failed: ..." where the cycle could not start or said nothing (the slowdown then
+    # slowed nothing, or an unknown part of it)
     priority: str = "normal"
 
 
@@ -135,59 +141,83 @@ class Throttle:
         on_end: Callable[[float, Duty], Any],
         peers: Callable[[], Collection[int]] = tuple,
     ) -> None:
-        from launcher.forkserver import die_with_parent
-
         self.worker = worker
         self.peers = peers
         self._on_end = on_end
         self._stop = threading.Event()
-        agent = os.getpid()
-        argv = [sys.executable, "-I", __file__, str(worker.pid), repr(float(factor))]
-        self._cycle = subprocess.Popen(
-            [*argv, repr(float(duration_s))] if duration_s is not None else argv,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            preexec_fn=lambda: die_with_parent(agent),
-        )
+        self._began = time.monotonic()
+        # (an absolute deadline on the monotonic clock, which is the host's: the cycle's
+        # start-up does not eat into the slowdown)
+        until = self._began + duration_s if duration_s is not None else float("inf")
+        argv = [
+            # (-s -P: no user site, no script folder on sys.path; the standard library only)
+            sys.executable, "-s", "-P", __file__,
+            str(os.getpid()), str(worker.pid), repr(float(factor)), repr(until),
+        ]  # fmt: skip
+        self._cycle: subprocess.Popen | None = None
+        self._failed = ""
+        try:
+            self._cycle = subprocess.Popen(
+                argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                text=True,
+            )  # fmt: skip
+        except OSError as e:  # (no process to be had: out of pids or memory)
+            self._failed = f"failed: {e.strerror or e}"
         self._thread = threading.Thread(target=self._watch, name="throttle", daemon=True)
-        self._thread.start()
+        try:
+            self._thread.start()
+        except RuntimeError:
+            self._end_cycle()
+            raise
 
     @property
     def active(self) -> bool:
         return self._thread.is_alive()
 
-    def _watch(self) -> None:
+    def _end_cycle(self) -> tuple[str, str]:
+        """Ask the cycle to end, wait for it (killed past 5 s), and continue the worker
+        whatever became of it: a stopped worker would hold its peers and ignore SIGTERM."""
         from launcher.workers import signal_worker
 
+        out = err = ""
         cycle = self._cycle
-        assert cycle.stdin is not None and cycle.stdout is not None
         try:
-            while cycle.poll() is None:
-                if self._stop.is_set() or self.worker.popen.returncode is not None:
+            if cycle is not None:
+                if cycle.poll() is None:
                     cycle.terminate()
+                try:
+                    out, err = cycle.communicate(timeout=5.0)
+                except subprocess.TimeoutExpired:
+                    cycle.kill()
+                    out, err = cycle.communicate()
+        finally:
+            signal_worker(self.worker, signal.SIGCONT)
+        return out or "", err or ""
+
+    def _watch(self) -> None:
+        cycle, out, err = self._cycle, "", ""
+        try:
+            while cycle is not None and cycle.poll() is None:
+                if self._stop.is_set() or self.worker.popen.returncode is not None:
                     break
                 try:
+                    assert cycle.stdin is not None
                     cycle.stdin.write(json.dumps(sorted(self.peers())) + "\n")
                     cycle.stdin.flush()
-                except (BrokenPipeError, OSError):
+                except OSError:
                     pass  # (it is ending)
                 self._stop.wait(SHARE_EVERY_S)
-            try:
-                out, _ = cycle.communicate(timeout=5.0)
-            except subprocess.TimeoutExpired:
-                cycle.kill()
-                out, _ = cycle.communicate()
         finally:
-            # Never left stopped, whatever became of the cycle: a stopped worker would hold
-            # its peers and ignore SIGTERM.
-            signal_worker(self.worker, signal.SIGCONT)
+            out, err = self._end_cycle()  # (this thread's error, if any, ends it too)
+        lasted_s = time.monotonic() - self._began
         try:
             ended = json.loads(out.strip().splitlines()[-1])
-            lasted_s, priority = ended.pop("lasted_s"), ended.pop("priority")
-            duty = Duty(**ended, priority=priority)
-        except (ValueError, IndexError, KeyError, TypeError):  # (killed before it said)
-            lasted_s, duty = 0.0, Duty(0.0, 1.0, 1.0, "unknown")
+            duty = Duty(ended["reached"], ended["boost"], ended["boost_max"], ended["priority"])
+        except (ValueError, IndexError, KeyError, TypeError):
+            why = self._failed or "failed: " + (
+                err.strip().splitlines()[-1][:200] if err.strip() else "no report"
+            )
+            duty = Duty(0.0, 1.0, 1.0, why)
         self._on_end(lasted_s, duty)
 
     def close(self) -> None:
@@ -206,22 +236,33 @@ def _signal(pid: int, signum: int) -> bool:
     except PermissionError:  # (the session leader is gone and its id reused: only it)
         try:
             os.kill(pid, signum)
-        except ProcessLookupError:
+        except (ProcessLookupError, PermissionError):
             return False
     return True
+
+
+def _stopped(pid: int, within_s: float = 0.002) -> None:
+    """Wait (``within_s`` at most) until ``pid`` has stopped: a stop signal takes effect
+    when the worker next runs, and a worker waiting for a CPU would otherwise spend that
+    wait inside the stop and have it counted as its own wait to run, credited twice."""
+    until = time.monotonic() + within_s
+    while True:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rpartition(")")[2].split()[0]
+        except (OSError, IndexError):
+            return
+        if state in ("T", "t") or time.monotonic() >= until:
+            return
 
 
 class _Ended(Exception):
     """SIGTERM from the agent: the slowdown ends now."""
 
 
-def cycle(
-    pid: int, factor: float, duration_s: float | None, peers: Callable[[], Collection[int]]
-) -> tuple[float, Duty]:
-    """Slow ``pid`` by ``factor`` until ``duration_s`` has passed, it is gone, or SIGTERM;
-    how long it lasted and what it did. The worker is continued however it ends."""
-    began = time.monotonic()
-    end = began + duration_s if duration_s is not None else float("inf")
+def cycle(pid: int, factor: float, until: float, peers: Callable[[], Collection[int]]) -> Duty:
+    """Slow ``pid`` by ``factor`` until ``until`` (on the monotonic clock), it is gone, or
+    SIGTERM; what it did. The worker is continued however it ends."""
     owed = 0.0  # seconds of stop the worker owes
     taken_s = peers_s = 0.0  # its wall time, and its work at its peers' pace
     boost_now = boost_max = 1.0
@@ -230,19 +271,21 @@ def cycle(
     measured_at = float("-inf")
     mine_then = schedstat(pid)
     try:
-        while time.monotonic() < end:
+        while time.monotonic() < until:
+            t = time.monotonic()
             if not _signal(pid, signal.SIGCONT):
                 break
-            t = time.monotonic()
             time.sleep(RUN_S)
             _signal(pid, signal.SIGSTOP)
+            _stopped(pid)
             now = time.monotonic()
-            # Read while it is stopped: a running task's counters are brought up to date
+            # Read once it has stopped: a running task's counters are brought up to date
             # only when it is switched out, and a stopped one neither runs nor waits, so
             # what they moved is this run phase's alone. Where the kernel does not say,
             # the whole phase is charged as run (the plain cycle).
             mine_now = schedstat(pid)
             ran_s, waited_s = _moved(mine_then, mine_now, now - t)
+            waited_s = min(waited_s, max(0.0, now - t - ran_s))  # (this phase's, no more)
             mine_then = mine_now
             if now - measured_at >= SHARE_EVERY_S:
                 # (a window in which the peers hardly wanted a CPU, or the first, keeps
@@ -255,7 +298,7 @@ def cycle(
             owed += owed_s(factor, ran_s, waited_s, share_of_peers)
             taken_s += ran_s + waited_s
             peers_s += ran_s / min(1.0, max(0.01, share_of_peers or 1.0))
-            pause = min(owed, MAX_STOP_S, max(0.0, end - now))
+            pause = min(owed, MAX_STOP_S, max(0.0, until - now))
             if pause > 0.0:
                 owed -= pause
                 time.sleep(pause)
@@ -263,36 +306,61 @@ def cycle(
     except _Ended:
         pass
     finally:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # (ending already)
         _signal(pid, signal.SIGCONT)
-    reached = taken_s / peers_s if peers_s else 0.0
-    return time.monotonic() - began, Duty(reached, boost_now, boost_max)
+    return Duty(taken_s / peers_s if peers_s else 0.0, boost_now, boost_max)
 
 
 def main(argv: list[str]) -> None:
-    """The cycle's process: ``PID FACTOR [DURATION_S]``; the peers' pids come on stdin, a
-    JSON list per line, each replacing the last; the end, ``lasted_s`` and the Duty's
-    fields, on stdout as one JSON object."""
-    pid, factor = int(argv[0]), float(argv[1])
-    duration_s = float(argv[2]) if len(argv) > 2 else None
-    known: list[list[int]] = [[]]
+    """The cycle's process: ``AGENT PID FACTOR UNTIL``; the peers' pids come on stdin, a
+    JSON list per line, each replacing the last; what it did, the Duty's fields, on
+    stdout as one JSON object."""
+    agent, pid, factor, until = int(argv[0]), int(argv[1]), float(argv[2]), float(argv[3])
+    # Dies with the agent, as the worker does (set here, not between fork and exec in the
+    # agent, where another thread may hold a lock the child would wait on forever).
+    if sys.platform.startswith("linux"):
+        import ctypes
 
-    def listen() -> None:
-        for line in sys.stdin:
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+    if os.getppid() != agent:
+        return
+    for ignored in (signal.SIGINT, signal.SIGHUP, signal.SIGQUIT):
+        signal.signal(ignored, signal.SIG_IGN)  # (a terminal's signals are the agent's)
+    ending = [False]
+
+    def ended(signum: int, frame: Any) -> None:
+        if not ending[0]:  # (once: a second one must not break the worker's continue)
+            ending[0] = True
+            raise _Ended
+
+    signal.signal(signal.SIGTERM, ended)
+    # The peers, read without a thread of its own (one at an ordinary priority could hold
+    # the GIL this real-time one waits on): what is on stdin at each measure.
+    os.set_blocking(0, False)
+    known: list[list[int]] = [[]]
+    pending = [b""]
+
+    def peers() -> list[int]:
+        try:
+            while chunk := os.read(0, 65536):
+                pending[0] += chunk
+        except (BlockingIOError, InterruptedError):
+            pass
+        *lines, pending[0] = pending[0].split(b"\n")
+        for line in lines:
             try:
                 known[0] = [int(p) for p in json.loads(line)]
             except (ValueError, TypeError):
                 continue
+        return known[0]
 
-    def ended(signum: int, frame: Any) -> None:
-        raise _Ended
-
-    signal.signal(signal.SIGTERM, ended)
-    threading.Thread(target=listen, daemon=True).start()
-    priority = _prompt()  # (this thread only: the listener keeps the ordinary one)
-    lasted_s, duty = cycle(pid, factor, duration_s, lambda: known[0])
-    ended = {**asdict(duty), "lasted_s": lasted_s, "priority": priority}
-    print(json.dumps(ended), flush=True)
+    try:
+        priority = _prompt()
+        duty = cycle(pid, factor, until, peers)
+    except _Ended:  # (asked to end before it began)
+        _signal(pid, signal.SIGCONT)
+        priority, duty = "normal", Duty(0.0, 1.0, 1.0)
+    ending[0] = True
+    print(json.dumps({**asdict(duty), "priority": priority}), flush=True)
 
 
 def _prompt() -> str:
@@ -301,8 +369,8 @@ def _prompt() -> str:
     in its waits, as this process waited for a CPU behind three busy ones). Real-time
     (SCHED_FIFO, the lowest priority) where allowed: it preempts any ordinary process
     when its sleep ends, and it sleeps nearly all the time (a 1 ms sleep per loop bounds
-    what it takes). Else a raised nice value, else as it is; which one it got is
-    reported with the slowdown's end."""
+    what it takes). Else a lowered nice value (a higher priority), else as it is; which
+    one it got is reported with the slowdown's end."""
     try:
         os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))
         return "realtime"

@@ -36,6 +36,7 @@ def test_on_a_contended_host_the_work_takes_factor_times_the_peers_time():
 def test_the_growth_is_capped_where_the_peers_hardly_ran():
     assert MAX_BOOST == 3.0
     assert owed_s(3.0, 0.001, 0.0, peers=0.1) == pytest.approx(0.001 * (3.0 * 3.0 - 1.0))
+    assert owed_s(3.0, 0.001, 0.0, peers=0.0) == pytest.approx(0.001 * (3.0 * 3.0 - 1.0))
     # (and never below a whole CPU's: peers that got more than they wanted is noise)
     assert owed_s(3.0, 0.001, 0.0, peers=1.5) == pytest.approx(0.002)
 
@@ -67,11 +68,12 @@ def test_a_share_needs_enough_time_wanting_a_cpu_and_both_readings():
 def test_schedstat_reads_a_live_process_and_none_for_a_gone_one():
     spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
+        time.sleep(0.1)  # (a process that has not run yet reads as no counters)
         first = schedstat(spin.pid)
         time.sleep(0.3)
         then = schedstat(spin.pid)
         if first is None:
-            pytest.skip("this kernel has no /proc/<pid>/schedstat")
+            pytest.skip("this kernel keeps no /proc/<pid>/schedstat counters")
         assert then is not None and then[0] > first[0]
         assert (share(first, then) or 0.0) > 0.0
     finally:
