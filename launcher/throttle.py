@@ -53,6 +53,7 @@ if TYPE_CHECKING:
 
 RUN_S = 0.001  # one run phase, then a stop for what the worker owes (below)
 MAX_STOP_S = 0.2  # the longest one stop lasts (what is owed past it, carried)
+STOPPED_POLL_S = 0.0001  # how often a stop is checked to have taken effect
 SHARE_EVERY_S = 0.25  # how often the peers' share of a CPU is measured again
 MIN_WANTED_NS = 2_000_000  # less time wanting a CPU than this tells nothing of a share
 # The most the charge grows by: past this the peers' share is so low (under a third of
@@ -244,7 +245,10 @@ def _signal(pid: int, signum: int) -> bool:
 def _stopped(pid: int, within_s: float = 0.002) -> None:
     """Wait (``within_s`` at most) until ``pid`` has stopped: a stop signal takes effect
     when the worker next runs, and a worker waiting for a CPU would otherwise spend that
-    wait inside the stop and have it counted as its own wait to run, credited twice."""
+    wait inside the stop and have it counted as its own wait to run, credited twice.
+    Between looks this process sleeps, never spins: at real-time priority, spinning on the
+    worker's CPU kept it from running to obey (seen: the slowed worker waiting half its
+    time for a CPU, and a 2x slowdown reaching 3.2x)."""
     until = time.monotonic() + within_s
     while True:
         try:
@@ -254,6 +258,7 @@ def _stopped(pid: int, within_s: float = 0.002) -> None:
             return
         if state in ("T", "t") or time.monotonic() >= until:
             return
+        time.sleep(STOPPED_POLL_S)
 
 
 class _Ended(Exception):
