@@ -37,6 +37,7 @@ blocks does not: there the fault slows its host code, not its kernels.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -207,13 +208,18 @@ class Throttle:
                     cycle.stdin.flush()
                 except OSError:
                     pass  # (it is ending)
-                self._stop.wait(SHARE_EVERY_S)
+                # (woken by the cycle's end, or by close(), which ends the cycle: the
+                # slowdown's end is told when it comes, not up to a period later)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    cycle.wait(SHARE_EVERY_S)
         finally:
             out, err = self._end_cycle()  # (this thread's error, if any, ends it too)
         lasted_s = time.monotonic() - self._began
         try:
             ended = json.loads(out.strip().splitlines()[-1])
             duty = Duty(ended["reached"], ended["boost"], ended["boost_max"], ended["priority"])
+            # (when the cycle stopped slowing it, on the host's monotonic clock)
+            lasted_s = min(lasted_s, max(0.0, float(ended["ended_at"]) - self._began))
         except (ValueError, IndexError, KeyError, TypeError):
             why = self._failed or "failed: " + (
                 err.strip().splitlines()[-1][:200] if err.strip() else "no report"
@@ -224,6 +230,9 @@ class Throttle:
     def close(self) -> None:
         """Stop slowing it (the worker runs on, continued)."""
         self._stop.set()
+        if self._cycle is not None and self._cycle.returncode is None:
+            with contextlib.suppress(OSError):
+                self._cycle.terminate()
         self._thread.join(timeout=10.0)
 
 
@@ -365,7 +374,8 @@ def main(argv: list[str]) -> None:
         _signal(pid, signal.SIGCONT)
         priority, duty = "normal", Duty(0.0, 1.0, 1.0)
     ending[0] = True
-    print(json.dumps({**asdict(duty), "priority": priority}), flush=True)
+    ended_at = time.monotonic()
+    print(json.dumps({**asdict(duty), "priority": priority, "ended_at": ended_at}), flush=True)
 
 
 def _prompt() -> str:
