@@ -178,3 +178,17 @@ def test_a_pipeline_with_a_slow_worker_is_split_again_around_it():
     assert none.name == "re-partition" and not none.feasible and "one stage" in none.reason
     live = straggler_choice(slow, current, horizon_s=3600.0, repartition=False).options[-1]
     assert not live.feasible and "live run" in live.reason
+
+
+def test_a_deal_made_again_is_told_against_the_even_deal_without_the_slowdown():
+    # Dealt 6/2 around a 3x worker that is now read at 5x: the "failure-free" step the
+    # run reports (and benchmarks/stragglers.py predicts from) is the even deal's at full
+    # speed, not the running 6/2 deal's, whose 6 micro-batches bound it.
+    even_job = uniform_job(dp=2, pp=1, micro_batches=8)
+    even = dp_plan([4, 4])
+    running = dp_plan([6, 2])
+    again = straggler_choice(replace(even_job, slow=((1, 5.0),)), running, horizon_s=3600.0)
+    assert again.even_step_s == pytest.approx(estimate(even_job, even).step_s)
+    assert again.even_step_s < estimate(even_job, running).step_s
+    first = straggler_choice(replace(even_job, slow=((1, 3.0),)), even, horizon_s=3600.0)
+    assert first.even_step_s == pytest.approx(again.even_step_s)

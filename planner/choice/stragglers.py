@@ -66,7 +66,11 @@ class SlowOption:
 class SlowChoice:
     slow: tuple[tuple[int, float], ...]
     horizon_s: float
-    even_step_s: float  # the current plan without the slowdown
+    # the current layout dealt evenly, without the slowdown: the failure-free step (the
+    # running plan's own, where it is not whole pipelines). A deal made again is told
+    # against this, not against the running uneven deal at full speed, which its most
+    # loaded worker bounds (that read as "failure-free" and overstated each gain)
+    even_step_s: float
     options: tuple[SlowOption, ...]
     chosen: SlowOption
 
@@ -228,6 +232,13 @@ def even_plan(current: Plan) -> Plan:
     return _dealt(current, [total // n + (j < total % n) for j in range(n)])
 
 
+def _evened(current: Plan) -> Plan:
+    try:
+        return even_plan(current)
+    except PlanError:
+        return current
+
+
 def break_even_s(choice: SlowChoice, margin: float = MARGIN) -> float | None:
     """The shortest horizon over which the best move beats staying by ``margin``, read
     off a choice made over any horizon (samples are linear in it: a move trains
@@ -348,7 +359,7 @@ def straggler_choice(
     return SlowChoice(
         slow=job.slow,
         horizon_s=horizon_s,
-        even_step_s=estimate(even, current).step_s,
+        even_step_s=estimate(even, _evened(current)).step_s,
         options=tuple(options),
         chosen=chosen,
     )
