@@ -47,7 +47,12 @@ from chameleon_runtime.protocol.messages import PACE_WINDOW, WorkerStatus
 from launcher.recovery_events import Replan
 
 SLOW_FACTOR = 1.5  # a worker this much slower than the others' median is a straggler
-RECOVERED_FACTOR = 1.2  # ... until it is back under this (hysteresis: no flapping)
+# ... until it is back under this (hysteresis: no flapping). Not nearer 1: a worker dealt
+# 1 or 2 micro-batches of 8 reads 13-18% slower per micro-batch than its peer with 6 or 7
+# when neither is slow (a per-step part of its passes' time: a CPU that idles between
+# passes comes back cold), so with 1.2 a worker back at speed was said so late, or never
+# (benchmarks/stragglers.py: the drop-in dealt 6 of 8 to the end of the run, twice).
+RECOVERED_FACTOR = 1.3
 CONFIRM_LOOKS = 1  # looks in a row, each with new steps, before a straggler is said
 # ... and before one is said back to speed: more, since a deal undone while the worker is
 # still slow costs two moves (seen on a host with a core busy: one look's factor under
