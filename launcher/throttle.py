@@ -46,7 +46,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Collection
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -95,12 +95,16 @@ def owed_s(factor: float, ran_s: float, waited_s: float, peers: float | None) ->
     return max(0.0, ran_s * factor * boost(peers) - ran_s - waited_s)
 
 
+def peers_pace(peers: float | None) -> float:
+    """Seconds the peers take per second of work, against a worker with a core of its
+    own: ``1 / peers`` (their share of a CPU), at least 1 (None: unknown, 1), at most 100
+    (a share of nothing is a window in which they hardly ran)."""
+    return 1.0 if peers is None else 1.0 / min(1.0, max(0.01, peers))
+
+
 def boost(peers: float | None) -> float:
-    """How much longer the peers take per second of work than a worker with a core of
-    its own: ``1 / peers``, kept between 1 and ``MAX_BOOST``."""
-    if peers is None:
-        return 1.0
-    return MAX_BOOST if peers <= 0.0 else min(MAX_BOOST, max(1.0, 1.0 / peers))
+    """How much the charge grows: the peers' pace, kept under ``MAX_BOOST``."""
+    return min(MAX_BOOST, peers_pace(peers))
 
 
 @dataclass(frozen=True)
@@ -311,7 +315,7 @@ def cycle(pid: int, factor: float, until: float, peers: Callable[[], Collection[
             boost_max = max(boost_max, boost_now)
             owed += owed_s(factor, ran_s, waited_s, share_of_peers)
             taken_s += ran_s + waited_s
-            peers_s += ran_s / min(1.0, max(0.01, share_of_peers or 1.0))
+            peers_s += ran_s * peers_pace(share_of_peers)
             pause = min(owed, MAX_STOP_S, max(0.0, until - now))
             if pause > 0.0:
                 owed -= pause
@@ -369,13 +373,12 @@ def main(argv: list[str]) -> None:
 
     try:
         priority = _prompt()
-        duty = cycle(pid, factor, until, peers)
+        duty = replace(cycle(pid, factor, until, peers), priority=priority)
     except _Ended:  # (asked to end before it began)
         _signal(pid, signal.SIGCONT)
-        priority, duty = "normal", Duty(0.0, 1.0, 1.0)
+        duty = Duty(0.0, 1.0, 1.0)
     ending[0] = True
-    ended_at = time.monotonic()
-    print(json.dumps({**asdict(duty), "priority": priority, "ended_at": ended_at}), flush=True)
+    print(json.dumps({**asdict(duty), "ended_at": time.monotonic()}), flush=True)
 
 
 def _prompt() -> str:

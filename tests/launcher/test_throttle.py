@@ -11,7 +11,16 @@ import time
 
 import pytest
 
-from launcher.throttle import MAX_BOOST, MIN_WANTED_NS, _moved, _summed, owed_s, schedstat, share
+from launcher.throttle import (
+    MAX_BOOST,
+    MIN_WANTED_NS,
+    _moved,
+    _summed,
+    owed_s,
+    peers_pace,
+    schedstat,
+    share,
+)
 
 
 def test_a_worker_with_a_core_of_its_own_owes_factor_minus_one_times_what_it_ran():
@@ -150,3 +159,10 @@ def test_every_pass_is_slowed_however_busy_the_agent_is_and_the_waits_are_not():
     assert lasted == pytest.approx(2.0, abs=0.3)
     assert duty.reached >= 0.9 * 3.0 and duty.priority in ("realtime", "nice", "normal")
     assert not throttle.active and throttle._cycle.returncode is not None
+
+
+def test_the_peers_pace_counts_a_share_of_nothing_as_the_slowest_not_as_unknown():
+    # (what `reached` divides by: a window in which the peers hardly ran is not a whole CPU)
+    assert peers_pace(None) == 1.0 and peers_pace(1.5) == 1.0
+    assert peers_pace(0.5) == pytest.approx(2.0)
+    assert peers_pace(0.0) == 100.0
