@@ -29,7 +29,12 @@ as it has gone on, so a brief one moves nothing, and a job whose worker flaps do
 oscillate); when it does, a ``Replan`` moves the job at a step boundary, nothing lost.
 While planned around, a factor that drifts ``REDEAL_DRIFT`` from the one the deal was
 made at (or another straggler, or one of them back to speed) is judged again, against the
-running deal: dealt again if that pays, ``MAX_REDEALS`` times at most per slowdown.
+running deal: dealt again if that pays, ``MAX_REDEALS`` times at most per slowdown. The
+drift counts once the factor has held on two looks in a row (``Stragglers.steady``): as
+the pace window drains at a slowdown's end, the median passes through values between the
+slow one and 1 for a look, and a deal made at one of them moved the job a third time, its
+new generation's first steps unjudged, before it was said back (benchmarks/stragglers.py,
+the Trainer at 3x: dealt again at 1.39x as the slowdown ended, back some 40 steps after).
 Once every worker planned around is back to speed (or gone), a ``Replan`` with no slow
 worker deals evenly again. A failure's plan replaces ours: the next look starts afresh.
 
@@ -135,6 +140,9 @@ class Stragglers:
     confirm_recovered: int = RECOVER_LOOKS
     found: dict[int, float] = field(default_factory=dict)  # straggler -> its last factor
     worst: dict[int, float] = field(default_factory=dict)  # straggler -> its largest factor
+    # straggler -> its last factor, where the look before read it within REDEAL_DRIFT of it
+    steady: dict[int, float] = field(default_factory=dict)
+    _before: dict[int, float] = field(default_factory=dict)  # straggler -> its factor a look ago
     _streak: dict[int, int] = field(default_factory=dict)  # looks in a row past the bar
 
     def look(
@@ -157,14 +165,22 @@ class Stragglers:
             if slow_now:
                 self.found[rank] = factor
                 self.worst[rank] = max(self.worst.get(rank, factor), factor)
+                before = self._before.get(rank)
+                if before is not None and _ratio(before, factor) < REDEAL_DRIFT:
+                    self.steady[rank] = factor
+                else:
+                    self.steady.pop(rank, None)
+                self._before[rank] = factor
             if self._streak[rank] >= (self.confirm_recovered if slow_now else self.confirm):
                 self._streak[rank] = 0
                 if slow_now:
                     del self.found[rank]
+                    self.steady.pop(rank, None)
+                    self._before.pop(rank, None)
                     worst = self.worst.pop(rank, factor)
                     changes.append(Found(rank, factor, recovered=True, worst=worst))
                 else:
-                    self.found[rank] = self.worst[rank] = factor
+                    self.found[rank] = self.worst[rank] = self._before[rank] = factor
                     changes.append(Found(rank, factor))
         return changes
 
@@ -173,9 +189,8 @@ class Stragglers:
         Returns the stragglers among them."""
         gone = sorted(r for r in ranks if r in self.found)
         for rank in ranks:
-            self.found.pop(rank, None)
-            self.worst.pop(rank, None)
-            self._streak.pop(rank, None)
+            for state in (self.found, self.worst, self.steady, self._before, self._streak):
+                state.pop(rank, None)
         return gone
 
 
@@ -281,7 +296,7 @@ class SpeedWatch:
         ``uneven``: whether the running plan deals unevenly (planner.choice.stragglers.
         dealt_unevenly): a failure's or a growth's plan that replaced ours does not, and
         a successor leader finds one that does."""
-        found = self.stragglers.found
+        found, steady = self.stragglers.found, self.stragglers.steady
         for rank in found:
             self._since.setdefault(rank, now)  # (found before a successor took over)
         for rank in [r for r in self._since if r not in found]:
@@ -305,7 +320,7 @@ class SpeedWatch:
             return None
         if self.moved:
             made_at = dict(self.moved)  # (drift is counted from the deal's factors)
-            if self._redeals >= MAX_REDEALS or not _drifted(made_at, found):
+            if self._redeals >= MAX_REDEALS or not _drifted(made_at, found, steady):
                 return None
             # Dealt again if the planner prefers the deal at today's factors to the
             # running one at them (choose weighs the running plan as it is); asked at
@@ -327,14 +342,17 @@ class SpeedWatch:
         return Replan(slow=slow, horizon_s=horizon_s)
 
 
-def _drifted(made_at: Mapping[int, float], found: Mapping[int, float]) -> bool:
+def _drifted(
+    made_at: Mapping[int, float], found: Mapping[int, float], steady: Mapping[int, float]
+) -> bool:
     """Whether the slow workers or their factors moved far enough from those the deal was
-    made at: a worker found slow since, one of them back to speed, a factor moved
-    REDEAL_DRIFT."""
+    made at: a worker found slow since, one of them back to speed, a factor that held on
+    two looks (``steady``) moved REDEAL_DRIFT."""
     if set(found) ^ set(made_at):
         return True
-    return any(
-        max(f / made_at[r], made_at[r] / f) >= REDEAL_DRIFT
-        for r, f in found.items()
-        if r in made_at and made_at[r] > 0 and f > 0
-    )
+    return any(_ratio(f, made_at[r]) >= REDEAL_DRIFT for r, f in steady.items() if r in made_at)
+
+
+def _ratio(a: float, b: float) -> float:
+    """How far apart two factors are, either way (no distance where either is not one)."""
+    return max(a / b, b / a) if a > 0 and b > 0 else 1.0

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from chameleon_runtime.protocol.messages import WorkerStatus
 from launcher.recovery_events import Replan
 from launcher.stragglers import SpeedWatch
 from tests.clock import slack
@@ -236,12 +237,20 @@ def test_a_deal_made_on_an_early_factor_is_dealt_again_once_the_factor_settles()
         asked.append((slow, horizon_s))
         return pays[0]
 
-    watch.stragglers.found = {1: 1.7}
+    def reads(factors):  # what looks found: each factor held on two looks in a row
+        watch.stragglers.found = dict(factors)
+        watch.stragglers.steady = dict(factors)
+
+    reads({1: 1.7})
     assert watch.move(100.0, False, choose) == Replan(slow=((1, 1.7),), horizon_s=0.0)
-    watch.stragglers.found = {1: 1.7 * REDEAL_DRIFT * 0.95}  # not far enough
+    reads({1: 1.7 * REDEAL_DRIFT * 0.95})  # not far enough
     assert watch.move(101.0, True, choose) is None
     assert len(asked) == 1
-    watch.stragglers.found = {1: 3.0}
+    reads({1: 3.0})
+    watch.stragglers.steady = {}  # read once: it may be passing through
+    assert watch.move(101.5, True, choose) is None
+    assert len(asked) == 1
+    reads({1: 3.0})
     pays[0] = False
     assert watch.move(102.0, True, choose) is None  # refused: the running deal stays
     pays[0] = True  # (the slowdown has lasted long enough now)
@@ -249,19 +258,61 @@ def test_a_deal_made_on_an_early_factor_is_dealt_again_once_the_factor_settles()
     assert asked[1:] == [(((1, 3.0),), 2.0), (((1, 3.0),), 3.0)]
     assert watch.move(104.0, True, choose) is None  # dealt at 3x: nothing drifted
     assert len(asked) == 3
-    watch.stragglers.found = {1: 3.0, 2: 2.0}  # another straggler: over its own length
+    # another straggler: over its own length (and at once: it was found on its own looks)
+    watch.stragglers.found = {1: 3.0, 2: 2.0}
     assert watch.move(105.0, True, choose) == Replan(slow=((1, 3.0), (2, 2.0)), horizon_s=0.0)
     assert MAX_REDEALS == 2
-    watch.stragglers.found = {1: 6.0, 2: 2.0}  # a third deal in one slowdown: not made
+    reads({1: 6.0, 2: 2.0})  # a third deal in one slowdown: not made
     assert watch.move(106.0, True, choose) is None
     assert len(asked) == 4
-    watch.stragglers.found = {}
+    reads({})
     assert watch.move(107.0, True, choose) == Replan(slow=(), horizon_s=0.0)
     # the next slowdown may be dealt again as often
-    watch.stragglers.found = {1: 1.7}
+    reads({1: 1.7})
     assert watch.move(110.0, False, choose) is not None
-    watch.stragglers.found = {1: 3.0}
+    reads({1: 3.0})
     assert watch.move(111.0, True, choose) is not None
+
+
+def test_a_factor_passing_through_as_a_slowdown_ends_is_not_dealt_at():
+    """Stragglers.look and SpeedWatch.move together: a worker dealt around at 4x whose
+    slowdown ends reads, as its pace window drains, 1.4x for a look and then about 1:
+    no deal is made at 1.4x (the job would move a third time, and its new generation's
+    first steps go unjudged); it is said back and dealt evenly. A factor that holds on
+    two looks is dealt again."""
+    watch = SpeedWatch()
+    asked = []
+
+    def choose(slow, horizon_s):
+        asked.append(slow)
+        return True
+
+    def look(step, factor):
+        watch.observe(
+            {r: status(step, busy, 4) for r, busy in ((0, 0.01), (1, 0.01 * factor))},
+            generation=1, unit_s={0: 1.0, 1: 1.0},
+        )  # fmt: skip
+
+    def status(step, per_mb, mbs):
+        return WorkerStatus(
+            pid=1, beat=step, phase="train", generation=1, step=step, progress=step,
+            busy_s_per_mb=per_mb, micro_batches=mbs, pace_steps=8,
+        )  # fmt: skip
+
+    moves = []
+    for step, factor in [(10, 4.0), (13, 4.1), (16, 1.4), (19, 1.0), (22, 1.02), (25, 1.0)]:
+        look(step, factor)
+        moves.append(watch.move(float(step), bool(watch.moved), choose))
+    assert moves[0] == Replan(slow=((1, 4.0),), horizon_s=moves[0].horizon_s)
+    assert moves[1:4] == [None, None, None]
+    assert moves[4] == Replan(slow=(), horizon_s=0.0)  # back: two looks under the bar
+    assert asked == [((1, 4.0),)]
+    # a slowdown that eases and holds there is dealt again
+    for step, factor in [(40, 4.0), (43, 2.0), (46, 2.05)]:
+        look(step, factor)
+        moves.append(watch.move(float(step), bool(watch.moved), choose))
+    assert moves[-3] is not None and moves[-2] is None
+    assert moves[-1] == Replan(slow=((1, 2.05),), horizon_s=moves[-1].horizon_s)
 
 
 def test_the_move_waits_until_the_slowdown_has_lasted_long_enough_to_pay():
