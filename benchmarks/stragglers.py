@@ -1,6 +1,7 @@
 """A slow worker planned around, against waiting for it, in one run.
 
     python benchmarks/stragglers.py [--slow-for 8] [--factors 2,3] [--jobs dropin,trainer]
+        [--repeat 1]
 
 The same job on 2 workers (2 cores: a core each, as devices), rank 1 slowed from outside
 its process (``--inject-fault slow``: stopped for ``factor - 1`` times the CPU it runs) by each
@@ -14,15 +15,18 @@ For each it prints steps per second while slowed (from the move to the slowdown'
 when mitigated; the same stretch from the fault when not) against the run without a
 slowdown, and against the optimum the planner predicts for the deal it chose (its
 estimate of that plan against its estimate of the even plan without the slowdown, times
-the measured failure-free rate), the steps from the slowdown to the move, and from its
+the failure-free rate: the same run's on the even deal once it moved back, at least 2 s
+of it, else the run without a slowdown), the steps from the slowdown to the move, and from its
 end to the move back. Where a deal was dealt again (made on an early factor: the pace
 median still mixed steps from before the slowdown), the prediction is the last deal's,
 checked against the rate on that deal alone (at least 2 s of it), while "on" still
 counts every step since the first move.
 
-Targets (issue 38): mitigated within 15% of the predicted optimum, at least 1.3x the
-unmitigated throughput at 3x, the move within 20 steps of the slowdown, back within 20
-steps of its end.
+Targets (issue 38): mitigated within 15% of the predicted optimum (either way: a rate
+well above it is a model that is wrong too), at least 1.3x the unmitigated throughput at
+3x, the move within 20 steps of the slowdown, back within 20 steps of its end; judged on
+the means over ``--repeat`` runs (each run's figures are printed too), since one run on a
+shared 2-core host swings by more than the 15%.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -158,8 +163,20 @@ def measure(job: str, factors: list[float], slow_for: float, work: Path) -> list
                 options = last.get("options", {})
                 uneven = options.get("uneven deal", {}).get("step_s")
                 even = last.get("failure_free_step_s")
-                if uneven and even and free_rate:
-                    cell["predicted_steps_per_s"] = free_rate * even / uneven
+                # The failure-free rate the optimum is scaled from: this run's own on the
+                # even deal again after the slowdown (the same processes, a minute apart
+                # at most), else the run without one. The runs are minutes apart, and this
+                # host's speed drifts by up to a fifth between them (the Trainer: 36.5
+                # steps/s free in one benchmark, 30.4 in a run of it alone ten minutes on).
+                after = [when for when, _ in r.steps if back and when >= back["t"] + 1.0]
+                even_rate = (
+                    r.rate(after[0], after[-1]) if len(after) > 2 and after[-1] - after[0] >= 2.0
+                    else None
+                )  # fmt: skip
+                cell["even_steps_per_s"] = even_rate
+                baseline = even_rate or free_rate
+                if uneven and even and baseline:
+                    cell["predicted_steps_per_s"] = baseline * even / uneven
                 cell["load"] = last.get("load")
                 cell["deals"] = len(dealt)
                 # Its rate on that deal alone, against its prediction: the estimate checked
@@ -182,13 +199,21 @@ def main() -> None:
     ap.add_argument("--slow-for", type=float, default=8.0, help="seconds each slowdown lasts")
     ap.add_argument("--factors", default="2,3")
     ap.add_argument("--jobs", default="dropin,trainer")
+    ap.add_argument(
+        "--repeat", type=int, default=1,
+        help="runs of the whole set: the targets are judged on their means",
+    )  # fmt: skip
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     factors = [float(x) for x in args.factors.split(",")]
     rows = []
     with tempfile.TemporaryDirectory(prefix="stragglers-") as tmp:
-        for job in args.jobs.split(","):
-            rows += measure(job, factors, args.slow_for, Path(tmp))
+        for n in range(args.repeat):
+            work = Path(tmp) / str(n)
+            work.mkdir()
+            for job in args.jobs.split(","):
+                for row in measure(job, factors, args.slow_for, work):
+                    rows.append({**row, "repeat": n, **figures(row)})
     if args.json:
         print(json.dumps(rows, indent=2))
         return
@@ -196,36 +221,79 @@ def main() -> None:
         f"{'job':8} {'slow':>5} {'free':>7} {'off':>7} {'on':>7} {'on/off':>7} "
         f"{'pred.':>7} {'on/pred':>8} {'to move':>8} {'to back':>8}  deal"
     )
-    fails = []
     for row in rows:
-        off, on, free = row.get("off", {}), row.get("on", {}), row["free_steps_per_s"]
-
-        def f(x: float | None, spec: str = "7.2f") -> str:
-            return format(x, spec) if x is not None else "-".rjust(int(spec.split(".")[0]))
-
-        ratio = on["steps_per_s"] / off["steps_per_s"] if on.get("steps_per_s") and off.get(
-            "steps_per_s") else None  # fmt: skip
-        pred = on.get("predicted_steps_per_s")
-        on_deal = on.get("dealt_steps_per_s") or on.get("steps_per_s")
-        of_pred = on_deal / pred if pred and on_deal else None
+        on = row.get("on", {})
         print(
-            f"{row['job']:8} {row['factor']:>4g}x {f(free)} {f(off.get('steps_per_s'))} "
-            f"{f(on.get('steps_per_s'))} {f(ratio)} {f(pred)} {f(of_pred, '8.2f')} "
-            f"{str(on.get('steps_to_move', '-')):>8} {str(on.get('steps_to_back', '-')):>8}"
-            f"  {on.get('load', on.get('error', '-'))}"
+            f"{row['job']:8} {row['factor']:>4g}x {_f(row['free_steps_per_s'])} "
+            f"{_f(row.get('off', {}).get('steps_per_s'))} {_f(on.get('steps_per_s'))} "
+            f"{_f(row['on_off'])} {_f(on.get('predicted_steps_per_s'))} "
+            f"{_f(row['on_pred'], '8.2f')} {_f(row['to_move'], '8.0f')} "
+            f"{_f(row['to_back'], '8.0f')}  {on.get('load', on.get('error', '-'))}"
             + (f" (dealt {on['deals']} times)" if on.get("deals", 1) > 1 else "")
         )
-        if of_pred is None or of_pred < 0.85:
-            fails.append(f"{row['job']} {row['factor']:g}x: not within 15% of the optimum")
-        if row["factor"] >= 3 and (ratio is None or ratio < 1.3):
-            fails.append(f"{row['job']} {row['factor']:g}x: under 1.3x the unmitigated rate")
-        if on.get("steps_to_move", 99) > 20 or on.get("steps_to_back", 99) > 20:
-            fails.append(f"{row['job']} {row['factor']:g}x: moves later than 20 steps")
     print("(steps per second; free: no slowdown; off/on: --stragglers, 'on' from the first "
           "move to the slowdown's end; pred.: the optimum the planner predicts for its last "
-          "deal; on/pred: the rate on that deal alone, where it was dealt again)")  # fmt: skip
+          "deal, scaled from the run's own rate on the even deal after it; on/pred: the "
+          "rate on that deal alone, where it was dealt again)")  # fmt: skip
+    fails = []
+    for (job, factor), group in _grouped(rows).items():
+        means = {k: _mean_se([r[k] for r in group]) for k in ("on_off", "on_pred", "to_move",
+                                                             "to_back")}  # fmt: skip
+        if len(group) > 1:
+            print(f"{job:8} {factor:>4g}x over {len(group)} runs (mean ± standard error): "
+                  + ", ".join(f"{k} {_pm(v)}" for k, v in means.items()))  # fmt: skip
+        on_pred, on_off = means["on_pred"], means["on_off"]
+        to_move, to_back = means["to_move"], means["to_back"]
+        if on_pred is None or abs(on_pred[0] - 1.0) > 0.15:
+            fails.append(f"{job} {factor:g}x: not within 15% of the optimum")
+        if factor >= 3 and (on_off is None or on_off[0] < 1.3):
+            fails.append(f"{job} {factor:g}x: under 1.3x the unmitigated rate")
+        if to_move is None or to_back is None or to_move[0] > 20 or to_back[0] > 20:
+            fails.append(f"{job} {factor:g}x: moves later than 20 steps")
     for fail in fails:
         print(f"target missed: {fail}")
+
+
+def figures(row: dict) -> dict:
+    """A row's ratios and steps (None where a run did not show them: a run that never
+    moved back counts as missing the target, not as a number)."""
+    off, on = row.get("off", {}), row.get("on", {})
+    ratio = (
+        on["steps_per_s"] / off["steps_per_s"]
+        if on.get("steps_per_s") and off.get("steps_per_s") else None
+    )  # fmt: skip
+    pred = on.get("predicted_steps_per_s")
+    on_deal = on.get("dealt_steps_per_s") or on.get("steps_per_s")
+    return {
+        "on_off": ratio,
+        "on_pred": on_deal / pred if pred and on_deal else None,
+        "to_move": on.get("steps_to_move"),
+        "to_back": on.get("steps_to_back"),
+    }
+
+
+def _grouped(rows: list[dict]) -> dict[tuple[str, float], list[dict]]:
+    out: dict[tuple[str, float], list[dict]] = {}
+    for row in rows:
+        out.setdefault((row["job"], row["factor"]), []).append(row)
+    return out
+
+
+def _mean_se(values: list) -> tuple[float, float] | None:
+    """The mean and its standard error; None if any run lacks the figure."""
+    if not values or any(v is None for v in values):
+        return None
+    mean = statistics.fmean(values)
+    se = statistics.stdev(values) / len(values) ** 0.5 if len(values) > 1 else 0.0
+    return mean, se
+
+
+def _pm(v: tuple[float, float] | None) -> str:
+    return "-" if v is None else f"{v[0]:.2f} ± {v[1]:.2f}"
+
+
+def _f(x: float | None, spec: str = "7.2f") -> str:
+    return format(x, spec) if x is not None else "-".rjust(int(spec.split(".")[0]))
 
 
 if __name__ == "__main__":
