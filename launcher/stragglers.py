@@ -36,7 +36,11 @@ slow one and 1 for a look, and a deal made at one of them moved the job a third 
 new generation's first steps unjudged, before it was said back (benchmarks/stragglers.py,
 the Trainer at 3x: dealt again at 1.39x as the slowdown ended, back some 40 steps after).
 Once every worker planned around is back to speed (or gone), a ``Replan`` with no slow
-worker deals evenly again. A failure's plan replaces ours: the next look starts afresh.
+worker deals evenly again. A failure's plan replaces ours: the next look starts afresh,
+and no move is made on a factor read in an earlier generation (``SpeedWatch._stale``):
+seen, a worker killed mid-slowdown and taken back in, its peer's slowdown over by then,
+and the job dealt around the peer again at the 4.3x read before the failure, 14 steps
+before it was said back.
 
 Pure apart from the state of what was found: ``look`` is given the rates and which of
 them are fresh, and says what changed.
@@ -215,6 +219,9 @@ class SpeedWatch:
     stragglers: Stragglers = field(default_factory=Stragglers)
     plan_around: bool = True  # --stragglers on
     _seen: dict[int, tuple[int, int]] = field(default_factory=dict)  # rank -> (gen, step)
+    _generation: int | None = None  # the generation last observed
+    # Stragglers whose factor was read in an earlier generation, until a look in this one
+    _stale: set[int] = field(default_factory=set)
     _since: dict[int, float] = field(default_factory=dict)  # straggler -> when found
     # The slow workers the running plan was made around.
     moved: tuple[tuple[int, float], ...] = ()
@@ -234,6 +241,8 @@ class SpeedWatch:
         A straggler found now has been
         slow for at least the steps that moved the median of its pace window: that long
         counts toward how long its slowdown has lasted (``move``)."""
+        if generation != self._generation:
+            self._generation, self._stale = generation, set(self.stragglers.found)
         rates: dict[int, float] = {}
         raw: dict[int, float] = {}  # per micro-batch, for peers holding the same layers
         fresh = set()
@@ -256,6 +265,7 @@ class SpeedWatch:
         for rank in [r for r in self._seen if r not in statuses]:
             del self._seen[rank]  # (bounded: the live workers' marks only)
         changes = self.stragglers.look(rates, fresh, holds, raw)
+        self._stale -= fresh
         for found in changes:
             if not found.recovered:
                 status = statuses[found.rank]
@@ -267,6 +277,7 @@ class SpeedWatch:
         for rank in ranks:
             self._seen.pop(rank, None)
             self._since.pop(rank, None)
+        self._stale -= ranks
         return self.stragglers.forget(ranks)
 
     @property
@@ -318,6 +329,8 @@ class SpeedWatch:
         # is not back, and the deal made stays.
         if any(f < self.stragglers.recovered for f in found.values()):
             return None
+        if self._stale & set(found):
+            return None  # (read before the generation running now: module doc)
         if self.moved:
             made_at = dict(self.moved)  # (drift is counted from the deal's factors)
             if self._redeals >= MAX_REDEALS or not _drifted(made_at, found, steady):

@@ -315,6 +315,44 @@ def test_a_factor_passing_through_as_a_slowdown_ends_is_not_dealt_at():
     assert moves[-1] == Replan(slow=((1, 2.05),), horizon_s=moves[-1].horizon_s)
 
 
+def test_after_a_failure_no_move_is_made_on_a_factor_read_before_it():
+    """SpeedWatch (pure): dealt around a 4x worker when its peer fails, the failure's plan
+    runs (even), then a rejoin's: the factor read before the failure is not dealt at
+    again; a look in the new generation judges afresh (here: back to speed, no move)."""
+    watch = SpeedWatch()
+
+    def choose(slow, horizon_s):
+        return True
+
+    def look(generation, step, factor, paced=8):
+        watch.observe(
+            {
+                r: WorkerStatus(
+                    pid=1, beat=step, phase="train", generation=generation, step=step,
+                    progress=step, busy_s_per_mb=0.01 * f, micro_batches=4, pace_steps=paced,
+                )
+                for r, f in ((0, 1.0), (1, factor))
+            },
+            generation=generation, unit_s={0: 1.0, 1: 1.0},
+        )  # fmt: skip
+
+    look(0, 10, 4.3)
+    assert watch.move(10.0, False, choose) is not None  # dealt around rank 1
+    look(3, 51, 4.3, paced=0)  # the failure's plan: too few steps to judge
+    assert watch.move(11.0, False, choose) is None
+    look(4, 63, 4.3, paced=0)  # a rejoin's plan, its first steps
+    assert watch.move(12.0, False, choose) is None  # not dealt at the old 4.3x
+    assert watch.stragglers.found == {1: 4.3}
+    look(4, 70, 1.0)
+    assert watch.move(13.0, False, choose) is None  # one look under the bar
+    look(4, 73, 1.0)
+    assert watch.stragglers.found == {} and watch.move(14.0, False, choose) is None
+    # a factor read in the new generation is dealt at
+    look(5, 80, 3.0)
+    moved = watch.move(15.0, False, choose)
+    assert moved is not None and moved.slow == ((1, 3.0),)
+
+
 def test_the_move_waits_until_the_slowdown_has_lasted_long_enough_to_pay():
     """SpeedWatch.move (pure): a straggler found is planned around only once the time
     its slowdown has lasted makes the planner prefer moving; one that recovers before
