@@ -147,6 +147,7 @@ class Stragglers:
     # straggler -> its last factor, where the look before read it within REDEAL_DRIFT of it
     steady: dict[int, float] = field(default_factory=dict)
     _before: dict[int, float] = field(default_factory=dict)  # straggler -> its factor a look ago
+    judged: set[int] = field(default_factory=set)  # the workers the last look read a factor of
     _streak: dict[int, int] = field(default_factory=dict)  # looks in a row past the bar
 
     def look(
@@ -160,9 +161,11 @@ class Stragglers:
         last look (a stale rate neither confirms nor clears); ``holds``, ``raw``:
         ``factors``'."""
         changes: list[Found] = []
+        self.judged = set()
         for rank, factor in sorted(factors(rates, holds, raw).items()):
             if rank not in fresh:
                 continue
+            self.judged.add(rank)
             slow_now = rank in self.found
             crossed = factor < self.recovered if slow_now else factor >= self.slow
             self._streak[rank] = self._streak.get(rank, 0) + 1 if crossed else 0
@@ -187,6 +190,14 @@ class Stragglers:
                     self.found[rank] = self.worst[rank] = self._before[rank] = factor
                     changes.append(Found(rank, factor))
         return changes
+
+    def new_generation(self) -> set[int]:
+        """A new plan runs: the factors read so far are not its own, so no look of it
+        agrees with one of them (``steady``: two looks of one deal). Returns the
+        stragglers, whose factors are now stale."""
+        self.steady.clear()
+        self._before.clear()
+        return set(self.found)
 
     def forget(self, ranks: set[int]) -> list[int]:
         """Workers gone (failed, left out): what was found of them no longer holds.
@@ -242,7 +253,7 @@ class SpeedWatch:
         slow for at least the steps that moved the median of its pace window: that long
         counts toward how long its slowdown has lasted (``move``)."""
         if generation != self._generation:
-            self._generation, self._stale = generation, set(self.stragglers.found)
+            self._generation, self._stale = generation, self.stragglers.new_generation()
         rates: dict[int, float] = {}
         raw: dict[int, float] = {}  # per micro-batch, for peers holding the same layers
         fresh = set()
@@ -265,7 +276,9 @@ class SpeedWatch:
         for rank in [r for r in self._seen if r not in statuses]:
             del self._seen[rank]  # (bounded: the live workers' marks only)
         changes = self.stragglers.look(rates, fresh, holds, raw)
-        self._stale -= fresh
+        # (a fresh status whose factor could not be read, its peers not judged yet, leaves
+        # the old factor stale)
+        self._stale -= self.stragglers.judged
         for found in changes:
             if not found.recovered:
                 status = statuses[found.rank]

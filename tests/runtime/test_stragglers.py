@@ -324,14 +324,15 @@ def test_after_a_failure_no_move_is_made_on_a_factor_read_before_it():
     def choose(slow, horizon_s):
         return True
 
-    def look(generation, step, factor, paced=8):
+    def look(generation, step, factor, paced=8, peer_paced=None):
         watch.observe(
             {
                 r: WorkerStatus(
                     pid=1, beat=step, phase="train", generation=generation, step=step,
-                    progress=step, busy_s_per_mb=0.01 * f, micro_batches=4, pace_steps=paced,
+                    progress=step, busy_s_per_mb=0.01 * f, micro_batches=4, pace_steps=p,
                 )
-                for r, f in ((0, 1.0), (1, factor))
+                for r, f, p in ((0, 1.0, paced if peer_paced is None else peer_paced),
+                                (1, factor, paced))
             },
             generation=generation, unit_s={0: 1.0, 1: 1.0},
         )  # fmt: skip
@@ -342,15 +343,26 @@ def test_after_a_failure_no_move_is_made_on_a_factor_read_before_it():
     assert watch.move(11.0, False, choose) is None
     look(4, 63, 4.3, paced=0)  # a rejoin's plan, its first steps
     assert watch.move(12.0, False, choose) is None  # not dealt at the old 4.3x
+    look(4, 66, 4.3, peer_paced=4)  # its own pace is read, its peer's not yet: no factor
+    assert watch.move(12.5, False, choose) is None
     assert watch.stragglers.found == {1: 4.3}
     look(4, 70, 1.0)
     assert watch.move(13.0, False, choose) is None  # one look under the bar
     look(4, 73, 1.0)
     assert watch.stragglers.found == {} and watch.move(14.0, False, choose) is None
-    # a factor read in the new generation is dealt at
+    # a factor read in the new generation is dealt at; a deal made again needs two of
+    # its own looks to agree (not one of them and the last generation's)
     look(5, 80, 3.0)
     moved = watch.move(15.0, False, choose)
     assert moved is not None and moved.slow == ((1, 3.0),)
+    look(5, 83, 6.0)  # (a look before the deal's generation runs)
+    assert watch.move(15.5, True, choose) is None
+    look(6, 90, 6.0)  # the deal's generation: its first look, at 6x
+    assert watch.stragglers.steady == {} and watch.move(16.0, True, choose) is None
+    look(6, 93, 6.0)
+    assert watch.stragglers.steady == {1: 6.0}
+    moved = watch.move(17.0, True, choose)
+    assert moved is not None and moved.slow == ((1, 6.0),)
 
 
 def test_the_move_waits_until_the_slowdown_has_lasted_long_enough_to_pay():
