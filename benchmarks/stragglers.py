@@ -131,7 +131,9 @@ def _env() -> dict[str, str]:
 
 
 def measure(job: str, factors: list[float], slow_for: float, work: Path) -> list[dict]:
-    steps = 400 if job == "dropin" else 300
+    # (enough for 2 s or more on the even deal after the move back, the prediction's
+    # baseline: the Trainer's 300 steps left it 1.7 s at 3x)
+    steps = 400 if job == "dropin" else 450
     free = run(f"{job}-free", job, steps, work)
     assert free.exit_code == 0, f"{job}: the failure-free run exited {free.exit_code}"
     t_first = free.steps[0][0] if free.steps else 0.0
@@ -149,8 +151,9 @@ def measure(job: str, factors: list[float], slow_for: float, work: Path) -> list
                 continue
             moves = [e for e in r.events if e["event"] == "plan_chosen" and "slow" in e]
             there = next((e for e in moves if e["slow"]), None)
+            # (the move back after the slowdown's end: an even deal mid-slowdown is a flap)
             back = next(
-                (e for e in moves if e["slow"] == {} and there and e["t"] > there["t"]), None
+                (e for e in moves if e["slow"] == {} and there and e["t"] >= ended["t"]), None
             )
             start = (there["t"] if there else began["t"] + 2.0) + 0.5
             rate = r.rate(start, ended["t"])
@@ -174,6 +177,7 @@ def measure(job: str, factors: list[float], slow_for: float, work: Path) -> list
                     else None
                 )  # fmt: skip
                 cell["even_steps_per_s"] = even_rate
+                cell["baseline"] = "run" if even_rate else "free"
                 baseline = even_rate or free_rate
                 if uneven and even and baseline:
                     cell["predicted_steps_per_s"] = baseline * even / uneven
@@ -226,15 +230,18 @@ def main() -> None:
         print(
             f"{row['job']:8} {row['factor']:>4g}x {_f(row['free_steps_per_s'])} "
             f"{_f(row.get('off', {}).get('steps_per_s'))} {_f(on.get('steps_per_s'))} "
-            f"{_f(row['on_off'])} {_f(on.get('predicted_steps_per_s'))} "
+            f"{_f(row['on_off'])} {_f(on.get('predicted_steps_per_s'))}"
+            f"{'*' if on.get('baseline') == 'free' else ' '}"
             f"{_f(row['on_pred'], '8.2f')} {_f(row['to_move'], '8.0f')} "
             f"{_f(row['to_back'], '8.0f')}  {on.get('load', on.get('error', '-'))}"
             + (f" (dealt {on['deals']} times)" if on.get("deals", 1) > 1 else "")
         )
     print("(steps per second; free: no slowdown; off/on: --stragglers, 'on' from the first "
           "move to the slowdown's end; pred.: the optimum the planner predicts for its last "
-          "deal, scaled from the run's own rate on the even deal after it; on/pred: the "
-          "rate on that deal alone, where it was dealt again)")  # fmt: skip
+          "deal, scaled from the run's own rate on the even deal after it (*: from the run "
+          "without a slowdown, where the run had under 2 s of it); on/pred: the rate on "
+          "that deal alone, where it was dealt again; the targets are judged on the means, "
+          "the standard errors say how far to trust them)")  # fmt: skip
     fails = []
     for (job, factor), group in _grouped(rows).items():
         means = {k: _mean_se([r[k] for r in group]) for k in ("on_off", "on_pred", "to_move",
