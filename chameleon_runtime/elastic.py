@@ -198,9 +198,7 @@ class Membership:
         build_agreement: bool = True,
     ) -> None:
         self.generation = generation
-        # (the pace means are the last generation's until this one's steps replace them:
-        # none of them are this generation's, which is what pace_steps counts)
-        self.control.status.update(phase="groups", generation=generation, pace_steps=0)
+        self.control.status.update(phase="groups", generation=generation)
         if build_agreement and not self.control.agree(generation, "groups", len(members)).held:
             raise Aborted(f"generation {generation} aborted before its groups were built")
         # (the last generation's collectives were let go of when it was left: each

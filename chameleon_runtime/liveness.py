@@ -82,8 +82,13 @@ class Status:
     def update(self, *, publish: bool = True, **fields: Any) -> None:
         """Change fields; ``publish`` wakes the heartbeat thread to write them now (phase
         changes must reach the launcher at once: fault injection and the blame chain
-        read them)."""
+        read them). A new generation's status has no pace of its own until its steps
+        give one: ``pace_steps`` counts this generation's steps, and the means beside it
+        are the last one's until then (the leader judged them as the new generation's,
+        and dealt around a worker at a factor read before a failure)."""
         with self._changed:
+            if fields.get("generation", self._fields["generation"]) != self._fields["generation"]:
+                fields.setdefault("pace_steps", 0)
             self._fields.update(fields)
             if publish:
                 self._dirty = True

@@ -179,9 +179,7 @@ class Membership:
     def enter(self, generation: int, plan: Plan, members: list[int]) -> None:
         """Agree that every member is here, then build the generation's group."""
         self.generation, self.plan = generation, plan
-        # (the pace means are the last generation's until this one's steps replace them:
-        # none of them are this generation's, which is what pace_steps counts)
-        self.control.status.update(phase="groups", generation=generation, pace_steps=0)
+        self.control.status.update(phase="groups", generation=generation)
         self.control.failpoint("groups")
         keys = self.control.keys
         carries = self.transport.carries_over  # gloo only (module doc)

@@ -37,7 +37,7 @@ new generation's first steps unjudged, before it was said back (benchmarks/strag
 the Trainer at 3x: dealt again at 1.39x as the slowdown ended, back some 40 steps after).
 Once every worker planned around is back to speed (or gone), a ``Replan`` with no slow
 worker deals evenly again. A failure's plan replaces ours: the next look starts afresh,
-and no move is made on a factor read in an earlier generation (``SpeedWatch._stale``):
+and no move is made on a factor read in an earlier generation (``Stragglers.stale``):
 seen, a worker killed mid-slowdown and taken back in, its peer's slowdown over by then,
 and the job dealt around the peer again at the 4.3x read before the failure, 14 steps
 before it was said back.
@@ -147,7 +147,8 @@ class Stragglers:
     # straggler -> its last factor, where the look before read it within REDEAL_DRIFT of it
     steady: dict[int, float] = field(default_factory=dict)
     _before: dict[int, float] = field(default_factory=dict)  # straggler -> its factor a look ago
-    judged: set[int] = field(default_factory=set)  # the workers the last look read a factor of
+    # stragglers whose factor was read in an earlier generation, until a look in this one
+    stale: set[int] = field(default_factory=set)
     _streak: dict[int, int] = field(default_factory=dict)  # looks in a row past the bar
 
     def look(
@@ -161,11 +162,12 @@ class Stragglers:
         last look (a stale rate neither confirms nor clears); ``holds``, ``raw``:
         ``factors``'."""
         changes: list[Found] = []
-        self.judged = set()
         for rank, factor in sorted(factors(rates, holds, raw).items()):
             if rank not in fresh:
                 continue
-            self.judged.add(rank)
+            # (only a factor read clears it: a fresh status whose peers are not judged yet
+            # gives none, and leaves the old factor stale)
+            self.stale.discard(rank)
             slow_now = rank in self.found
             crossed = factor < self.recovered if slow_now else factor >= self.slow
             self._streak[rank] = self._streak.get(rank, 0) + 1 if crossed else 0
@@ -191,13 +193,13 @@ class Stragglers:
                     changes.append(Found(rank, factor))
         return changes
 
-    def new_generation(self) -> set[int]:
-        """A new plan runs: the factors read so far are not its own, so no look of it
-        agrees with one of them (``steady``: two looks of one deal). Returns the
-        stragglers, whose factors are now stale."""
+    def new_generation(self) -> None:
+        """A new plan runs: the factors read so far are not its own (``stale`` until a
+        look reads them again), and no look of it agrees with one of them (``steady``:
+        two looks of one deal)."""
         self.steady.clear()
         self._before.clear()
-        return set(self.found)
+        self.stale = set(self.found)
 
     def forget(self, ranks: set[int]) -> list[int]:
         """Workers gone (failed, left out): what was found of them no longer holds.
@@ -206,6 +208,7 @@ class Stragglers:
         for rank in ranks:
             for state in (self.found, self.worst, self.steady, self._before, self._streak):
                 state.pop(rank, None)
+            self.stale.discard(rank)
         return gone
 
 
@@ -231,8 +234,6 @@ class SpeedWatch:
     plan_around: bool = True  # --stragglers on
     _seen: dict[int, tuple[int, int]] = field(default_factory=dict)  # rank -> (gen, step)
     _generation: int | None = None  # the generation last observed
-    # Stragglers whose factor was read in an earlier generation, until a look in this one
-    _stale: set[int] = field(default_factory=set)
     _since: dict[int, float] = field(default_factory=dict)  # straggler -> when found
     # The slow workers the running plan was made around.
     moved: tuple[tuple[int, float], ...] = ()
@@ -253,7 +254,8 @@ class SpeedWatch:
         slow for at least the steps that moved the median of its pace window: that long
         counts toward how long its slowdown has lasted (``move``)."""
         if generation != self._generation:
-            self._generation, self._stale = generation, self.stragglers.new_generation()
+            self._generation = generation
+            self.stragglers.new_generation()
         rates: dict[int, float] = {}
         raw: dict[int, float] = {}  # per micro-batch, for peers holding the same layers
         fresh = set()
@@ -276,9 +278,6 @@ class SpeedWatch:
         for rank in [r for r in self._seen if r not in statuses]:
             del self._seen[rank]  # (bounded: the live workers' marks only)
         changes = self.stragglers.look(rates, fresh, holds, raw)
-        # (a fresh status whose factor could not be read, its peers not judged yet, leaves
-        # the old factor stale)
-        self._stale -= self.stragglers.judged
         for found in changes:
             if not found.recovered:
                 status = statuses[found.rank]
@@ -290,7 +289,6 @@ class SpeedWatch:
         for rank in ranks:
             self._seen.pop(rank, None)
             self._since.pop(rank, None)
-        self._stale -= ranks
         return self.stragglers.forget(ranks)
 
     @property
@@ -342,7 +340,7 @@ class SpeedWatch:
         # is not back, and the deal made stays.
         if any(f < self.stragglers.recovered for f in found.values()):
             return None
-        if self._stale & set(found):
+        if self.stragglers.stale & set(found):
             return None  # (read before the generation running now: module doc)
         if self.moved:
             made_at = dict(self.moved)  # (drift is counted from the deal's factors)

@@ -22,3 +22,18 @@ def test_the_last_status_is_written_when_the_thread_stops_at_once():
         beat.close()  # before the thread had a chance to write "done"
         written = json.loads(server.get(keys.status(attempt)))
         assert (written["phase"], written["step"]) == ("done", attempt)
+
+
+def test_a_new_generations_status_has_no_pace_until_its_steps_give_one():
+    """The pace means a worker reports are its last generation's until the new one's steps
+    replace them: on entering a generation its status says 0 steps of pace (the leader
+    judges a worker's speed only on its generation's own steps, launcher/stragglers.py)."""
+    status = Status(rank=0)
+    status.update(phase="train", generation=0, step=20, pace_steps=8, busy_s_per_mb=0.04)
+    status.update(phase="groups", generation=1)
+    assert status.get("pace_steps") == 0
+    status.update(phase="train", step=21)  # (the same generation: nothing reset)
+    status.update(generation=1, step=26, pace_steps=4, busy_s_per_mb=0.01)
+    assert status.get("pace_steps") == 4
+    status.update(phase="ready", generation=1)
+    assert status.get("pace_steps") == 4
