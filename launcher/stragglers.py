@@ -14,7 +14,9 @@ collectives, where the peers a slow worker holds up spend theirs.
 - a straggler: its factor at least ``SLOW_FACTOR`` on ``CONFIRM_LOOKS`` looks in a row,
   each with steps it ran since the last (the median over the pace window already needs
   half its steps slow: a garbage collection or a checkpoint write does not count);
-  recovered once its factor is under ``RECOVERED_FACTOR`` on ``RECOVER_LOOKS`` looks;
+  recovered once its factor is under ``RECOVERED_FACTOR`` on ``RECOVER_LOOKS`` looks,
+  or under ``SLOW_FACTOR`` while it is dealt fewer micro-batches than its peers (a light
+  deal reads slower at full speed: ``Stragglers.back_bar``);
 - a worker whose passes are under ``MIN_SHARE`` of its step is not judged (nor compared
   with): its speed hardly moves the step;
 - a slow step: every worker slower alike, so no factor moves: nothing to find (and
@@ -49,7 +51,7 @@ them are fresh, and says what changed.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 
 from chameleon_runtime.protocol.messages import PACE_WINDOW, WorkerStatus
@@ -136,6 +138,18 @@ def factors(
     return out
 
 
+def lighter(counts: Mapping[int, int], holds: Mapping[int, object] | None = None) -> set[int]:
+    """The workers dealt fewer micro-batches a step (``counts``) than the median of their
+    peers: those holding the same layers where others do (``holds``), else every other."""
+    out = set()
+    for rank, mine in counts.items():
+        same = [k for k in counts if k != rank and holds and holds.get(k) == holds.get(rank)]
+        others = [counts[k] for k in (same or [k for k in counts if k != rank])]
+        if others and mine < statistics.median(others):
+            out.add(rank)
+    return out
+
+
 @dataclass
 class Stragglers:
     slow: float = SLOW_FACTOR
@@ -149,6 +163,8 @@ class Stragglers:
     _before: dict[int, float] = field(default_factory=dict)  # straggler -> its factor a look ago
     # stragglers whose factor was read in an earlier generation, until a look in this one
     stale: set[int] = field(default_factory=set)
+    # workers dealt fewer micro-batches than their peers, at the last look
+    light: set[int] = field(default_factory=set)
     _streak: dict[int, int] = field(default_factory=dict)  # looks in a row past the bar
 
     def look(
@@ -157,10 +173,13 @@ class Stragglers:
         fresh: set[int],
         holds: Mapping[int, object] | None = None,
         raw: Mapping[int, float] | None = None,
+        light: Collection[int] = (),
     ) -> list[Found]:
         """One look at the live workers' rates; ``fresh``: those that ran steps since the
         last look (a stale rate neither confirms nor clears); ``holds``, ``raw``:
-        ``factors``'."""
+        ``factors``'; ``light``: the workers dealt fewer micro-batches than their peers
+        (``back_bar``)."""
+        self.light = set(light)
         changes: list[Found] = []
         for rank, factor in sorted(factors(rates, holds, raw).items()):
             if rank not in fresh:
@@ -169,7 +188,7 @@ class Stragglers:
             # gives none, and leaves the old factor stale)
             self.stale.discard(rank)
             slow_now = rank in self.found
-            crossed = factor < self.recovered if slow_now else factor >= self.slow
+            crossed = factor < self.back_bar(rank) if slow_now else factor >= self.slow
             self._streak[rank] = self._streak.get(rank, 0) + 1 if crossed else 0
             if slow_now:
                 self.found[rank] = factor
@@ -192,6 +211,19 @@ class Stragglers:
                     self.found[rank] = self.worst[rank] = self._before[rank] = factor
                     changes.append(Found(rank, factor))
         return changes
+
+    def back_bar(self, rank: int) -> float:
+        """The factor a straggler must read under to count a look toward being back to
+        speed: ``recovered``, but ``slow`` while it is dealt fewer micro-batches than its
+        peers. A light deal reads slower at full speed (its passes come after long waits on
+        its peers, on a cold CPU: 1.0-1.6x seen for 1 of 8 in the Trainer, whose slowdown
+        at 2x it read at 2.0-5.1x), and under the recovered bar such a worker, back to
+        speed, read 1.39x on one look and was said back two looks later; one that read
+        1.4-1.6x twice was dealt again, to 3 of 8, and back came 40-68 steps after the
+        slowdown's end. Under the slow bar it is no straggler by the rule that found it; on
+        the even deal, where that reading is taken without the light deal's penalty, one
+        still slow is found again."""
+        return self.slow if rank in self.light else self.recovered
 
     def new_generation(self) -> None:
         """A new plan runs: the factors read so far are not its own (``stale`` until a
@@ -258,6 +290,7 @@ class SpeedWatch:
             self.stragglers.new_generation()
         rates: dict[int, float] = {}
         raw: dict[int, float] = {}  # per micro-batch, for peers holding the same layers
+        counts: dict[int, int] = {}  # micro-batches a step
         fresh = set()
         for rank, status in statuses.items():
             per_mb = status.busy_s_per_mb
@@ -271,13 +304,14 @@ class SpeedWatch:
             if status.mean_step_s and busy < MIN_SHARE * status.mean_step_s:
                 continue
             rates[rank], raw[rank] = per_mb / unit_s[rank], per_mb
+            counts[rank] = status.micro_batches or 0
             mark = (status.generation, status.step)
             if self._seen.get(rank) != mark:
                 self._seen[rank] = mark
                 fresh.add(rank)
         for rank in [r for r in self._seen if r not in statuses]:
             del self._seen[rank]  # (bounded: the live workers' marks only)
-        changes = self.stragglers.look(rates, fresh, holds, raw)
+        changes = self.stragglers.look(rates, fresh, holds, raw, lighter(counts, holds))
         for found in changes:
             if not found.recovered:
                 status = statuses[found.rank]
@@ -338,7 +372,7 @@ class SpeedWatch:
         # at, first or again (seen: dealt 4 of 8, "uneven", a look before it was said
         # back). A factor that keeps swinging across the bar is never said back: it
         # is not back, and the deal made stays.
-        if any(f < self.stragglers.recovered for f in found.values()):
+        if any(f < self.stragglers.back_bar(r) for r, f in found.items()):
             return None
         if self.stragglers.stale & set(found):
             return None  # (read before the generation running now: module doc)

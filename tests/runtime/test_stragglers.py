@@ -315,6 +315,50 @@ def test_a_factor_passing_through_as_a_slowdown_ends_is_not_dealt_at():
     assert moves[-1] == Replan(slow=((1, 2.05),), horizon_s=moves[-1].horizon_s)
 
 
+def test_a_worker_dealt_lightly_is_back_under_the_slow_bar_not_dealt_again():
+    """Stragglers.look and SpeedWatch.move together: a worker dealt 1 of 8 reads slower
+    at full speed than its peer with 7 (its one pass after a long wait on a cold CPU:
+    1.39-1.62x seen in the Trainer). Once its slowdown ends and it reads 1.45x on two
+    looks it is said back and dealt evenly, not dealt again at 1.45x; on the even deal
+    the same reading keeps a straggler a straggler (the recovered bar, 1.3x)."""
+    from launcher.stragglers import lighter
+
+    assert lighter({0: 7, 1: 1}) == {1} and lighter({0: 4, 1: 4}) == set()
+    # peers are the workers holding the same layers: pipelines of 2 stages, 5 and 3 each
+    holds = {0: (0, 2), 1: (2, 4), 2: (0, 2), 3: (2, 4)}
+    assert lighter({0: 5, 1: 5, 2: 3, 3: 3}, holds) == {2, 3}
+
+    def run(deal):
+        watch = SpeedWatch()
+        moves = []
+        for step, factor in [(10, 4.0), (13, 4.1), (16, 4.2), (19, 1.45), (22, 1.45)]:
+            dealt = deal if watch.moved else (4, 4)
+            watch.observe(
+                {r: _status(step, per_mb, mbs) for r, per_mb, mbs in
+                 ((0, 0.01, dealt[0]), (1, 0.01 * factor, dealt[1]))},
+                generation=1, unit_s={0: 1.0, 1: 1.0},
+            )  # fmt: skip
+            moves.append(watch.move(float(step), bool(watch.moved), lambda *_: True))
+        return watch, moves
+
+    watch, moves = run((7, 1))
+    assert moves[0] is not None and moves[0].slow == ((1, 4.0),)
+    assert moves[1:4] == [None, None, None]
+    assert moves[4] == Replan(slow=(), horizon_s=0.0)
+    assert watch.stragglers.found == {}
+    # dealt 4 of 8 (evenly, say by a failure's plan) the same readings are a straggler's
+    watch, moves = run((4, 4))
+    assert watch.stragglers.found == {1: 1.45}
+    assert all(m is None or m.slow for m in moves)
+
+
+def _status(step, per_mb, mbs):
+    return WorkerStatus(
+        pid=1, beat=step, phase="train", generation=1, step=step, progress=step,
+        busy_s_per_mb=per_mb, micro_batches=mbs, pace_steps=8,
+    )  # fmt: skip
+
+
 def test_after_a_failure_no_move_is_made_on_a_factor_read_before_it():
     """SpeedWatch (pure): dealt around a 4x worker when its peer fails, the failure's plan
     runs (even), then a rejoin's: the factor read before the failure is not dealt at
