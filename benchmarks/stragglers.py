@@ -13,17 +13,27 @@ waits for it) and on (an uneven deal while it pays), beside the run without a sl
 
 For each it prints steps per second while slowed (from the move to the slowdown's end
 when mitigated; the same stretch from the fault when not) against the run without a
-slowdown, and against the optimum the planner predicts for the deal it chose (its
-estimate of that plan against its estimate of the even plan without the slowdown, times
-the failure-free rate: the same run's on the even deal once it moved back, at least 2 s
-of it, else the run without a slowdown), the steps from the slowdown to the move, and from its
-end to the move back. Where a deal was dealt again (made on an early factor: the pace
+slowdown, and against the optimum the planner predicts for the deal it chose, two ways:
+
+- est.: its estimate of that deal's step, made when it chose it (the cost model
+  calibrated on the steps just before: the live job's own), which the targets judge;
+- pred.: that estimate over its estimate of the even plan without the slowdown, times
+  the failure-free rate (the same run's on the even deal once it moved back, at least
+  2 s of it, else the run without a slowdown). Printed, not judged: the even estimate is
+  calibrated on the slowed steps, when the slow worker idled and its peer had a core
+  nearly to itself, and on the even deal both work and share the host's 2 cores with the
+  agent, so it reads the even step short (seen: 42.7 ms estimated, 45-50 ms measured on
+  the even deal after, while the deal's own estimate, 76.9 ms, met the 72-77 ms measured
+  on it) and the ratio overstates the slowdown's cost: the Trainer at 3x ran 1.1-1.2x
+  this figure in most runs;
+
+the steps from the slowdown to the move, and from its end to the move back. Where a deal was dealt again (made on an early factor: the pace
 median still mixed steps from before the slowdown), the prediction is the last deal's,
 checked against the rate on that deal alone (at least 2 s of it), while "on" still
 counts every step since the first move.
 
-Targets (issue 38): mitigated within 15% of the predicted optimum (either way: a rate
-well above it is a model that is wrong too), at least 1.3x the unmitigated throughput at
+Targets (issue 38): mitigated within 15% of the predicted optimum (est.; either way: a
+rate well above it is a model that is wrong too), at least 1.3x the unmitigated throughput at
 3x, the move within 20 steps of the slowdown, back within 20 steps of its end; judged on
 the means over ``--repeat`` runs (each run's figures are printed too), since one run on a
 shared 2-core host swings by more than the 15%.
@@ -181,6 +191,8 @@ def measure(job: str, factors: list[float], slow_for: float, work: Path) -> list
                 baseline = even_rate or free_rate
                 if uneven and even and baseline:
                     cell["predicted_steps_per_s"] = baseline * even / uneven
+                if uneven:
+                    cell["estimated_steps_per_s"] = 1.0 / uneven
                 cell["load"] = last.get("load")
                 cell["deals"] = len(dealt)
                 # Its rate on that deal alone, against its prediction: the estimate checked
@@ -223,35 +235,38 @@ def main() -> None:
         return
     print(
         f"{'job':8} {'slow':>5} {'free':>7} {'off':>7} {'on':>7} {'on/off':>7} "
-        f"{'pred.':>7} {'on/pred':>8} {'to move':>8} {'to back':>8}  deal"
+        f"{'est.':>7} {'on/est':>7} {'pred.':>7} {'on/pred':>8} {'to move':>8} {'to back':>8}"
+        "  deal"
     )
     for row in rows:
         on = row.get("on", {})
         print(
             f"{row['job']:8} {row['factor']:>4g}x {_f(row['free_steps_per_s'])} "
             f"{_f(row.get('off', {}).get('steps_per_s'))} {_f(on.get('steps_per_s'))} "
-            f"{_f(row['on_off'])} {_f(on.get('predicted_steps_per_s'))}"
+            f"{_f(row['on_off'])} {_f(on.get('estimated_steps_per_s'))} {_f(row['on_est'])} "
+            f"{_f(on.get('predicted_steps_per_s'))}"
             f"{'*' if on.get('baseline') == 'free' else ' '}"
             f"{_f(row['on_pred'], '8.2f')} {_f(row['to_move'], '8.0f')} "
             f"{_f(row['to_back'], '8.0f')}  {on.get('load', on.get('error', '-'))}"
             + (f" (dealt {on['deals']} times)" if on.get("deals", 1) > 1 else "")
         )
     print("(steps per second; free: no slowdown; off/on: --stragglers, 'on' from the first "
-          "move to the slowdown's end; pred.: the optimum the planner predicts for its last "
-          "deal, scaled from the run's own rate on the even deal after it (*: from the run "
-          "without a slowdown, where the run had under 2 s of it); on/pred: the rate on "
-          "that deal alone, where it was dealt again; the targets are judged on the means, "
-          "the standard errors say how far to trust them)")  # fmt: skip
+          "move to the slowdown's end; est.: the planner's estimate for its last deal, when "
+          "it chose it; pred.: that over its estimate of the even plan, times the run's own "
+          "rate on the even deal after it (*: the run without a slowdown's, where the run "
+          "had under 2 s of it), printed, not judged (module doc); on/est, on/pred: the "
+          "rate on that deal alone, where it was dealt again; the targets are judged on the "
+          "means, the standard errors say how far to trust them)")  # fmt: skip
     fails = []
     for (job, factor), group in _grouped(rows).items():
-        means = {k: _mean_se([r[k] for r in group]) for k in ("on_off", "on_pred", "to_move",
-                                                             "to_back")}  # fmt: skip
+        means = {k: _mean_se([r[k] for r in group]) for k in ("on_off", "on_est", "on_pred",
+                                                             "to_move", "to_back")}  # fmt: skip
         if len(group) > 1:
             print(f"{job:8} {factor:>4g}x over {len(group)} runs (mean ± standard error): "
                   + ", ".join(f"{k} {_pm(v)}" for k, v in means.items()))  # fmt: skip
-        on_pred, on_off = means["on_pred"], means["on_off"]
+        on_est, on_off = means["on_est"], means["on_off"]
         to_move, to_back = means["to_move"], means["to_back"]
-        if on_pred is None or abs(on_pred[0] - 1.0) > 0.15:
+        if on_est is None or abs(on_est[0] - 1.0) > 0.15:
             fails.append(f"{job} {factor:g}x: not within 15% of the optimum")
         if factor >= 3 and (on_off is None or on_off[0] < 1.3):
             fails.append(f"{job} {factor:g}x: under 1.3x the unmitigated rate")
@@ -269,10 +284,11 @@ def figures(row: dict) -> dict:
         on["steps_per_s"] / off["steps_per_s"]
         if on.get("steps_per_s") and off.get("steps_per_s") else None
     )  # fmt: skip
-    pred = on.get("predicted_steps_per_s")
+    pred, est = on.get("predicted_steps_per_s"), on.get("estimated_steps_per_s")
     on_deal = on.get("dealt_steps_per_s") or on.get("steps_per_s")
     return {
         "on_off": ratio,
+        "on_est": on_deal / est if est and on_deal else None,
         "on_pred": on_deal / pred if pred and on_deal else None,
         "to_move": on.get("steps_to_move"),
         "to_back": on.get("steps_to_back"),
