@@ -646,7 +646,9 @@ class Coordinator:
         # cheap stage's passes mostly are)
         units = unit_costs(stages, layer_s, 2 * self.model.pass_s())
         self.speeds.forget(set(self.speeds.stragglers.found) - set(units))
-        for found in self.speeds.observe(statuses, state.generation, units, now, stages):
+        current = plan.to_plan()
+        load = {w: n for w, n in current.load().items() if w in units}
+        for found in self.speeds.observe(statuses, state.generation, units, now, stages, load):
             status = statuses[found.rank]
             self.emit(
                 "straggler_recovered" if found.recovered else "straggler",
@@ -669,8 +671,6 @@ class Coordinator:
         if self.rejoins.waiting or state.phase is not rc.Phase.RUNNING:
             return
         from planner.choice.stragglers import break_even_s, dealt_unevenly, straggler_choice
-
-        current = plan.to_plan()
 
         def choose(slow: tuple[tuple[int, float], ...], horizon_s: float) -> bool:
             # The horizon from which a move pays, worked out once per plan and slow set

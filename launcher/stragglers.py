@@ -14,8 +14,8 @@ collectives, where the peers a slow worker holds up spend theirs.
 - a straggler: its factor at least ``SLOW_FACTOR`` on ``CONFIRM_LOOKS`` looks in a row,
   each with steps it ran since the last (the median over the pace window already needs
   half its steps slow: a garbage collection or a checkpoint write does not count);
-  recovered once its factor is under ``RECOVERED_FACTOR`` on ``RECOVER_LOOKS`` looks,
-  or under ``SLOW_FACTOR`` while it is dealt fewer micro-batches than its peers (a light
+  recovered once its factor is under ``RECOVERED_FACTOR`` on ``RECOVER_LOOKS`` looks in
+  a row of one plan, or under ``SLOW_FACTOR`` while the plan deals it lightly (a light
   deal reads slower at full speed: ``Stragglers.back_bar``);
 - a worker whose passes are under ``MIN_SHARE`` of its step is not judged (nor compared
   with): its speed hardly moves the step;
@@ -58,11 +58,13 @@ from chameleon_runtime.protocol.messages import PACE_WINDOW, WorkerStatus
 from launcher.recovery_events import Replan
 
 SLOW_FACTOR = 1.5  # a worker this much slower than the others' median is a straggler
-# ... until it is back under this (hysteresis: no flapping). Not nearer 1: a worker dealt
-# 1 or 2 micro-batches of 8 reads 13-18% slower per micro-batch than its peer with 6 or 7
-# when neither is slow (a per-step part of its passes' time: a CPU that idles between
-# passes comes back cold), so with 1.2 a worker back at speed was said so late, or never
-# (benchmarks/stragglers.py: the drop-in dealt 6 of 8 to the end of the run, twice).
+# ... until it is back under this (hysteresis: no flapping), or under SLOW_FACTOR while it
+# is dealt lightly (Stragglers.back_bar). Not nearer 1: a worker dealt 1 or 2 micro-batches
+# of 8 reads 13-18% slower per micro-batch than its peer with 6 or 7, on average, when
+# neither is slow, and single looks at 1 of 8 in the Trainer read up to 1.6x (a per-step
+# part of its passes' time: a CPU that idles between passes comes back cold), so with 1.2
+# a worker back at speed was said so late, or never (benchmarks/stragglers.py: the
+# drop-in dealt 6 of 8 to the end of the run, twice).
 RECOVERED_FACTOR = 1.3
 CONFIRM_LOOKS = 1  # looks in a row, each with new steps, before a straggler is said
 # ... and before one is said back to speed: more, since a deal undone while the worker is
@@ -138,14 +140,17 @@ def factors(
     return out
 
 
-def lighter(counts: Mapping[int, int], holds: Mapping[int, object] | None = None) -> set[int]:
-    """The workers dealt fewer micro-batches a step (``counts``) than the median of their
-    peers: those holding the same layers where others do (``holds``), else every other."""
+def dealt_lightly(load: Mapping[int, int], holds: Mapping[int, object] | None = None) -> set[int]:
+    """The workers the running plan deals two or more micro-batches a step fewer than a
+    peer (``load``: the plan's, every worker of it; peers: those holding the same layers
+    where others do, ``holds``, else every other). Two, as planner.choice.stragglers.
+    dealt_unevenly counts a plan uneven: an even deal that does not divide (8 over 3: 3,
+    3 and 2) leaves nobody light."""
     out = set()
-    for rank, mine in counts.items():
-        same = [k for k in counts if k != rank and holds and holds.get(k) == holds.get(rank)]
-        others = [counts[k] for k in (same or [k for k in counts if k != rank])]
-        if others and mine < statistics.median(others):
+    for rank, mine in load.items():
+        same = [k for k in load if k != rank and holds and holds.get(k) == holds.get(rank)]
+        peers = same or [k for k in load if k != rank]
+        if peers and max(load[k] for k in peers) - mine > 1:
             out.add(rank)
     return out
 
@@ -163,7 +168,7 @@ class Stragglers:
     _before: dict[int, float] = field(default_factory=dict)  # straggler -> its factor a look ago
     # stragglers whose factor was read in an earlier generation, until a look in this one
     stale: set[int] = field(default_factory=set)
-    # workers dealt fewer micro-batches than their peers, at the last look
+    # the workers the running plan deals lightly (``dealt_lightly``), at the last look
     light: set[int] = field(default_factory=set)
     _streak: dict[int, int] = field(default_factory=dict)  # looks in a row past the bar
 
@@ -177,8 +182,8 @@ class Stragglers:
     ) -> list[Found]:
         """One look at the live workers' rates; ``fresh``: those that ran steps since the
         last look (a stale rate neither confirms nor clears); ``holds``, ``raw``:
-        ``factors``'; ``light``: the workers dealt fewer micro-batches than their peers
-        (``back_bar``)."""
+        ``factors``'; ``light``: the workers the running plan deals lightly
+        (``dealt_lightly``, ``back_bar``)."""
         self.light = set(light)
         changes: list[Found] = []
         for rank, factor in sorted(factors(rates, holds, raw).items()):
@@ -214,23 +219,29 @@ class Stragglers:
 
     def back_bar(self, rank: int) -> float:
         """The factor a straggler must read under to count a look toward being back to
-        speed: ``recovered``, but ``slow`` while it is dealt fewer micro-batches than its
-        peers. A light deal reads slower at full speed (its passes come after long waits on
+        speed: ``recovered``, but ``slow`` while the running plan deals it two or more
+        micro-batches fewer than a peer. A light deal reads slower at full speed (its passes come after long waits on
         its peers, on a cold CPU: 1.0-1.6x seen for 1 of 8 in the Trainer, whose slowdown
         at 2x it read at 2.0-5.1x), and under the recovered bar such a worker, back to
         speed, read 1.39x on one look and was said back two looks later; one that read
         1.4-1.6x twice was dealt again, to 3 of 8, and back came 40-68 steps after the
         slowdown's end. Under the slow bar it is no straggler by the rule that found it; on
         the even deal, where that reading is taken without the light deal's penalty, one
-        still slow is found again."""
+        still slow is found again. No gap between the bars while light, then: a slowdown
+        that reads about 1.5x there may be said back, dealt evenly and found again (two
+        moves, and the next deal waits for the slowdown to have lasted long enough again);
+        and a worker at full speed that reads over 1.5x on a light deal stays planned
+        around, as it did under the recovered bar."""
         return self.slow if rank in self.light else self.recovered
 
     def new_generation(self) -> None:
         """A new plan runs: the factors read so far are not its own (``stale`` until a
-        look reads them again), and no look of it agrees with one of them (``steady``:
-        two looks of one deal)."""
+        look reads them again), no look of it agrees with one of them (``steady``: two
+        looks of one deal), and its looks count toward a change from none (``_streak``:
+        a look under one deal's bar and one under another's are not two in a row)."""
         self.steady.clear()
         self._before.clear()
+        self._streak.clear()
         self.stale = set(self.found)
 
     def forget(self, ranks: set[int]) -> list[int]:
@@ -279,9 +290,11 @@ class SpeedWatch:
         unit_s: Mapping[int, float],
         now: float = 0.0,
         holds: Mapping[int, object] | None = None,
+        load: Mapping[int, int] | None = None,
     ) -> list[Found]:
         """``unit_s``: each worker's modelled passes per micro-batch (``unit_costs``);
-        the workers it names are those the plan trains on; ``holds``: each one's layers.
+        the workers it names are those the plan trains on; ``holds``: each one's layers;
+        ``load``: the micro-batches the plan deals each a step (none: nobody is light).
         A straggler found now has been
         slow for at least the steps that moved the median of its pace window: that long
         counts toward how long its slowdown has lasted (``move``)."""
@@ -290,7 +303,6 @@ class SpeedWatch:
             self.stragglers.new_generation()
         rates: dict[int, float] = {}
         raw: dict[int, float] = {}  # per micro-batch, for peers holding the same layers
-        counts: dict[int, int] = {}  # micro-batches a step
         fresh = set()
         for rank, status in statuses.items():
             per_mb = status.busy_s_per_mb
@@ -304,14 +316,14 @@ class SpeedWatch:
             if status.mean_step_s and busy < MIN_SHARE * status.mean_step_s:
                 continue
             rates[rank], raw[rank] = per_mb / unit_s[rank], per_mb
-            counts[rank] = status.micro_batches or 0
             mark = (status.generation, status.step)
             if self._seen.get(rank) != mark:
                 self._seen[rank] = mark
                 fresh.add(rank)
         for rank in [r for r in self._seen if r not in statuses]:
             del self._seen[rank]  # (bounded: the live workers' marks only)
-        changes = self.stragglers.look(rates, fresh, holds, raw, lighter(counts, holds))
+        light = dealt_lightly(load, holds) if load else set()
+        changes = self.stragglers.look(rates, fresh, holds, raw, light)
         for found in changes:
             if not found.recovered:
                 status = statuses[found.rank]
@@ -367,9 +379,9 @@ class SpeedWatch:
         if self.moved and not any(rank in found for rank, _ in self.moved):
             self.moved, self._redeals = (), 0
             return Replan(slow=(), horizon_s=0.0)
-        # A straggler whose last factor is under the recovered bar may be back to speed
-        # (said after RECOVER_LOOKS such looks) or dipping: neither is a factor to deal
-        # at, first or again (seen: dealt 4 of 8, "uneven", a look before it was said
+        # A straggler whose last factor is under its bar to be back (``back_bar``) may be
+        # back to speed (said after RECOVER_LOOKS such looks) or dipping: neither is a
+        # factor to deal at, first or again (seen: dealt 4 of 8, "uneven", a look before it was said
         # back). A factor that keeps swinging across the bar is never said back: it
         # is not back, and the deal made stays.
         if any(f < self.stragglers.back_bar(r) for r, f in found.items()):
