@@ -88,6 +88,10 @@ REDEAL_DRIFT = 1.3
 # ... at most this many times per slowdown: a factor that swings (on a host whose workers
 # share cores the deal itself moves the others' speed) must not keep the job moving.
 MAX_REDEALS = 2
+# A straggler dealt lightly whose factor eases under this (a drift over the slow bar) is
+# dealt evenly again, not around the eased factor: on a light deal a worker back to
+# speed read up to 1.62x, and one slowed 2x read 1.97x at the least (``_eased``).
+EASED_LIGHT = SLOW_FACTOR * REDEAL_DRIFT
 LOOK_STEPS = 3  # the leader looks every this many steps (at most its period, a second) ...
 LOOK_MIN_S = 0.1  # ... but not more often than this while one is found or planned around
 # ... nor than this while none is: with a second between looks a job of 30 steps a second
@@ -390,6 +394,12 @@ class SpeedWatch:
             return None  # (read before the generation running now: module doc)
         if self.moved:
             made_at = dict(self.moved)  # (drift is counted from the deal's factors)
+            if _eased(made_at, steady, self.stragglers.light):
+                # Back to the even deal, still found: there its factor is read without
+                # the light deal's penalty, and it is said back or dealt around again
+                # (``_eased``). Not counted against MAX_REDEALS: it undoes a deal.
+                self.moved = ()
+                return Replan(slow=(), horizon_s=0.0)
             if self._redeals >= MAX_REDEALS or not _drifted(made_at, found, steady):
                 return None
             # Dealt again if the planner prefers the deal at today's factors to the
@@ -421,6 +431,22 @@ def _drifted(
     if set(found) ^ set(made_at):
         return True
     return any(_ratio(f, made_at[r]) >= REDEAL_DRIFT for r, f in steady.items() if r in made_at)
+
+
+def _eased(
+    made_at: Mapping[int, float], steady: Mapping[int, float], light: Collection[int]
+) -> bool:
+    """Whether a straggler dealt lightly eased, on a factor that held, from the one its
+    deal was made at by REDEAL_DRIFT or more to under ``EASED_LIGHT``: where readings of a
+    worker back to speed and of a slowdown that eased overlap on a light deal. Dealt
+    again at it, a worker back to speed that read 1.51x on 1 of 8 was dealt 5 and 3 and
+    came back 33 steps after its slowdown ended (the Trainer at 3x); the even deal tells
+    the two apart."""
+    return any(
+        r in made_at and f < EASED_LIGHT and f * REDEAL_DRIFT <= made_at[r]
+        for r, f in steady.items()
+        if r in light
+    )
 
 
 def _ratio(a: float, b: float) -> float:

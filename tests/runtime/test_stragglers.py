@@ -359,6 +359,20 @@ def test_a_worker_dealt_lightly_is_back_under_the_slow_bar_not_dealt_again():
     watch, moves = run((4, 4), [*slowdown, (19, 1.45), (22, 1.45)])
     assert watch.stragglers.found == {1: 1.45}
     assert all(m is None or m.slow for m in moves)
+    # eased on the light deal to 1.6x, held: dealt evenly, still found; there it reads
+    # 1.0x twice and is said back (no move), or 1.6x and is dealt around again at once
+    # (its slowdown has lasted since step 10)
+    eased = [*slowdown, (19, 1.6), (22, 1.6)]
+    watch, moves = run((7, 1), eased)
+    assert moves[3:] == [None, Replan((), 0.0)] and watch.stragglers.found == {1: 1.6}
+    _, moves = run((4, 4), [(30, 1.0), (33, 1.0)], watch, generation=2)
+    assert watch.stragglers.found == {} and moves == [None, None]
+    watch, _ = run((7, 1), eased)
+    _, moves = run((4, 4), [(30, 1.6)], watch, generation=2)
+    assert moves[0].slow == ((1, 1.6),) and moves[0].horizon_s >= 20.0
+    # ... and above EASED_LIGHT it is dealt again at the eased factor
+    watch, moves = run((7, 1), [*slowdown, (19, 2.1), (22, 2.1)])
+    assert moves[4] is not None and moves[4].slow == ((1, 2.1),)
     # a look under the light bar, then a failure's even plan: one look under 1.3x there
     # is one, not the second in a row
     watch, _ = run((7, 1), [*slowdown, (19, 1.45)])
