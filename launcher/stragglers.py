@@ -37,8 +37,10 @@ the pace window drains at a slowdown's end, the median passes through values bet
 slow one and 1 for a look, and a deal made at one of them moved the job a third time, its
 new generation's first steps unjudged, before it was said back (benchmarks/stragglers.py,
 the Trainer at 3x: dealt again at 1.39x as the slowdown ended, back some 40 steps after).
-Once every worker planned around is back to speed (or gone), a ``Replan`` with no slow
-worker deals evenly again. A failure's plan replaces ours: the next look starts afresh,
+A worker dealt lightly whose factor eases into the band where a worker back to speed and
+one still slowed read alike on a light deal is dealt evenly again, still found, and judged
+there (``_eased``). Once every worker planned around is back to speed (or gone), a
+``Replan`` with no slow worker deals evenly again. A failure's plan replaces ours: the next look starts afresh,
 and no move is made on a factor read in an earlier generation (``Stragglers.stale``):
 seen, a worker killed mid-slowdown and taken back in, its peer's slowdown over by then,
 and the job dealt around the peer again at the 4.3x read before the failure, 14 steps
