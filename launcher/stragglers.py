@@ -40,11 +40,11 @@ the Trainer at 3x: dealt again at 1.39x as the slowdown ended, back some 40 step
 A worker dealt lightly whose factor eases into the band where a worker back to speed and
 one still slowed read alike on a light deal is dealt evenly again, still found, and judged
 there (``_eased``). Once every worker planned around is back to speed (or gone), a
-``Replan`` with no slow worker deals evenly again. A failure's plan replaces ours: the next look starts afresh,
-and no move is made on a factor read in an earlier generation (``Stragglers.stale``):
-seen, a worker killed mid-slowdown and taken back in, its peer's slowdown over by then,
-and the job dealt around the peer again at the 4.3x read before the failure, 14 steps
-before it was said back.
+``Replan`` with no slow worker deals evenly again. A failure's plan replaces ours: the
+next look starts afresh, and no move is made on a factor read in an earlier generation
+(``Stragglers.stale``): seen, a worker killed mid-slowdown and taken back in, its peer's
+slowdown over by then, and the job dealt around the peer again at the 4.3x read before
+the failure, 14 steps before it was said back.
 
 Pure apart from the state of what was found: ``look`` is given the rates and which of
 them are fresh, and says what changed.
@@ -129,7 +129,7 @@ def factors(
     raw = raw if raw is not None else rates
     out: dict[int, float] = {}
     for rank in rates:
-        peers = [k for k in rates if k != rank and holds and holds.get(k) == holds.get(rank)]
+        peers = _holding_same(rank, rates, holds)
         replicated = holds is not None and any(
             k != rank and layers == holds.get(rank) for k, layers in holds.items()
         )
@@ -154,11 +154,20 @@ def dealt_lightly(load: Mapping[int, int], holds: Mapping[int, object] | None = 
     3 and 2) leaves nobody light."""
     out = set()
     for rank, mine in load.items():
-        same = [k for k in load if k != rank and holds and holds.get(k) == holds.get(rank)]
-        peers = same or [k for k in load if k != rank]
+        peers = _holding_same(rank, load, holds) or [k for k in load if k != rank]
         if peers and max(load[k] for k in peers) - mine > 1:
             out.add(rank)
     return out
+
+
+def _holding_same(
+    rank: int, ranks: Collection[int], holds: Mapping[int, object] | None
+) -> list[int]:
+    """The others among ``ranks`` that hold the layers ``rank`` holds (none without
+    ``holds``): its peers, for ``factors`` and ``dealt_lightly`` alike."""
+    if not holds:
+        return []
+    return [k for k in ranks if k != rank and holds.get(k) == holds.get(rank)]
 
 
 @dataclass
@@ -226,8 +235,8 @@ class Stragglers:
     def back_bar(self, rank: int) -> float:
         """The factor a straggler must read under to count a look toward being back to
         speed: ``recovered``, but ``slow`` while the running plan deals it two or more
-        micro-batches fewer than a peer. A light deal reads slower at full speed (its passes come after long waits on
-        its peers, on a cold CPU: 1.0-1.6x seen for 1 of 8 in the Trainer, whose slowdown
+        micro-batches fewer than a peer. A light deal reads slower at full speed (its
+        passes come after long waits on its peers, on a cold CPU: 1.0-1.6x seen for 1 of 8 in the Trainer, whose slowdown
         at 2x it read at 2.0-5.1x), and under the recovered bar such a worker, back to
         speed, read 1.39x on one look and was said back two looks later; one that read
         1.4-1.6x twice was dealt again, to 3 of 8, and back came 40-68 steps after the
@@ -387,9 +396,9 @@ class SpeedWatch:
             return Replan(slow=(), horizon_s=0.0)
         # A straggler whose last factor is under its bar to be back (``back_bar``) may be
         # back to speed (said after RECOVER_LOOKS such looks) or dipping: neither is a
-        # factor to deal at, first or again (seen: dealt 4 of 8, "uneven", a look before it was said
-        # back). A factor that keeps swinging across the bar is never said back: it
-        # is not back, and the deal made stays.
+        # factor to deal at, first or again (seen: dealt 4 of 8, "uneven", a look before
+        # it was said back). A factor that keeps swinging across the bar is never said
+        # back: it is not back, and the deal made stays.
         if any(f < self.stragglers.back_bar(r) for r, f in found.items()):
             return None
         if self.stragglers.stale & set(found):
